@@ -1,0 +1,6 @@
+"""`python -m fp8fix` runs the same CLI as the `fp8fix` console script."""
+
+from fp8fix.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Opening a checkpoint folder: config.json, the index and every shard's header.
+
+Only headers and small JSON files are read here; tensor data is streamed later by
+the writer. Everything a runtime would trip over (a missing shard, an index entry
+pointing outside the folder, a tensor the index places in the wrong file) is
+reported here with the file it concerns.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fp8fix.errors import InvalidCheckpoint
+from fp8fix.safetensors_file import SafetensorsHeader, TensorInfo, read_header
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass
+class Checkpoint:
+    root: Path
+    config: dict[str, Any]
+    index: dict[str, Any] | None  # the parsed index file, None for a single-file checkpoint
+    shards: dict[str, SafetensorsHeader]  # shard file name (relative to root) -> header, in order
+    tensors: dict[str, TensorInfo]  # every tensor of the model, shard by shard in data order
+
+    def shard_of(self, tensor: str) -> str:
+        return self.tensors[tensor].path.relative_to(self.root).as_posix()
+
+    @property
+    def model_files(self) -> set[str]:
+        """Files the conversion rewrites; every other file of the folder is copied."""
+        files = set(self.shards) | {CONFIG}
+        if self.index is not None:
+            files.add(INDEX)
+        return files
+
+
+def read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InvalidCheckpoint(f"{path.name}: missing; {what}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidCheckpoint(f"{path.name}: cannot read: {e}") from e
+    except json.JSONDecodeError as e:
+        raise InvalidCheckpoint(f"{path.name}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+
+
+def open_checkpoint(root: Path) -> Checkpoint:
+    """Read config, index and every shard header of the checkpoint folder `root`."""
+    if not root.is_dir():
+        raise InvalidCheckpoint(f"{root}: not a folder; SOURCE must be a checkpoint folder with config.json")
+    config = read_json(root / CONFIG, "a checkpoint folder needs the model's config.json")
+    if not isinstance(config, dict):
+        raise InvalidCheckpoint(f"{CONFIG}: expected a JSON object")
+    index = None
+    if (root / INDEX).exists():
+        index = read_json(root / INDEX, "")
+        weight_map = _weight_map(index)
+        shard_names = sorted(set(weight_map.values()))
+    else:
+        weight_map = None
+        shard_names = _single_file(root)
+    shards = {name: read_header(_shard_path(root, name)) for name in shard_names}
+    tensors: dict[str, TensorInfo] = {}
+    for name, header in shards.items():
+        for tensor in header.tensors.values():
+            if tensor.name in tensors:
+                raise InvalidCheckpoint(
+                    f"tensor '{tensor.name}' is stored twice: in {tensors[tensor.name].path.name} and {name}"
+                )
+            tensors[tensor.name] = tensor
+    if weight_map is not None:
+        for tensor_name, file in weight_map.items():
+            if tensor_name not in shards[file].tensors:
+                raise InvalidCheckpoint(
+                    f"{INDEX}: maps tensor '{tensor_name}' to {file}, which does not contain it; "
+                    "the index does not match the shards"
+                )
+    return Checkpoint(root, config, index, shards, tensors)
+
+
+def _weight_map(index: Any) -> dict[str, str]:
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise InvalidCheckpoint(f"{INDEX}: has no weight_map object")
+    if not all(isinstance(v, str) for v in weight_map.values()):
+        raise InvalidCheckpoint(f"{INDEX}: weight_map values must be file names")
+    return weight_map
+
+
+def _shard_path(root: Path, name: str) -> Path:
+    path = root / name
+    if Path(name).is_absolute() or not path.resolve().is_relative_to(root.resolve()):
+        raise InvalidCheckpoint(f"{INDEX}: names '{name}', a path outside the checkpoint folder; refusing to read it")
+    if not path.is_file():
+        raise InvalidCheckpoint(f"{INDEX}: names '{name}', which does not exist in {root}; the download is incomplete")
+    return path
+
+
+def _single_file(root: Path) -> list[str]:
+    if (root / SINGLE_FILE).is_file():
+        return [SINGLE_FILE]
+    found = sorted(p.name for p in root.glob("*.safetensors"))
+    if len(found) == 1:
+        return found
+    if not found:
+        raise InvalidCheckpoint(f"{root}: no .safetensors files (fp8fix reads safetensors checkpoints only)")
+    raise InvalidCheckpoint(f"{root}: {len(found)} .safetensors files but no {INDEX} to say which belong to the model")

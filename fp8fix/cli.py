@@ -1,0 +1,116 @@
+"""The `fp8fix` command line: parse options, call the library, print the result.
+
+Kept thin on purpose: every decision lives in the library modules. User mistakes
+(`Fp8fixError`) become one line on stderr and their exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from fp8fix import __version__
+from fp8fix.errors import Fp8fixError
+from fp8fix.plan import LAYOUTS
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def reports_errors(func: F) -> F:
+    """Turn fp8fix's errors and Ctrl-C into a one-line message and an exit code."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except Fp8fixError as e:
+            click.echo(f"Error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("Interrupted: nothing was written.", err=True)
+            sys.exit(130)
+        except OSError as e:
+            click.echo(f"Error: {e.filename or ''}: {e.strerror or e}", err=True)
+            sys.exit(1)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="fp8fix")
+def main() -> None:
+    """Fix FP8 checkpoints that runtimes load wrongly or not at all."""
+
+
+CONVERT_EPILOG = """\b
+Examples:
+  fp8fix convert ./Phi-3-mini-fp8 ./Phi-3-mini-fp8-fixed
+  fp8fix convert ./model ./out --layout fused --dry-run
+  fp8fix convert ./model ./out --layout per-shard --overwrite --json
+
+\b
+Layouts (how fused modules such as qkv_proj carry their scales):
+  unfused    q_proj/k_proj/v_proj, gate_proj/up_proj, one scale each
+             (default where runtimes know per-shard names, e.g. Phi-3)
+  per-shard  fused weight, one scale per shard (vLLM <= 0.5.0; default elsewhere)
+  fused      fused weight, one scale (current vLLM, transformers)
+
+\b
+Exit codes: 0 done, 2 usage error, 3 invalid or unsupported checkpoint,
+1 could not write OUTPUT.
+"""
+
+
+@main.command(epilog=CONVERT_EPILOG)
+@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("output", type=click.Path(path_type=Path))
+@click.option(
+    "--layout", type=click.Choice(LAYOUTS), help="Layout of fused modules' scales [default: by architecture]."
+)
+@click.option("--dry-run", is_flag=True, help="Print the plan (each module: what changes and why); write nothing.")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists and is not empty.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (for CI).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@reports_errors
+def convert(
+    source: Path, output: Path, layout: str | None, dry_run: bool, overwrite: bool, as_json: bool, quiet: bool
+) -> None:
+    """Convert the FP8 checkpoint folder SOURCE into a fixed copy in OUTPUT.
+
+    SOURCE is never modified. OUTPUT appears only once complete: an error or an
+    interrupt leaves nothing behind.
+    """
+    from fp8fix.convert import ConvertOptions
+    from fp8fix.convert import convert as run_convert
+    from fp8fix.summary import loader_lines, plan_json, plan_lines
+
+    result = run_convert(source, output, ConvertOptions(layout, dry_run, overwrite, quiet or as_json))
+    if as_json:
+        payload = plan_json(result.plan)
+        payload.update(
+            output=str(output),
+            dry_run=dry_run,
+            written=result.written,
+            config_edits=result.config_edits,
+            copied_files=result.copied_files,
+        )
+        click.echo(json.dumps(payload, indent=2))
+        return
+    for line in plan_lines(result.plan):
+        click.echo(line)
+    for edit in result.config_edits:
+        click.echo(f"  config.json: {edit}")
+    if result.copied_files:
+        click.echo(f"  copied: {', '.join(result.copied_files)}")
+    for line in loader_lines(result.plan.layout):
+        click.echo(line)
+    if dry_run:
+        click.echo("dry run: nothing written")
+    else:
+        click.echo(f"wrote {output}")

@@ -1,0 +1,144 @@
+"""`convert` end to end: open, plan, then write into a staging folder renamed into place.
+
+The steps read like the pipeline (compare compressed-tensors' model-free convert):
+open the checkpoint -> plan every output tensor -> rewrite the config -> list the
+files to copy -> stream the shards -> write index, config, copies and card ->
+rename the staging folder to OUTPUT. Any error or interrupt before the rename
+removes the staging folder, so OUTPUT never holds a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp8fix.checkpoint import CONFIG, INDEX, Checkpoint, open_checkpoint
+from fp8fix.config_edit import rewrite_config
+from fp8fix.errors import OutputError
+from fp8fix.model_card import CARD, write_card
+from fp8fix.plan import ConversionPlan
+from fp8fix.planner import plan_conversion
+from fp8fix.writer import write_plan
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    layout: str | None = None  # None: the architecture's default
+    dry_run: bool = False
+    overwrite: bool = False
+    quiet: bool = False
+
+    def describe(self, plan: ConversionPlan) -> str:
+        """The options as a command line, for the model card."""
+        return f"--layout {plan.layout}"
+
+
+@dataclass
+class ConvertResult:
+    plan: ConversionPlan
+    output: Path
+    written: bool
+    config_edits: list[str] = field(default_factory=list)
+    copied_files: list[str] = field(default_factory=list)
+
+
+def convert(source: Path, output: Path, options: ConvertOptions) -> ConvertResult:
+    check_output(source, output, options.overwrite)
+    ckpt = open_checkpoint(source)
+    plan = plan_conversion(ckpt, options.layout)
+    new_config, edits = rewrite_config(ckpt.config, plan.format.name_lists, plan.renames)
+    copies = files_to_copy(ckpt)
+    result = ConvertResult(plan, output, written=False, config_edits=edits, copied_files=copies)
+    if options.dry_run:
+        return result
+    with staging_folder(output) as staging:
+        errors = write_plan(plan, staging, quiet=options.quiet)
+        for module in plan.modules:
+            error = errors.get(module.module + ".weight")
+            if error is not None:
+                module.max_error, module.max_error_steps = error.max_abs, error.max_steps
+        if plan.has_index:
+            write_json(staging / INDEX, new_index(ckpt, plan))
+        if new_config is None:
+            shutil.copyfile(source / CONFIG, staging / CONFIG)
+        else:
+            write_json(staging / CONFIG, new_config)
+        for name in copies:
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source / name, staging / name)
+        write_card(source, staging, plan, source.resolve().name, options.describe(plan), edits)
+    result.written = True
+    return result
+
+
+def check_output(source: Path, output: Path, overwrite: bool) -> None:
+    """Refuse destinations that would touch the source or clobber something unasked."""
+    src, out = source.resolve(), output.resolve()
+    if out == src or out.is_relative_to(src):
+        raise OutputError(f"{output}: OUTPUT is inside SOURCE; fp8fix never writes into the source checkpoint")
+    if src.is_relative_to(out):
+        raise OutputError(f"{output}: OUTPUT contains SOURCE; choose another destination")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{output}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise OutputError(f"{output}: exists and is not empty; pass --overwrite to replace it")
+
+
+def files_to_copy(ckpt: Checkpoint) -> list[str]:
+    """Every other file of the source (tokenizer, generation config, license...), hidden ones excepted."""
+    skip = ckpt.model_files | {CARD}
+    found = []
+    for path in sorted(ckpt.root.rglob("*")):
+        rel = path.relative_to(ckpt.root)
+        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
+            continue
+        if rel.as_posix() not in skip:
+            found.append(rel.as_posix())
+    return found
+
+
+def new_index(ckpt: Checkpoint, plan: ConversionPlan) -> dict[str, Any]:
+    """The source index with the weight map following the plan, in source order, and a new total size."""
+    assert ckpt.index is not None
+    outputs: dict[str, list[tuple[str, str]]] = {}
+    for shard in plan.shards:
+        for t in shard.tensors:
+            outputs.setdefault(t.source, []).append((t.name, shard.name))
+    weight_map: dict[str, str] = {}
+    for name in [*ckpt.index["weight_map"], *outputs]:
+        for new_name, file in outputs.pop(name, []):
+            weight_map[new_name] = file
+    metadata = dict(ckpt.index.get("metadata") or {})
+    metadata["total_size"] = plan.total_bytes
+    return {**ckpt.index, "metadata": metadata, "weight_map": weight_map}
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+@contextmanager
+def staging_folder(output: Path) -> Iterator[Path]:
+    """A fresh folder beside OUTPUT, renamed to OUTPUT on success and removed on any failure."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.fp8fix-", dir=output.parent))
+    try:
+        yield staging
+        os.chmod(staging, 0o755)
+        if output.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.fp8fix-old-", dir=output.parent))
+            os.rename(output, old / "previous")
+            os.rename(staging, output)
+            shutil.rmtree(old)
+        else:
+            os.rename(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

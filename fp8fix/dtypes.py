@@ -1,0 +1,78 @@
+"""safetensors dtype facts: element sizes, which dtypes are FP8, their special codes.
+
+Pure data and byte-level helpers; no torch, so every path that only moves bytes
+can use them.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+#: Bytes per element of every dtype string safetensors 0.8 writes.
+ITEM_SIZE: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+E4M3FN = "F8_E4M3"
+E4M3FNUZ = "F8_E4M3FNUZ"
+
+#: FP8 weight encodings fp8fix converts; the value is the encoding's common name.
+FP8_WEIGHT_DTYPES: dict[str, str] = {E4M3FN: "e4m3fn", E4M3FNUZ: "e4m3fnuz"}
+
+#: Largest finite value of each FP8 weight encoding (used to clamp before rounding).
+FP8_MAX: dict[str, float] = {E4M3FN: 448.0, E4M3FNUZ: 240.0}
+
+#: Codes that are NaN in each encoding and must never reach a rewritten weight.
+NAN_CODES: dict[str, tuple[int, ...]] = {E4M3FN: (0x7F, 0xFF), E4M3FNUZ: (0x80,)}
+
+#: Float dtypes a scale may be stored in, with their `struct` decoding.
+SCALE_DTYPES = ("F32", "BF16", "F16", "F64")
+
+
+def is_fp8(dtype: str) -> bool:
+    return dtype.startswith("F8_")
+
+
+def tensor_nbytes(dtype: str, shape: list[int] | tuple[int, ...]) -> int:
+    return math.prod(shape) * ITEM_SIZE[dtype]
+
+
+def count_nan_codes(data: bytes | bytearray | memoryview, dtype: str) -> int:
+    """How many bytes of `data` are NaN codes of the FP8 encoding `dtype`."""
+    raw = bytes(data) if isinstance(data, memoryview) else data
+    return sum(raw.count(code) for code in NAN_CODES.get(dtype, ()))
+
+
+def decode_floats(data: bytes, dtype: str) -> list[float]:
+    """Decode a few little-endian float values (scales) without torch.
+
+    BF16 is the top half of an F32, so it is widened by padding two zero bytes.
+    """
+    if dtype == "F32":
+        return list(struct.unpack(f"<{len(data) // 4}f", data))
+    if dtype == "F16":
+        return list(struct.unpack(f"<{len(data) // 2}e", data))
+    if dtype == "F64":
+        return list(struct.unpack(f"<{len(data) // 8}d", data))
+    if dtype == "BF16":
+        widened = b"".join(b"\x00\x00" + data[i : i + 2] for i in range(0, len(data), 2))
+        return list(struct.unpack(f"<{len(data) // 2}f", widened))
+    raise ValueError(f"not a float scale dtype: {dtype}")

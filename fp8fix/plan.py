@@ -1,0 +1,148 @@
+"""The conversion plan: every output file and tensor, and where each tensor's bytes come from.
+
+Planning reads only safetensors headers, config.json and the handful of bytes of
+per-shard scale vectors. The result is complete before a byte is written, so
+`--dry-run` can print it and the writer can lay out each header up front, then
+stream tensor by tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from fp8fix.dtypes import tensor_nbytes
+from fp8fix.registry.formats import FormatSpec
+
+Layout = Literal["unfused", "per-shard", "fused"]
+LAYOUTS: tuple[str, ...] = ("unfused", "per-shard", "fused")
+
+
+@dataclass(frozen=True)
+class CopyRange:
+    """Bytes copied unchanged from the source. `nan_check` names the FP8 dtype whose NaN
+    codes must be refused: set for weights that end up under a new name or shape."""
+
+    path: Path
+    start: int
+    end: int
+    nan_check: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class RepeatRange:
+    """One source scalar's bytes written `times` times: a single scale spread over shards."""
+
+    path: Path
+    start: int
+    end: int
+    times: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.end - self.start) * self.times
+
+
+@dataclass(frozen=True)
+class Requantize:
+    """FP8 codes re-expressed at `target_scale`: dequantize in float32, divide, clamp, round to nearest even."""
+
+    path: Path
+    start: int
+    end: int
+    dtype: str
+    scale: float
+    target_scale: float
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+Piece = CopyRange | RepeatRange | Requantize
+
+
+@dataclass
+class OutputTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: list[Piece]
+    source: str  # the source tensor it is made from
+
+    def __post_init__(self) -> None:
+        expected = tensor_nbytes(self.dtype, self.shape)
+        got = sum(p.nbytes for p in self.pieces)
+        assert expected == got, f"{self.name}: planned {got} bytes for {self.dtype} {self.shape} ({expected})"
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.dtype, self.shape)
+
+    @property
+    def unchanged(self) -> bool:
+        """True when the tensor is the source tensor, same name, same bytes."""
+        return (
+            self.name == self.source
+            and len(self.pieces) == 1
+            and isinstance(self.pieces[0], CopyRange)
+            and self.pieces[0].nan_check is None
+        )
+
+
+@dataclass
+class OutputShard:
+    name: str
+    metadata: dict[str, str]
+    tensors: list[OutputTensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass
+class ModuleChange:
+    """What happens to one fused module, and why, for the plan, the report and the model card."""
+
+    module: str
+    kind: str  # the registry's fused module suffix, e.g. self_attn.qkv_proj
+    quantized: bool
+    scale: str  # tensor | shard | channel | none (not FP8)
+    action: str  # unfuse | split-scale | requantize | merge-equal-scales | keep
+    reason: str
+    shards: list[str]
+    rows: list[int]
+    new_modules: list[str] = field(default_factory=list)
+    max_error: float | None = None  # filled in by the writer for requantized modules
+    max_error_steps: float | None = None
+
+
+@dataclass
+class ConversionPlan:
+    source: Path
+    architecture: str
+    format: FormatSpec
+    layout: str
+    layout_was_default: bool
+    modules: list[ModuleChange]
+    shards: list[OutputShard]
+    renames: dict[str, list[str]]  # fused module path -> per-shard module paths (unfused layout)
+    has_index: bool
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    @property
+    def needs_float_math(self) -> bool:
+        return any(isinstance(p, Requantize) for s in self.shards for t in s.tensors for p in t.pieces)
+
+    @property
+    def changed_modules(self) -> list[ModuleChange]:
+        return [m for m in self.modules if m.action != "keep"]

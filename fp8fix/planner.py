@@ -1,0 +1,322 @@
+"""Working out the conversion plan from a checkpoint's headers, its config and the registries.
+
+The rules, per fused module and layout (see README "Layouts"):
+- unfused: every fused module becomes its per-shard modules; weights, biases and
+  per-channel scales are row slices, single scales are repeated, per-shard scale
+  vectors are split. Pure byte moves, exact.
+- per-shard: a single weight/input scale becomes a vector of n_shards copies. Exact.
+- fused: a per-shard scale vector becomes its largest entry; shards at a smaller
+  scale are requantized to it (bounded error, reported). Equal entries change no byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fp8fix.checkpoint import Checkpoint
+from fp8fix.dtypes import FP8_WEIGHT_DTYPES, ITEM_SIZE, SCALE_DTYPES, decode_floats, is_fp8
+from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
+from fp8fix.plan import ConversionPlan, CopyRange, ModuleChange, OutputShard, OutputTensor, RepeatRange, Requantize
+from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, architecture_for
+from fp8fix.registry.formats import FormatSpec, detect_format
+from fp8fix.safetensors_file import TensorInfo, read_range
+
+#: Parameters of a fused module fp8fix knows how to split; anything else is refused.
+SPLITTABLE = ("weight", "bias")
+
+
+@dataclass
+class _Module:
+    """A fused module found in the checkpoint, with its tensors by parameter name."""
+
+    path: str
+    spec: FusedModuleSpec
+    rows: list[int]
+    params: dict[str, TensorInfo]
+
+    @property
+    def weight(self) -> TensorInfo:
+        return self.params["weight"]
+
+
+def default_layout(arch: ArchitectureSpec) -> str:
+    """unfused where the runtimes know per-shard names for every fused module, else per-shard."""
+    return "unfused" if arch.fused_modules and all(m.can_unfuse for m in arch.fused_modules) else "per-shard"
+
+
+def plan_conversion(ckpt: Checkpoint, layout: str | None) -> ConversionPlan:
+    fmt = detect_format(ckpt.config, ckpt.root)
+    arch_name, arch = architecture_for(ckpt.config)
+    chosen = layout or default_layout(arch)
+    fused = _fused_modules(ckpt, arch)
+    _check_fp8_weights(ckpt, fmt, {m.path: len(m.rows) for m in fused})
+    replacements: dict[str, list[OutputTensor]] = {}
+    changes: list[ModuleChange] = []
+    renames: dict[str, list[str]] = {}
+    for module in fused:
+        change, outputs = _plan_module(module, fmt, chosen)
+        if chosen == "unfused" and not module.spec.can_unfuse:
+            raise UnsupportedCheckpoint(
+                f"{arch_name}: no runtime knows per-shard names for {module.spec.module}, so it has no unfused "
+                "layout; use --layout per-shard or --layout fused"
+            )
+        changes.append(change)
+        replacements.update(outputs)
+        if change.new_modules:
+            renames[module.path] = change.new_modules
+    shards = [_plan_shard(name, header.metadata, header.tensors, replacements) for name, header in ckpt.shards.items()]
+    _check_unique_names(shards)
+    return ConversionPlan(
+        source=ckpt.root,
+        architecture=arch_name,
+        format=fmt,
+        layout=chosen,
+        layout_was_default=layout is None,
+        modules=changes,
+        shards=shards,
+        renames=renames,
+        has_index=ckpt.index is not None,
+    )
+
+
+def _check_fp8_weights(ckpt: Checkpoint, fmt: FormatSpec, fused_shards: dict[str, int]) -> None:
+    """Every FP8 weight is an encoding fp8fix handles and has a scale of a known shape.
+
+    `fused_shards` gives the shard count of each fused module, the only modules
+    where a scale vector of that length is a known convention.
+    """
+    fp8 = [t for t in ckpt.tensors.values() if is_fp8(t.dtype)]
+    if not fp8:
+        raise InvalidCheckpoint(
+            f"{ckpt.root.name}: no FP8 tensor in {len(ckpt.shards)} safetensors file(s); not an FP8 checkpoint"
+        )
+    for t in fp8:
+        if t.dtype not in FP8_WEIGHT_DTYPES:
+            raise UnsupportedCheckpoint(f"{t.path.name}: tensor '{t.name}' is {t.dtype}; fp8fix handles e4m3 weights")
+        if not t.name.endswith(".weight") or len(t.shape) != 2:
+            raise UnsupportedCheckpoint(
+                f"{t.path.name}: tensor '{t.name}' is FP8 but not a 2-D linear weight {t.shape}; not supported yet"
+            )
+        scale_name = _sibling(t.name, fmt.weight_scale)
+        scale = ckpt.tensors.get(scale_name)
+        if scale is None:
+            raise InvalidCheckpoint(
+                f"{t.path.name}: FP8 weight '{t.name}' has no scale '{scale_name}' in any shard; "
+                "its values cannot be recovered (incomplete export?)"
+            )
+        module = t.name.rsplit(".", 1)[0]
+        _scale_kind(scale, t.shape[0], fused_shards.get(module), allow_channel=True)
+
+
+def _sibling(weight_name: str, param: str) -> str:
+    return weight_name.rsplit(".", 1)[0] + "." + param
+
+
+def _scale_kind(scale: TensorInfo, rows: int, n_shards: int | None, allow_channel: bool) -> str:
+    """tensor (one value), shard (one per fused shard) or channel (one per row); else an error."""
+    if scale.dtype not in SCALE_DTYPES:
+        raise UnsupportedCheckpoint(
+            f"{scale.path.name}: scale '{scale.name}' is {scale.dtype}; fp8fix reads F32/BF16/F16 scales"
+        )
+    if scale.numel == 1 and len(scale.shape) <= 2:
+        return "tensor"
+    if n_shards and scale.shape == (n_shards,):
+        return "shard"
+    if allow_channel and scale.shape in ((rows, 1), (rows,)):
+        return "channel"
+    raise InvalidCheckpoint(
+        f"{scale.path.name}: scale '{scale.name}' has shape {list(scale.shape)}, which fits no known convention "
+        f"for a weight of {rows} rows ([] or [1] per tensor, [{rows}, 1] per channel"
+        + (f", [{n_shards}] per fused shard)" if n_shards else ")")
+    )
+
+
+def _fused_modules(ckpt: Checkpoint, arch: ArchitectureSpec) -> list[_Module]:
+    by_module: dict[str, dict[str, TensorInfo]] = {}
+    for t in ckpt.tensors.values():
+        module, _, param = t.name.rpartition(".")
+        by_module.setdefault(module, {})[param] = t
+    found = []
+    for path, params in by_module.items():
+        spec = arch.fused_spec_for(path)
+        if spec is None or "weight" not in params:
+            continue
+        rows = arch.shard_rows(spec, ckpt.config)
+        weight = params["weight"]
+        if sum(rows) != weight.shape[0]:
+            raise InvalidCheckpoint(
+                f"{weight.path.name}: '{weight.name}' has {weight.shape[0]} rows, but config.json makes its shards "
+                f"{' + '.join(f'{s.shard} {r}' for s, r in zip(spec.shards, rows, strict=True))} = {sum(rows)}: "
+                "the config does not match the weights"
+            )
+        found.append(_Module(path, spec, rows, params))
+    return found
+
+
+def _plan_module(m: _Module, fmt: FormatSpec, layout: str) -> tuple[ModuleChange, dict[str, list[OutputTensor]]]:
+    n = len(m.rows)
+    quantized = is_fp8(m.weight.dtype)
+    scales = {p: m.params[p] for p in (fmt.weight_scale, fmt.input_scale) if p in m.params}
+    kinds = {p: _scale_kind(t, m.weight.shape[0], n, allow_channel=(p == fmt.weight_scale)) for p, t in scales.items()}
+    weight_kind = kinds.get(fmt.weight_scale, "none")
+    change = ModuleChange(
+        module=m.path,
+        kind=m.spec.module,
+        quantized=quantized,
+        scale=weight_kind,
+        action="keep",
+        reason="",
+        shards=[s.shard for s in m.spec.shards],
+        rows=list(m.rows),
+    )
+    known = set(SPLITTABLE) | set(scales)
+    unknown = sorted(set(m.params) - known)
+    if unknown and layout == "unfused":
+        raise UnsupportedCheckpoint(
+            f"{m.weight.path.name}: fused module '{m.path}' has tensors fp8fix does not know how to split: "
+            + ", ".join(f"{m.path}.{p}" for p in unknown)
+        )
+    if layout == "unfused" and m.spec.can_unfuse:
+        return _unfuse(m, fmt, kinds, change)
+    outputs: dict[str, list[OutputTensor]] = {}
+    if layout == "per-shard":
+        for p, t in scales.items():
+            if kinds[p] == "tensor":
+                outputs[t.name] = [
+                    OutputTensor(t.name, t.dtype, (n,), [RepeatRange(t.path, t.start, t.end, n)], t.name)
+                ]
+        if outputs:
+            change.action = "split-scale"
+            change.reason = f"one scale for {n} shards; written as a vector of {n} copies"
+        else:
+            change.reason = "already one scale per shard" if weight_kind == "shard" else _keep_reason(weight_kind)
+    elif layout == "fused":
+        _fuse_scales(m, fmt, scales, kinds, change, outputs)
+    return change, outputs
+
+
+def _keep_reason(kind: str) -> str:
+    return {
+        "channel": "per-channel scales already cover each row",
+        "tensor": "already one scale per fused module",
+        "none": "not quantized",
+    }.get(kind, "nothing to change")
+
+
+def _unfuse(
+    m: _Module, fmt: FormatSpec, kinds: dict[str, str], change: ModuleChange
+) -> tuple[ModuleChange, dict[str, list[OutputTensor]]]:
+    n = len(m.rows)
+    new_paths = [m.spec.unfused_path(m.path, s) for s in m.spec.shards]
+    bounds = [sum(m.rows[:i]) for i in range(n + 1)]
+    outputs: dict[str, list[OutputTensor]] = {}
+    for param, t in m.params.items():
+        kind = kinds.get(param, "rows")
+        pieces = []
+        for i, new in enumerate(new_paths):
+            name = f"{new}.{param}"
+            if kind == "tensor":
+                pieces.append(OutputTensor(name, t.dtype, t.shape, [CopyRange(t.path, t.start, t.end)], t.name))
+            elif kind == "shard":
+                item = ITEM_SIZE[t.dtype]
+                element = CopyRange(t.path, t.start + i * item, t.start + (i + 1) * item)
+                pieces.append(OutputTensor(name, t.dtype, fmt.scalar_shape, [element], t.name))
+            else:  # weight, bias or per-channel scale: a slice of rows
+                nan_check = t.dtype if param == "weight" and is_fp8(t.dtype) else None
+                pieces.append(_row_slice(t, bounds[i], bounds[i + 1], name, nan_check))
+        outputs[t.name] = pieces
+    change.action = "unfuse"
+    change.new_modules = new_paths
+    change.reason = "runtimes load per-shard names; each shard gets its rows " + (
+        {"tensor": "and a copy of the single scale", "shard": "and its entry of the scale vector"}.get(
+            change.scale, "and its rows of the per-channel scale" if change.scale == "channel" else "(not quantized)"
+        )
+    )
+    return change, outputs
+
+
+def _row_slice(t: TensorInfo, r0: int, r1: int, name: str, nan_check: str | None) -> OutputTensor:
+    row_bytes = t.nbytes // t.shape[0]
+    shape = (r1 - r0, *t.shape[1:])
+    return OutputTensor(
+        name, t.dtype, shape, [CopyRange(t.path, t.start + r0 * row_bytes, t.start + r1 * row_bytes, nan_check)], t.name
+    )
+
+
+def _fuse_scales(
+    m: _Module,
+    fmt: FormatSpec,
+    scales: dict[str, TensorInfo],
+    kinds: dict[str, str],
+    change: ModuleChange,
+    outputs: dict[str, list[OutputTensor]],
+) -> None:
+    """Per-shard scale vectors become one scale: the largest; smaller shards are requantized."""
+    for param, t in scales.items():
+        if kinds[param] != "shard":
+            continue
+        values = _scale_values(t)
+        top = max(range(len(values)), key=lambda i: values[i])
+        item = ITEM_SIZE[t.dtype]
+        element = CopyRange(t.path, t.start + top * item, t.start + (top + 1) * item)
+        outputs[t.name] = [OutputTensor(t.name, t.dtype, fmt.scalar_shape, [element], t.name)]
+        if param != fmt.weight_scale:
+            continue
+        if len(set(values)) == 1:
+            change.action = "merge-equal-scales"
+            change.reason = "all shard scales are equal; one scale, no byte of the weight changes"
+            continue
+        w = m.weight
+        row_bytes = w.nbytes // w.shape[0]
+        pieces: list[CopyRange | Requantize] = []
+        start = w.start
+        for rows, value in zip(m.rows, values, strict=True):
+            end = start + rows * row_bytes
+            if value == values[top]:
+                pieces.append(CopyRange(w.path, start, end, nan_check=w.dtype))
+            else:
+                pieces.append(Requantize(w.path, start, end, w.dtype, value, values[top]))
+            start = end
+        outputs[w.name] = [OutputTensor(w.name, w.dtype, w.shape, list(pieces), w.name)]
+        change.action = "requantize"
+        change.reason = (
+            f"shard scales differ ({', '.join(f'{v:.6g}' for v in values)}); shards requantized to the largest "
+            f"({values[top]:.6g}), error bounded by half an fp8 step"
+        )
+    if change.action == "keep" and outputs:
+        change.action = "max-input-scale"
+        change.reason = "per-shard input scales become their largest, as runtimes do for a fused module"
+    elif change.action == "keep":
+        change.reason = _keep_reason(change.scale)
+
+
+def _scale_values(t: TensorInfo) -> list[float]:
+    values = decode_floats(read_range(t.path, t.start, t.end), t.dtype)
+    for v in values:
+        if not (v > 0 and v != float("inf")):
+            raise InvalidCheckpoint(f"{t.path.name}: scale '{t.name}' holds {v}; scales must be finite and positive")
+    return values
+
+
+def _plan_shard(
+    name: str, metadata: dict[str, str], tensors: dict[str, TensorInfo], replacements: dict[str, list[OutputTensor]]
+) -> OutputShard:
+    out: list[OutputTensor] = []
+    for t in tensors.values():
+        out.extend(
+            replacements.get(t.name)
+            or [OutputTensor(t.name, t.dtype, t.shape, [CopyRange(t.path, t.start, t.end)], t.name)]
+        )
+    return OutputShard(name, {**metadata, "format": "pt"}, out)
+
+
+def _check_unique_names(shards: list[OutputShard]) -> None:
+    seen: dict[str, str] = {}
+    for shard in shards:
+        for t in shard.tensors:
+            if t.name in seen:
+                raise UnsupportedCheckpoint(
+                    f"{shard.name}: the output would hold '{t.name}' twice (from '{t.source}'); "
+                    "the checkpoint already has the per-shard names of a fused module"
+                )
+            seen[t.name] = shard.name

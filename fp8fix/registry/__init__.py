@@ -1,0 +1,1 @@
+"""What fp8fix knows about the world, kept as data: architectures, formats, loaders."""

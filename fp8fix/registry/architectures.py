@@ -1,0 +1,125 @@
+"""The architecture registry: which modules each model family stores fused, and how to split them.
+
+One JSON file per family in `architectures/` (the folder beside this module) is the
+single place to teach fp8fix a model: its `config.architectures[0]` names, each fused
+module's shards in row order, the row count of each shard as an expression over
+config.json, and, where runtimes know them, the per-shard module names.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
+from fp8fix.registry.expressions import ExpressionError, evaluate
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    shard: str  # logical name: q, k, v, gate, up
+    rows: str  # expression over config.json
+    unfused: str | None  # module suffix replacing the fused one in the unfused layout
+
+
+@dataclass(frozen=True)
+class FusedModuleSpec:
+    module: str  # suffix of the module path, e.g. "self_attn.qkv_proj"
+    shards: tuple[ShardSpec, ...]
+
+    @property
+    def can_unfuse(self) -> bool:
+        return all(s.unfused for s in self.shards)
+
+    def matches(self, module_path: str) -> bool:
+        return module_path == self.module or module_path.endswith("." + self.module)
+
+    def unfused_path(self, module_path: str, shard: ShardSpec) -> str:
+        assert shard.unfused is not None
+        return module_path[: len(module_path) - len(self.module)] + shard.unfused
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    architectures: tuple[str, ...]
+    fused_modules: tuple[FusedModuleSpec, ...]
+    defaults: dict[str, str]
+    source: str  # the file the entry came from, for messages
+
+    def fused_spec_for(self, module_path: str) -> FusedModuleSpec | None:
+        return next((spec for spec in self.fused_modules if spec.matches(module_path)), None)
+
+    def shard_rows(self, spec: FusedModuleSpec, config: dict[str, Any]) -> list[int]:
+        """Rows of each shard of `spec`, computed from config.json."""
+        lookup = _config_lookup(config, self.defaults)
+        rows = []
+        for shard in spec.shards:
+            try:
+                value = evaluate(shard.rows, lookup)
+            except ExpressionError as e:
+                raise InvalidCheckpoint(f"config.json: cannot size shard '{shard.shard}' of {spec.module}: {e}") from e
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidCheckpoint(
+                    f"config.json: shard '{shard.shard}' of {spec.module} gets {value!r} rows from '{shard.rows}'"
+                )
+            rows.append(value)
+        return rows
+
+
+def parse_architecture(data: dict[str, Any], source: str) -> ArchitectureSpec:
+    """Build a spec from one registry entry (the JSON format of `architectures/*.json`)."""
+    try:
+        fused = tuple(
+            FusedModuleSpec(
+                module=m["module"],
+                shards=tuple(ShardSpec(s["shard"], s["rows"], s.get("unfused")) for s in m["shards"]),
+            )
+            for m in data.get("fused_modules", [])
+        )
+        return ArchitectureSpec(tuple(data["architectures"]), fused, dict(data.get("defaults", {})), source)
+    except (KeyError, TypeError) as e:
+        raise UnsupportedCheckpoint(f"{source}: malformed architecture entry ({e!r})") from e
+
+
+@cache
+def builtin_architectures() -> dict[str, ArchitectureSpec]:
+    """Every built-in entry, by architecture name."""
+    registry: dict[str, ArchitectureSpec] = {}
+    folder = resources.files("fp8fix.registry") / "architectures"
+    for entry in sorted(folder.iterdir(), key=lambda p: p.name):
+        if entry.name.endswith(".json"):
+            spec = parse_architecture(json.loads(entry.read_text(encoding="utf-8")), entry.name)
+            for name in spec.architectures:
+                registry[name] = spec
+    return registry
+
+
+def architecture_for(config: dict[str, Any]) -> tuple[str, ArchitectureSpec]:
+    """The registry entry for config.json's `architectures[0]`, or a clear error listing what is known."""
+    names = config.get("architectures")
+    if not isinstance(names, list) or not names or not isinstance(names[0], str):
+        raise InvalidCheckpoint("config.json: has no 'architectures' list naming the model class")
+    registry = builtin_architectures()
+    if names[0] not in registry:
+        raise UnsupportedCheckpoint(
+            f"config.json: architecture {names[0]} is not in fp8fix's registry, so fp8fix cannot tell which "
+            f"modules are fused; supported: {', '.join(sorted(registry))}"
+        )
+    return names[0], registry[names[0]]
+
+
+def _config_lookup(config: dict[str, Any], defaults: dict[str, str]):  # type: ignore[no-untyped-def]
+    def lookup(name: str) -> Any:
+        value: Any = config
+        for part in name.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is None:
+            if name in defaults:
+                return evaluate(defaults[name], lookup)
+            raise ExpressionError(f"config.json has no '{name}'")
+        return value
+
+    return lookup

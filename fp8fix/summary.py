@@ -1,0 +1,139 @@
+"""Describing a plan for people (text) and for CI (JSON), compactly.
+
+A 32-layer model has 64 fused modules; people want one line per kind of change,
+with the layers it covers, not 64 lines. `--json` keeps every module.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Any
+
+from fp8fix.plan import ConversionPlan, ModuleChange
+from fp8fix.registry.loaders import COMPATIBILITY, LOADERS
+
+
+def module_groups(plan: ConversionPlan) -> list[dict[str, Any]]:
+    """Modules grouped by (kind, scale, action), with the name pattern they share."""
+    groups: dict[tuple[str, str, str, str], list[ModuleChange]] = defaultdict(list)
+    for m in plan.modules:
+        groups[(m.kind, m.scale, m.action, _generic_reason(m.reason))].append(m)
+    out = []
+    for (kind, scale, action, _), members in groups.items():
+        first = members[0]
+        errors = [m.max_error for m in members if m.max_error is not None]
+        steps = [m.max_error_steps for m in members if m.max_error_steps is not None]
+        out.append(
+            {
+                "kind": kind,
+                "count": len(members),
+                "modules": _pattern([m.module for m in members]),
+                "quantized": first.quantized,
+                "scale": scale,
+                "action": action,
+                "reason": first.reason,
+                "into": [n.rsplit(".", 1)[-1] for n in first.new_modules],
+                "max_error": max(errors) if errors else None,
+                "max_error_steps": max(steps) if steps else None,
+            }
+        )
+    return out
+
+
+def _generic_reason(reason: str) -> str:
+    return re.sub(r"\([^)]*\)", "", reason)
+
+
+def _pattern(names: list[str]) -> str:
+    """'model.layers.{0..31}.mlp.gate_up_proj' for names that differ only by a layer number."""
+    shapes = {re.sub(r"\.\d+\.", ".#.", n, count=1) for n in names}
+    if len(names) == 1 or len(shapes) != 1:
+        return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1} more)"
+    numbers = sorted(int(re.search(r"\.(\d+)\.", n).group(1)) for n in names)  # type: ignore[union-attr]
+    span = (
+        f"{numbers[0]}..{numbers[-1]}"
+        if numbers == list(range(numbers[0], numbers[-1] + 1))
+        else ",".join(map(str, numbers))
+    )
+    return shapes.pop().replace(".#.", f".{{{span}}}.")
+
+
+def loader_table(layout: str) -> dict[str, dict[str, Any]]:
+    return {
+        name: {"loads": COMPATIBILITY[layout][name][0], "reason": COMPATIBILITY[layout][name][1]} for name in LOADERS
+    }
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def plan_lines(plan: ConversionPlan) -> list[str]:
+    """The plan as text: what the checkpoint is, each kind of module change, the output files."""
+    how = "default for this architecture" if plan.layout_was_default else "chosen"
+    lines = [
+        f"source:  {plan.source} ({plan.architecture}, {plan.format.label})",
+        f"layout:  {plan.layout} ({how})",
+    ]
+    groups = module_groups(plan)
+    if not groups:
+        lines.append("modules: no fused modules in this checkpoint; tensors are copied unchanged")
+    for g in groups:
+        into = f" -> {', '.join(g['into'])}" if g["into"] else ""
+        error = ""
+        if g["max_error"] is not None:
+            error = f"; max error {g['max_error']:.3g} ({g['max_error_steps']:.2f} fp8 steps)"
+        lines.append(f"  {g['action']:<18} {g['modules']}{into} [{g['scale']} scale]: {g['reason']}{error}")
+    for shard in plan.shards:
+        changed = sum(not t.unchanged for t in shard.tensors)
+        size = human_size(shard.nbytes)
+        lines.append(f"  file {shard.name}: {len(shard.tensors)} tensors ({changed} new or rewritten), {size}")
+    return lines
+
+
+def loader_lines(layout: str) -> list[str]:
+    table = loader_table(layout)
+    lines = [f"loaders for the {layout} layout:"]
+    for name, row in table.items():
+        lines.append(f"  {'loads' if row['loads'] else 'fails':<5}  {name}: {row['reason']}")
+    return lines
+
+
+def plan_json(plan: ConversionPlan) -> dict[str, Any]:
+    return {
+        "source": str(plan.source),
+        "architecture": plan.architecture,
+        "format": plan.format.name,
+        "layout": plan.layout,
+        "layout_was_default": plan.layout_was_default,
+        "modules": [
+            {
+                "module": m.module,
+                "kind": m.kind,
+                "quantized": m.quantized,
+                "scale": m.scale,
+                "action": m.action,
+                "reason": m.reason,
+                "shards": dict(zip(m.shards, m.rows, strict=True)),
+                "new_modules": m.new_modules,
+                "max_error": m.max_error,
+                "max_error_steps": m.max_error_steps,
+            }
+            for m in plan.modules
+        ],
+        "files": [
+            {
+                "name": s.name,
+                "tensors": len(s.tensors),
+                "bytes": s.nbytes,
+                "changed_tensors": sum(not t.unchanged for t in s.tensors),
+            }
+            for s in plan.shards
+        ],
+        "loaders": loader_table(plan.layout),
+    }

@@ -1,0 +1,95 @@
+"""Shared fixtures: run the real CLI, read checkpoints back with safetensors, corrupt headers by hand."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from safetensors import safe_open
+
+from fp8fix.cli import main
+
+
+def run_cli(*args: str | Path) -> Result:
+    """The real `fp8fix` command, in process; exceptions other than exit codes are test failures."""
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=True)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def shard_files(folder: Path) -> dict[str, str]:
+    """tensor name -> file name, from the index when there is one."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    names: dict[str, str] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            names.update({k: path.name for k in f.keys()})
+    return names
+
+
+def load_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder (tiny test models only)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, file in shard_files(folder).items():
+        with safe_open(folder / file, framework="pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
+def raw(t: torch.Tensor) -> bytes:
+    """A tensor's bytes, dtype-agnostic (FP8 included)."""
+    flat = t.reshape(-1).clone()  # clone: a view shares (and would expose) its base storage
+    return bytes(flat.view(torch.uint8).untyped_storage()) if flat.numel() else b""
+
+
+def dequant(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    s = scale.float()
+    if s.numel() == 1:
+        s = s.reshape(())
+    elif s.dim() == 1:
+        s = s.reshape(-1, 1)
+    return weight.float() * s
+
+
+def folder_digest(folder: Path) -> dict[str, str]:
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def read_raw_header(path: Path) -> tuple[dict[str, Any], bytes]:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def write_raw(path: Path, header: dict[str, Any] | bytes, buffer: bytes, header_len: int | None = None) -> None:
+    """Write a safetensors file byte by byte, valid or not."""
+    body = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(body) if header_len is None else header_len) + body + buffer)
+
+
+@pytest.fixture
+def rewrite_header() -> Callable[..., None]:
+    def rewrite(path: Path, mutate: Callable[[dict[str, Any]], Any], buffer: Callable[[bytes], bytes] | None = None):
+        header, data = read_raw_header(path)
+        mutate(header)
+        write_raw(path, header, buffer(data) if buffer else data)
+
+    return rewrite
+
+
+def fused_names(folder: Path, suffix: str) -> list[str]:
+    return sorted({n.rsplit(".", 1)[0] for n in shard_files(folder) if n.rsplit(".", 1)[0].endswith(suffix)})
