@@ -53,13 +53,14 @@ def plan_conversion(ckpt: Checkpoint, layout: str | None) -> ConversionPlan:
     replacements: dict[str, list[OutputTensor]] = {}
     changes: list[ModuleChange] = []
     renames: dict[str, list[str]] = {}
+    blocked = sorted({m.spec.module for m in fused if not m.spec.can_unfuse})
+    if chosen == "unfused" and blocked:
+        raise UnsupportedCheckpoint(
+            f"{arch_name}: runtimes know no per-shard names for {', '.join(blocked)}, so there is no unfused "
+            "layout; use --layout per-shard or --layout fused"
+        )
     for module in fused:
         change, outputs = _plan_module(module, fmt, chosen)
-        if chosen == "unfused" and not module.spec.can_unfuse:
-            raise UnsupportedCheckpoint(
-                f"{arch_name}: no runtime knows per-shard names for {module.spec.module}, so it has no unfused "
-                "layout; use --layout per-shard or --layout fused"
-            )
         changes.append(change)
         replacements.update(outputs)
         if change.new_modules:
@@ -176,7 +177,7 @@ def _plan_module(m: _Module, fmt: FormatSpec, layout: str) -> tuple[ModuleChange
             f"{m.weight.path.name}: fused module '{m.path}' has tensors fp8fix does not know how to split: "
             + ", ".join(f"{m.path}.{p}" for p in unknown)
         )
-    if layout == "unfused" and m.spec.can_unfuse:
+    if layout == "unfused":
         return _unfuse(m, fmt, kinds, change)
     outputs: dict[str, list[OutputTensor]] = {}
     if layout == "per-shard":

@@ -190,7 +190,7 @@ def build(
     if scale_in_other_file and files > 1 and model.fused:
         # Exporters sometimes store a scale in another shard than its weight.
         moved = model.layer_prefix.format(i=model.layers - 1) + model.fused[0].suffix + ".weight_scale"
-        if moved in groups[-1] and not model.layer_prefix.format(i=model.layers - 1) + model.fused[0].suffix in ignore:
+        if moved in groups[-1] and model.layer_prefix.format(i=model.layers - 1) + model.fused[0].suffix not in ignore:
             groups[0][moved] = groups[-1].pop(moved)
     config = dict(model.config)
     config["quantization_config"] = quantization_config(fmt, scale, static_input, ignore)

@@ -189,7 +189,9 @@ def test_fused_with_equal_shard_scales_changes_no_weight_byte(tmp_path: Path, re
 
 def test_unfused_renames_fused_modules_in_ignore_lists(tmp_path: Path) -> None:
     ignored = "model.layers.1.self_attn.qkv_proj"
-    src = build(tmp_path / "src", phi3(), fmt="compressed-tensors", ignore=["lm_head", ignored, "re:.*layers\\.1\\..*qkv"])
+    src = build(
+        tmp_path / "src", phi3(), fmt="compressed-tensors", ignore=["lm_head", ignored, "re:.*layers\\.1\\..*qkv"]
+    )
     result = run_cli("convert", src, tmp_path / "out", "-q")
     assert result.exit_code == 0, result.output
     before = json.loads((src / "config.json").read_text())

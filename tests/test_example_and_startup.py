@@ -1,0 +1,47 @@
+"""The shipped example, and the promise that byte-moving conversions never import torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.make_example import make_example
+from tests.conftest import load_tensors, raw, run_cli
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "phi3-tiny-fp8"
+
+
+def test_example_is_what_the_script_generates(tmp_path: Path) -> None:
+    shipped, fresh = load_tensors(EXAMPLE), load_tensors(make_example(tmp_path / "fresh"))
+    assert set(shipped) == set(fresh)
+    for name, t in shipped.items():
+        assert t.dtype == fresh[name].dtype and raw(t) == raw(fresh[name]), name
+    assert sum(p.stat().st_size for p in EXAMPLE.iterdir()) < 2_000_000
+
+
+def test_example_converts(tmp_path: Path) -> None:
+    result = run_cli("convert", EXAMPLE, tmp_path / "out", "-q")
+    assert result.exit_code == 0, result.output
+    tensors = load_tensors(tmp_path / "out")
+    assert "model.layers.1.self_attn.v_proj.weight_scale" in tensors
+    assert not any("qkv_proj" in n or "gate_up_proj" in n for n in tensors)
+
+
+@pytest.mark.parametrize("layout", ["unfused", "per-shard", "fused"])
+def test_byte_moving_layouts_do_not_import_torch(tmp_path: Path, layout: str) -> None:
+    code = (
+        "import sys\n"
+        "from fp8fix.cli import main\n"
+        f"sys.argv = ['fp8fix', 'convert', {str(EXAMPLE)!r}, {str(tmp_path / 'out')!r}, '--layout', {layout!r}, '-q']\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "ok"
+    assert (tmp_path / "out" / "config.json").exists()

@@ -1,0 +1,126 @@
+"""Every registered fused architecture, on tiny checkpoints whose rows follow the documented layouts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fp8fix.registry.architectures import builtin_architectures
+from fp8fix.registry.expressions import ExpressionError, evaluate
+from tests.builders import FusedModule, Model, build, phi3
+from tests.conftest import load_tensors, raw, run_cli
+from tests.test_convert_layouts import reference_requantize
+
+H = 64
+
+
+def glm(arch: str) -> Model:
+    config = {"architectures": [arch], "hidden_size": H, "intermediate_size": 96, "num_attention_heads": 4}
+    return Model(arch, config, "model.layers.{i}.", 2, [FusedModule("mlp.gate_up_proj", [96, 96], H)])
+
+
+def chatglm(mqa: bool) -> Model:
+    config = {
+        "architectures": ["ChatGLMForConditionalGeneration"],
+        "hidden_size": H,
+        "num_attention_heads": 4,
+        "kv_channels": 16,
+        "multi_query_attention": mqa,
+        "multi_query_group_num": 2,
+        "ffn_hidden_size": 96,
+    }
+    qkv = [64, 32, 32] if mqa else [64, 64, 64]  # q: heads*kv_channels; k, v: groups*kv_channels
+    fused = [
+        FusedModule("self_attention.query_key_value", qkv, H),
+        FusedModule("mlp.dense_h_to_4h", [96, 96], H),
+    ]
+    return Model("ChatGLMForConditionalGeneration", config, "transformer.encoder.layers.{i}.", 2, fused)
+
+
+def baichuan() -> Model:
+    config = {"architectures": ["BaichuanForCausalLM"], "hidden_size": H, "num_attention_heads": 4}
+    return Model("BaichuanForCausalLM", config, "model.layers.{i}.", 2, [FusedModule("self_attn.W_pack", [H] * 3, H)])
+
+
+def dbrx() -> Model:
+    config = {"architectures": ["DbrxForCausalLM"], "d_model": H, "n_heads": 4, "attn_config": {"kv_n_heads": 1}}
+    fused = [FusedModule("attn.Wqkv", [H, 16, 16], H)]  # q: d_model; k, v: kv_n_heads * (d_model / n_heads)
+    return Model("DbrxForCausalLM", config, "transformer.blocks.{i}.norm_attn_norm.", 2, fused)
+
+
+MODELS = {
+    "glm": (glm("GlmForCausalLM"), "unfused"),
+    "glm4": (glm("Glm4ForCausalLM"), "unfused"),
+    "chatglm-mqa": (chatglm(True), "per-shard"),
+    "chatglm-mha": (chatglm(False), "per-shard"),
+    "baichuan": (baichuan(), "per-shard"),
+    "dbrx": (dbrx(), "per-shard"),
+    "phi3": (phi3(), "unfused"),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_default_layout_and_shard_rows(tmp_path: Path, name: str) -> None:
+    model, layout = MODELS[name]
+    src = build(tmp_path / "src", model, scale="tensor")
+    result = run_cli("convert", src, tmp_path / "out", "--json", "-q")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["layout"] == layout
+    assert len(report["modules"]) == model.layers * len(model.fused)
+    for m in report["modules"]:
+        fused = next(f for f in model.fused if m["module"].endswith(f.suffix))
+        assert list(m["shards"].values()) == fused.rows
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_requantize_follows_the_shard_rows(tmp_path: Path, name: str) -> None:
+    model, _ = MODELS[name]
+    src = build(tmp_path / "src", model, scale="shard")
+    assert run_cli("convert", src, tmp_path / "out", "--layout", "fused", "-q").exit_code == 0
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
+    for layer in range(model.layers):
+        for f in model.fused:
+            module = model.layer_prefix.format(i=layer) + f.suffix
+            scales = s[f"{module}.weight_scale"]
+            start = 0
+            for i, rows in enumerate(f.rows):
+                expected = reference_requantize(s[f"{module}.weight"][start : start + rows], scales[i], scales.max())
+                assert raw(o[f"{module}.weight"][start : start + rows]) == raw(expected), (module, i)
+                start += rows
+
+
+def test_unfused_is_refused_where_runtimes_have_no_shard_names(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", chatglm(True))
+    result = run_cli("convert", src, tmp_path / "out", "--layout", "unfused")
+    assert result.exit_code == 3
+    assert "query_key_value" in result.output and "--layout per-shard" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_registry_entry_is_well_formed() -> None:
+    registry = builtin_architectures()
+    assert "Phi3ForCausalLM" in registry and "LlamaForCausalLM" in registry
+    for spec in registry.values():
+        for module in spec.fused_modules:
+            assert len(module.shards) >= 2 and all(s.rows for s in module.shards)
+
+
+def test_expressions() -> None:
+    config = {"a": 3, "b": {"c": 4}, "flag": False}
+
+    def lookup(name: str):
+        value = config
+        for part in name.split("."):
+            value = value[part]
+        return value
+
+    assert evaluate("a * b.c + 1", lookup) == 13
+    assert evaluate("a if flag else b.c // 2", lookup) == 2
+    with pytest.raises(ExpressionError):
+        evaluate("__import__('os')", lookup)
+    with pytest.raises(ExpressionError):
+        evaluate("a ** 2", lookup)
+

@@ -1,0 +1,66 @@
+"""Pure numerics, exhaustively over the 256 FP8 codes where possible."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from fp8fix.dtypes import count_nan_codes, decode_floats
+from fp8fix.transforms import requantize
+from tests.conftest import raw
+
+ALL_CODES = bytes(range(256))
+FINITE_FN = bytes(c for c in range(256) if c not in (0x7F, 0xFF))
+
+
+def as_fn(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("scale,target", [(0.5, 1.0), (0.013, 0.0371), (1.0, 1.0), (2.0**-8, 2.0**-3)])
+def test_requantize_matches_the_formula_on_every_code(scale: float, target: float) -> None:
+    codes, error = requantize(FINITE_FN, "F8_E4M3", scale, target)
+    s, t = torch.tensor(scale, dtype=torch.float32), torch.tensor(target, dtype=torch.float32)
+    value = as_fn(FINITE_FN).float() * s
+    expected = (value / t).clamp(-448, 448).to(torch.float8_e4m3fn)
+    got = as_fn(codes)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    diff = (got.float() * t - value).abs()
+    assert error.max_abs == pytest.approx(float(diff.max()), rel=1e-6)
+    assert error.max_steps <= 0.5
+
+
+def test_requantize_to_the_same_scale_is_the_identity() -> None:
+    codes, error = requantize(FINITE_FN, "F8_E4M3", 0.25, 0.25)
+    # -0 stays -0, every other code is itself
+    assert codes == FINITE_FN
+    assert error.max_abs == 0 and error.max_steps == 0
+
+
+def test_requantize_rounds_half_to_even() -> None:
+    # code 0x40 is 2.0; at scale 1.0625 it is worth 2.125, which at target 2 is 1.0625:
+    # exactly between 1.0 and 1.125 (the step in [1, 2)), so it rounds to the even mantissa, 1.0
+    assert as_fn(b"\x40").float().item() == 2.0
+    codes, _ = requantize(bytes([0x40]), "F8_E4M3", 1.0625, 2.0)
+    assert as_fn(codes).float().item() == 1.0
+
+
+def test_nan_codes_are_counted() -> None:
+    assert count_nan_codes(ALL_CODES, "F8_E4M3") == 2
+    assert count_nan_codes(ALL_CODES, "F8_E4M3FNUZ") == 1
+    assert count_nan_codes(FINITE_FN, "F8_E4M3") == 0
+    # the table agrees with torch's own decoding of every code
+    nan = torch.isnan(as_fn(ALL_CODES).float())
+    assert bytes(c for c in range(256) if nan[c]) == b"\x7f\xff"
+
+
+@pytest.mark.parametrize(
+    "dtype,torch_dtype", [("F32", torch.float32), ("BF16", torch.bfloat16), ("F16", torch.float16)]
+)
+def test_decode_floats_agrees_with_torch(dtype: str, torch_dtype: torch.dtype) -> None:
+    values = torch.tensor([0.0123, 1.5, 3.0e-5, 448.0, 1e-7]).to(torch_dtype)
+    data = raw(values)
+    assert decode_floats(data, dtype) == [float(v) for v in values.float()]
+    assert decode_floats(struct.pack("<d", 0.1), "F64") == [0.1]
