@@ -8,20 +8,22 @@ chunks whatever the checkpoint's size.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
-from fp8fix.dtypes import count_nan_codes
+from fp8fix.dtypes import NAN_CODES, count_nan_codes
 from fp8fix.errors import InvalidCheckpoint
-from fp8fix.plan import ConversionPlan, CopyRange, OutputShard, Piece, RepeatRange, Requantize
+from fp8fix.plan import ConversionPlan, CopyRange, OutputShard, RepeatRange, Requantize
 from fp8fix.safetensors_file import encode_header
 from fp8fix.transforms import RequantizeError
 
 CHUNK = 16 * 1024 * 1024
+SCAN_WINDOW = 64 * 1024 * 1024
 _NO_COPY_FILE_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
 
 
@@ -68,40 +70,44 @@ def _write_shard(
     with open(path, "wb", buffering=0) as f:
         out = f.fileno()
         _write_all(out, header)
-        for source, piece in _coalesced(shard):
-            if isinstance(piece, CopyRange) and piece.nan_check is None:
-                _copy(sources.fd(piece.path), out, piece.start, piece.end, bar)
-            elif isinstance(piece, CopyRange):
-                _copy_checked(sources.fd(piece.path), out, piece, source, bar)
-            elif isinstance(piece, RepeatRange):
-                data = os.pread(sources.fd(piece.path), piece.end - piece.start, piece.start)
-                _write_all(out, data * piece.times)
-                bar.update(piece.nbytes)
-            else:
-                errors.setdefault(source, RequantizeError()).update(
-                    _requantize(sources.fd(piece.path), out, piece, source, bar)
-                )
-
-
-def _coalesced(shard: OutputShard) -> Iterator[tuple[str, Piece]]:
-    """The shard's pieces in order, with adjacent plain copies of one file merged into one range."""
-    pending: CopyRange | None = None
-    for tensor in shard.tensors:
-        for piece in tensor.pieces:
-            if isinstance(piece, CopyRange) and piece.nan_check is None:
-                if pending and pending.path == piece.path and pending.end == piece.start:
-                    pending = CopyRange(pending.path, pending.start, piece.end)
+        copier = _RangeCopier(sources, out, bar)
+        for tensor in shard.tensors:
+            for piece in tensor.pieces:
+                if isinstance(piece, CopyRange):
+                    if piece.nan_check:
+                        _refuse_nan_codes(sources.fd(piece.path), piece, piece.nan_check, tensor.source)
+                    copier.add(piece)
                     continue
-                if pending:
-                    yield "", pending
-                pending = piece
-                continue
-            if pending:
-                yield "", pending
-                pending = None
-            yield tensor.source, piece
-    if pending:
-        yield "", pending
+                copier.flush()
+                if isinstance(piece, RepeatRange):
+                    data = os.pread(sources.fd(piece.path), piece.end - piece.start, piece.start)
+                    _write_all(out, data * piece.times)
+                    bar.update(piece.nbytes)
+                else:
+                    error = _requantize(sources.fd(piece.path), out, piece, tensor.source, bar)
+                    errors.setdefault(tensor.source, RequantizeError()).update(error)
+        copier.flush()
+
+
+class _RangeCopier:
+    """Copies byte ranges in order, merging ranges that continue each other into one kernel copy."""
+
+    def __init__(self, sources: _Sources, out: int, bar: tqdm) -> None:
+        self._sources, self._out, self._bar = sources, out, bar
+        self._pending: CopyRange | None = None
+
+    def add(self, piece: CopyRange) -> None:
+        p = self._pending
+        if p is not None and p.path == piece.path and p.end == piece.start:
+            self._pending = CopyRange(p.path, p.start, piece.end)
+            return
+        self.flush()
+        self._pending = piece
+
+    def flush(self) -> None:
+        if self._pending is not None:
+            p, self._pending = self._pending, None
+            _copy(self._sources.fd(p.path), self._out, p.start, p.end, self._bar)
 
 
 def _copy(src: int, dst: int, start: int, end: int, bar: tqdm) -> None:
@@ -140,13 +146,15 @@ def _nan_error(src: int, piece: CopyRange | Requantize, dtype: str, source: str)
     )
 
 
-def _copy_checked(src: int, out: int, piece: CopyRange, source: str, bar: tqdm) -> None:
-    assert piece.nan_check is not None
-    for chunk in _chunks(src, piece.start, piece.end):
-        if count_nan_codes(chunk, piece.nan_check):
-            raise _nan_error(src, piece, piece.nan_check, source)
-        _write_all(out, chunk)
-        bar.update(len(chunk))
+def _refuse_nan_codes(src: int, piece: CopyRange, dtype: str, source: str) -> None:
+    """Scan a range for NaN codes through a sliding memory map (memchr speed, no copy, bounded RSS)."""
+    codes = [bytes([c]) for c in NAN_CODES[dtype]]
+    for offset in range(piece.start, piece.end, SCAN_WINDOW):
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        stop = min(piece.end, offset + SCAN_WINDOW)
+        with mmap.mmap(src, stop - base, prot=mmap.PROT_READ, offset=base) as window:
+            if any(window.find(code, offset - base) >= 0 for code in codes):
+                raise _nan_error(src, piece, dtype, source)
 
 
 def _requantize(src: int, out: int, piece: Requantize, source: str, bar: tqdm) -> RequantizeError:
