@@ -252,3 +252,30 @@ def test_dry_run_writes_nothing(tmp_path: Path) -> None:
     assert "unfuse" in result.output and "q_proj, k_proj, v_proj" in result.output
     assert "nothing written" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_interrupt_leaves_no_output(tmp_path: Path) -> None:
+    """Ctrl-C while shards are being written: exit 130, no OUTPUT, no staging folder."""
+    import signal
+    import time
+
+    src = build(tmp_path / "src", phi3(hidden=1024, intermediate=4096, layers=8), files=4, extra_files=False)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fp8fix", "convert", str(src), str(out), "-q"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while not any(p.name.startswith(".out.fp8fix-") for p in tmp_path.iterdir()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.0005)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("the conversion finished before the interrupt arrived")
+    assert proc.returncode == 130, stderr
+    assert "Interrupted" in stderr and "Traceback" not in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -123,4 +123,3 @@ def test_expressions() -> None:
         evaluate("__import__('os')", lookup)
     with pytest.raises(ExpressionError):
         evaluate("a ** 2", lookup)
-
