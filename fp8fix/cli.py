@@ -36,7 +36,8 @@ def reports_errors(func: F) -> F:
             click.echo("Interrupted: nothing was written.", err=True)
             sys.exit(130)
         except OSError as e:
-            click.echo(f"Error: {e.filename or ''}: {e.strerror or e}", err=True)
+            where = f"{e.filename}: " if e.filename else ""
+            click.echo(f"Error: {where}{e.strerror or e}", err=True)
             sys.exit(1)
 
     return wrapper  # type: ignore[return-value]
@@ -53,6 +54,7 @@ Examples:
   fp8fix convert ./Phi-3-mini-fp8 ./Phi-3-mini-fp8-fixed
   fp8fix convert ./model ./out --layout fused --dry-run
   fp8fix convert ./model ./out --layout per-shard --overwrite --json
+  fp8fix convert ./model ./model-mi300 --to e4m3fnuz --layout fused
 
 \b
 Layouts (how fused modules such as qkv_proj carry their scales):
@@ -73,13 +75,25 @@ Exit codes: 0 done, 2 usage error, 3 invalid or unsupported checkpoint,
 @click.option(
     "--layout", type=click.Choice(LAYOUTS), help="Layout of fused modules' scales [default: by architecture]."
 )
+@click.option(
+    "--to",
+    type=click.Choice(["e4m3fnuz", "e4m3fn"]),
+    help="Change the FP8 encoding: e4m3fnuz for AMD MI300-class GPUs, e4m3fn (OCP) back.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan (each module: what changes and why); write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists and is not empty.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (for CI).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
 def convert(
-    source: Path, output: Path, layout: str | None, dry_run: bool, overwrite: bool, as_json: bool, quiet: bool
+    source: Path,
+    output: Path,
+    layout: str | None,
+    to: str | None,
+    dry_run: bool,
+    overwrite: bool,
+    as_json: bool,
+    quiet: bool,
 ) -> None:
     """Convert the FP8 checkpoint folder SOURCE into a fixed copy in OUTPUT.
 
@@ -88,9 +102,9 @@ def convert(
     """
     from fp8fix.convert import ConvertOptions
     from fp8fix.convert import convert as run_convert
-    from fp8fix.summary import loader_lines, plan_json, plan_lines
+    from fp8fix.summary import VLLM_FNUZ_NOTE, loader_lines, plan_json, plan_lines
 
-    result = run_convert(source, output, ConvertOptions(layout, dry_run, overwrite, quiet or as_json))
+    result = run_convert(source, output, ConvertOptions(layout, to, dry_run, overwrite, quiet or as_json))
     if as_json:
         payload = plan_json(result.plan)
         payload.update(
@@ -110,6 +124,8 @@ def convert(
         click.echo(f"  copied: {', '.join(result.copied_files)}")
     for line in loader_lines(result.plan.layout):
         click.echo(line)
+    if result.plan.encoding and result.plan.encoding.target == "e4m3fnuz":
+        click.echo(VLLM_FNUZ_NOTE)
     if dry_run:
         click.echo("dry run: nothing written")
     else:

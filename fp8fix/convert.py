@@ -31,13 +31,14 @@ from fp8fix.writer import write_plan
 @dataclass(frozen=True)
 class ConvertOptions:
     layout: str | None = None  # None: the architecture's default
+    to: str | None = None  # e4m3fn / e4m3fnuz; None keeps the encoding
     dry_run: bool = False
     overwrite: bool = False
     quiet: bool = False
 
     def describe(self, plan: ConversionPlan) -> str:
         """The options as a command line, for the model card."""
-        return f"--layout {plan.layout}"
+        return f"--layout {plan.layout}" + (f" --to {self.to}" if self.to else "")
 
 
 @dataclass
@@ -52,18 +53,20 @@ class ConvertResult:
 def convert(source: Path, output: Path, options: ConvertOptions) -> ConvertResult:
     check_output(source, output, options.overwrite)
     ckpt = open_checkpoint(source)
-    plan = plan_conversion(ckpt, options.layout)
+    plan = plan_conversion(ckpt, options.layout, options.to)
     new_config, edits = rewrite_config(ckpt.config, plan.format.name_lists, plan.renames)
     copies = files_to_copy(ckpt)
     result = ConvertResult(plan, output, written=False, config_edits=edits, copied_files=copies)
     if options.dry_run:
         return result
     with staging_folder(output) as staging:
-        errors = write_plan(plan, staging, quiet=options.quiet)
+        stats = write_plan(plan, staging, quiet=options.quiet)
         for module in plan.modules:
-            error = errors.get(module.module + ".weight")
+            error = stats.requantized.get(module.module + ".weight")
             if error is not None:
                 module.max_error, module.max_error_steps = error.max_abs, error.max_steps
+        if plan.encoding is not None:
+            plan.encoding.inexact_codes = stats.inexact_codes
         if plan.has_index:
             write_json(staging / INDEX, new_index(ckpt, plan))
         if new_config is None:

@@ -37,8 +37,15 @@ E4M3FNUZ = "F8_E4M3FNUZ"
 #: FP8 weight encodings fp8fix converts; the value is the encoding's common name.
 FP8_WEIGHT_DTYPES: dict[str, str] = {E4M3FN: "e4m3fn", E4M3FNUZ: "e4m3fnuz"}
 
-#: Largest finite value of each FP8 weight encoding (used to clamp before rounding).
+#: Largest finite value of each FP8 weight encoding.
 FP8_MAX: dict[str, float] = {E4M3FN: 448.0, E4M3FNUZ: 240.0}
+
+#: The clamp used when requantizing into each encoding: vLLM's ROCm kernels clamp
+#: e4m3fnuz to +-224, not 240, so fp8fix does the same.
+REQUANT_CLAMP: dict[str, float] = {E4M3FN: 448.0, E4M3FNUZ: 224.0}
+
+#: `--to` names -> dtype strings.
+ENCODINGS: dict[str, str] = {"e4m3fn": E4M3FN, "e4m3fnuz": E4M3FNUZ}
 
 #: Codes that are NaN in each encoding and must never reach a rewritten weight.
 NAN_CODES: dict[str, tuple[int, ...]] = {E4M3FN: (0x7F, 0xFF), E4M3FNUZ: (0x80,)}
@@ -61,6 +68,9 @@ def count_nan_codes(data: bytes | bytearray | memoryview, dtype: str) -> int:
     return sum(raw.count(code) for code in NAN_CODES.get(dtype, ()))
 
 
+_STRUCT = {"F32": "f", "F16": "e", "F64": "d"}
+
+
 def decode_floats(data: bytes, dtype: str) -> list[float]:
     """Decode a few little-endian float values (scales) without torch.
 
@@ -75,4 +85,14 @@ def decode_floats(data: bytes, dtype: str) -> list[float]:
     if dtype == "BF16":
         widened = b"".join(b"\x00\x00" + data[i : i + 2] for i in range(0, len(data), 2))
         return list(struct.unpack(f"<{len(data) // 2}f", widened))
+    raise ValueError(f"not a float scale dtype: {dtype}")
+
+
+def encode_floats(values: list[float], dtype: str) -> bytes:
+    """The inverse of `decode_floats`; BF16 keeps the top half of each F32 (values must fit exactly)."""
+    if dtype in _STRUCT:
+        return struct.pack(f"<{len(values)}{_STRUCT[dtype]}", *values)
+    if dtype == "BF16":
+        wide = struct.pack(f"<{len(values)}f", *values)
+        return b"".join(wide[i + 2 : i + 4] for i in range(0, len(wide), 4))
     raise ValueError(f"not a float scale dtype: {dtype}")

@@ -14,7 +14,7 @@ from typing import Any
 
 from fp8fix import __version__
 from fp8fix.plan import ConversionPlan
-from fp8fix.summary import loader_table, module_groups
+from fp8fix.summary import VLLM_FNUZ_NOTE, encoding_line, loader_table, module_groups
 
 CARD = "README.md"
 TAGS = ["fp8", "fp8fix"]
@@ -44,6 +44,9 @@ def conversion_section(plan: ConversionPlan, source_name: str, options: str, con
         f"- Layout: **{plan.layout}**",
         "",
     ]
+    encoding = encoding_line(plan)
+    if encoding:
+        lines += [f"- FP8 {encoding}", "", VLLM_FNUZ_NOTE.replace("note: ", "Note: ", 1), ""]
     groups = module_groups(plan)
     if groups:
         lines += ["| modules | count | scale | change | why |", "|---|---|---|---|---|"]
@@ -75,7 +78,8 @@ def write_card(
     original = source / CARD
     metadata, body = split_card(original.read_text(encoding="utf-8")) if original.is_file() else ({}, "")
     data = ModelCardData(**metadata)
-    data.tags = list(dict.fromkeys([*(data.tags or []), *TAGS]))
+    rocm = ["e4m3fnuz", "rocm"] if plan.encoding and plan.encoding.target == "e4m3fnuz" else []
+    data.tags = list(dict.fromkeys([*(data.tags or []), *TAGS, *rocm]))
     text = conversion_section(plan, source_name, options, config_edits)
     if body.strip():
         text += "\n## Original model card\n\n" + body.strip() + "\n"

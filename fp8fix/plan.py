@@ -14,6 +14,7 @@ from typing import Literal
 
 from fp8fix.dtypes import tensor_nbytes
 from fp8fix.registry.formats import FormatSpec
+from fp8fix.safetensors_file import TensorInfo
 
 Layout = Literal["unfused", "per-shard", "fused"]
 LAYOUTS: tuple[str, ...] = ("unfused", "per-shard", "fused")
@@ -50,7 +51,11 @@ class RepeatRange:
 
 @dataclass(frozen=True)
 class Requantize:
-    """FP8 codes re-expressed at `target_scale`: dequantize in float32, divide, clamp, round to nearest even."""
+    """FP8 codes re-expressed at `target_scale`: dequantize in float32, divide, clamp, round to nearest even.
+
+    `normalize` names a recoding applied to the bytes first (fn->fnuz): the codes are
+    then read as `dtype` at `scale`, both already in the new encoding's terms.
+    """
 
     path: Path
     start: int
@@ -58,13 +63,45 @@ class Requantize:
     dtype: str
     scale: float
     target_scale: float
+    out_dtype: str
+    normalize: str | None = None
 
     @property
     def nbytes(self) -> int:
         return self.end - self.start
 
 
-Piece = CopyRange | RepeatRange | Requantize
+@dataclass(frozen=True)
+class Recode:
+    """FP8 codes mapped byte by byte to another encoding (see `transforms.RECODINGS`)."""
+
+    path: Path
+    start: int
+    end: int
+    recoding: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Rescale:
+    """Float scales multiplied by a power of two (exact), the result written `times` times."""
+
+    path: Path
+    start: int
+    end: int
+    dtype: str
+    factor: float
+    times: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return (self.end - self.start) * self.times
+
+
+Piece = CopyRange | RepeatRange | Requantize | Recode | Rescale
 
 
 @dataclass
@@ -124,6 +161,19 @@ class ModuleChange:
 
 
 @dataclass
+class EncodingChange:
+    """An e4m3fn <-> e4m3fnuz conversion: what it touches, and (after writing) what it could not keep exact."""
+
+    source: str  # e4m3fn / e4m3fnuz
+    target: str
+    weights: int
+    scales: int
+    kv_scales_kept: int
+    same_scale_weights: list[str] = field(default_factory=list)  # fnuz -> fn tensors holding +-240
+    inexact_codes: int | None = None  # filled in by the writer
+
+
+@dataclass
 class ConversionPlan:
     source: Path
     architecture: str
@@ -134,6 +184,8 @@ class ConversionPlan:
     shards: list[OutputShard]
     renames: dict[str, list[str]]  # fused module path -> per-shard module paths (unfused layout)
     has_index: bool
+    encoding: EncodingChange | None = None
+    sources: dict[str, TensorInfo] = field(default_factory=dict)  # the source's tensors, for messages
 
     @property
     def total_bytes(self) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from fp8fix.checkpoint import Checkpoint
 from fp8fix.dtypes import FP8_WEIGHT_DTYPES, ITEM_SIZE, SCALE_DTYPES, decode_floats, is_fp8
+from fp8fix.encoding_plan import plan_encoding
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.plan import ConversionPlan, CopyRange, ModuleChange, OutputShard, OutputTensor, RepeatRange, Requantize
 from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, architecture_for
@@ -44,7 +45,8 @@ def default_layout(arch: ArchitectureSpec) -> str:
     return "unfused" if arch.fused_modules and all(m.can_unfuse for m in arch.fused_modules) else "per-shard"
 
 
-def plan_conversion(ckpt: Checkpoint, layout: str | None) -> ConversionPlan:
+def plan_conversion(ckpt: Checkpoint, layout: str | None, to: str | None = None) -> ConversionPlan:
+    """The whole conversion: fused-module layout first, then (with `to`) the FP8 encoding."""
     fmt = detect_format(ckpt.config, ckpt.root)
     arch_name, arch = architecture_for(ckpt.config)
     chosen = layout or default_layout(arch)
@@ -67,6 +69,7 @@ def plan_conversion(ckpt: Checkpoint, layout: str | None) -> ConversionPlan:
             renames[module.path] = change.new_modules
     shards = [_plan_shard(name, header.metadata, header.tensors, replacements) for name, header in ckpt.shards.items()]
     _check_unique_names(shards)
+    encoding = plan_encoding(ckpt, fmt, shards, to) if to else None
     return ConversionPlan(
         source=ckpt.root,
         architecture=arch_name,
@@ -77,6 +80,8 @@ def plan_conversion(ckpt: Checkpoint, layout: str | None) -> ConversionPlan:
         shards=shards,
         renames=renames,
         has_index=ckpt.index is not None,
+        encoding=encoding,
+        sources=ckpt.tensors,
     )
 
 
@@ -276,7 +281,7 @@ def _fuse_scales(
             if value == values[top]:
                 pieces.append(CopyRange(w.path, start, end, nan_check=w.dtype))
             else:
-                pieces.append(Requantize(w.path, start, end, w.dtype, value, values[top]))
+                pieces.append(Requantize(w.path, start, end, w.dtype, value, values[top], w.dtype))
             start = end
         outputs[w.name] = [OutputTensor(w.name, w.dtype, w.shape, list(pieces), w.name)]
         change.action = "requantize"

@@ -6,6 +6,7 @@ with the layers it covers, not 64 lines. `--json` keeps every module.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import defaultdict
 from typing import Any
@@ -59,6 +60,33 @@ def _pattern(names: list[str]) -> str:
     return shapes.pop().replace(".#.", f".{{{span}}}.")
 
 
+VLLM_FNUZ_NOTE = (
+    "note: vLLM loads FP8 weights into e4m3fn parameters on every platform and converts e4m3fn checkpoints "
+    "for MI300 itself (>= 0.9, in the right order); give vLLM the e4m3fn checkpoint. e4m3fnuz output is for "
+    "runtimes that consume e4m3fnuz weights as they are."
+)
+
+
+def encoding_line(plan: ConversionPlan) -> str | None:
+    e = plan.encoding
+    if e is None:
+        return None
+    factor = "doubled" if e.target == "e4m3fnuz" else "halved"
+    line = (
+        f"encoding: {e.source} -> {e.target}: {e.weights} FP8 weights relabelled"
+        + (" (0x80, -0, becomes 0x00)" if e.target == "e4m3fnuz" else "")
+        + f", {e.scales} weight/input scales {factor}, {e.kv_scales_kept} kv-cache scales kept"
+    )
+    if e.same_scale_weights:
+        line += (
+            f"; {len(e.same_scale_weights)} weights hold +-240 (NaN in e4m3fn), so they keep their scale and each "
+            "code maps to the same value"
+        )
+        if e.inexact_codes is not None:
+            line += f" ({e.inexact_codes} codes below 2^-6 rounded by half an e4m3fn step)"
+    return line
+
+
 def loader_table(layout: str) -> dict[str, dict[str, Any]]:
     return {
         name: {"loads": COMPATIBILITY[layout][name][0], "reason": COMPATIBILITY[layout][name][1]} for name in LOADERS
@@ -81,8 +109,11 @@ def plan_lines(plan: ConversionPlan) -> list[str]:
         f"layout:  {plan.layout} ({how})",
     ]
     groups = module_groups(plan)
+    encoding = encoding_line(plan)
+    if encoding:
+        lines.append(encoding)
     if not groups:
-        lines.append("modules: no fused modules in this checkpoint; tensors are copied unchanged")
+        lines.append("modules: no fused modules in this checkpoint")
     for g in groups:
         into = f" -> {', '.join(g['into'])}" if g["into"] else ""
         error = ""
@@ -135,5 +166,6 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
             }
             for s in plan.shards
         ],
+        "encoding": None if plan.encoding is None else dataclasses.asdict(plan.encoding),
         "loaders": loader_table(plan.layout),
     }

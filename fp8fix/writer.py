@@ -8,31 +8,40 @@ chunks whatever the checkpoint's size.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from fp8fix.dtypes import NAN_CODES, count_nan_codes
+from fp8fix.dtypes import NAN_CODES
 from fp8fix.errors import InvalidCheckpoint
-from fp8fix.plan import ConversionPlan, CopyRange, OutputShard, RepeatRange, Requantize
-from fp8fix.safetensors_file import encode_header
-from fp8fix.transforms import RequantizeError
+from fp8fix.plan import ConversionPlan, CopyRange, OutputShard, Recode, RepeatRange, Requantize, Rescale
+from fp8fix.safetensors_file import TensorInfo, encode_header
+from fp8fix.scan import range_contains
+from fp8fix.transforms import RECODINGS, RequantizeError, inexact_codes, recode
 
 CHUNK = 16 * 1024 * 1024
-SCAN_WINDOW = 64 * 1024 * 1024
 _NO_COPY_FILE_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
+
+
+@dataclass
+class WriteStats:
+    """What the data revealed while writing: requantization errors per source tensor, inexact recodes."""
+
+    requantized: dict[str, RequantizeError] = field(default_factory=dict)
+    inexact_codes: int = 0
 
 
 class _Sources:
     """Read-only descriptors of the source files, opened once each."""
 
-    def __init__(self, stack: ExitStack) -> None:
+    def __init__(self, stack: ExitStack, tensors: dict[str, TensorInfo]) -> None:
         self._stack = stack
         self._fds: dict[Path, int] = {}
+        self.tensors = tensors
 
     def fd(self, path: Path) -> int:
         if path not in self._fds:
@@ -42,11 +51,11 @@ class _Sources:
         return self._fds[path]
 
 
-def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False) -> dict[str, RequantizeError]:
-    """Write every shard of `plan` into `out_dir`; return the requantization error per source tensor."""
-    errors: dict[str, RequantizeError] = {}
+def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False) -> WriteStats:
+    """Write every shard of `plan` into `out_dir`."""
+    stats = WriteStats()
     with ExitStack() as stack:
-        sources = _Sources(stack)
+        sources = _Sources(stack, plan.sources)
         bar = stack.enter_context(
             tqdm(
                 total=plan.total_bytes,
@@ -58,13 +67,11 @@ def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False) -> dict
             )
         )
         for shard in plan.shards:
-            _write_shard(shard, out_dir / shard.name, sources, bar, errors)
-    return errors
+            _write_shard(shard, out_dir / shard.name, sources, bar, stats)
+    return stats
 
 
-def _write_shard(
-    shard: OutputShard, path: Path, sources: _Sources, bar: tqdm, errors: dict[str, RequantizeError]
-) -> None:
+def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: tqdm, stats: WriteStats) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     header = encode_header([(t.name, t.dtype, t.shape) for t in shard.tensors], shard.metadata)
     with open(path, "wb", buffering=0) as f:
@@ -75,17 +82,22 @@ def _write_shard(
             for piece in tensor.pieces:
                 if isinstance(piece, CopyRange):
                     if piece.nan_check:
-                        _refuse_nan_codes(sources.fd(piece.path), piece, piece.nan_check, tensor.source)
+                        _refuse_codes(sources, piece, NAN_CODES[piece.nan_check], tensor.source, "NaN codes")
                     copier.add(piece)
                     continue
                 copier.flush()
+                src = sources.fd(piece.path)
                 if isinstance(piece, RepeatRange):
-                    data = os.pread(sources.fd(piece.path), piece.end - piece.start, piece.start)
+                    data = os.pread(src, piece.end - piece.start, piece.start)
                     _write_all(out, data * piece.times)
-                    bar.update(piece.nbytes)
+                elif isinstance(piece, Rescale):
+                    _write_all(out, _rescale(src, piece, tensor.name) * piece.times)
+                elif isinstance(piece, Recode):
+                    stats.inexact_codes += _recode(sources, out, piece, tensor.source)
                 else:
-                    error = _requantize(sources.fd(piece.path), out, piece, tensor.source, bar)
-                    errors.setdefault(tensor.source, RequantizeError()).update(error)
+                    error = _requantize(sources, out, piece, tensor.source)
+                    stats.requantized.setdefault(tensor.source, RequantizeError()).update(error)
+                bar.update(piece.nbytes)
         copier.flush()
 
 
@@ -138,34 +150,51 @@ def _chunks(src: int, start: int, end: int) -> Iterator[bytes]:
         yield os.pread(src, min(CHUNK, end - offset), offset)
 
 
-def _nan_error(src: int, piece: CopyRange | Requantize, dtype: str, source: str) -> InvalidCheckpoint:
-    count = sum(count_nan_codes(chunk, dtype) for chunk in _chunks(src, piece.start, piece.end))
-    return InvalidCheckpoint(
-        f"{piece.path.name}: weight '{source}' holds {count} NaN code(s) (0x7F/0xFF in e4m3fn) in rows being "
-        "rewritten; the checkpoint is corrupt: re-export it"
+def _refuse_codes(
+    sources: _Sources, piece: CopyRange | Recode | Requantize, codes: tuple[int, ...], source: str, what: str
+) -> None:
+    """Raise, naming the tensor and counting the codes in all of it, when the piece holds any of `codes`."""
+    if not range_contains(sources.fd(piece.path), piece.start, piece.end, codes):
+        return
+    t = sources.tensors.get(source)
+    path, start, end = (t.path, t.start, t.end) if t else (piece.path, piece.start, piece.end)
+    count = sum(chunk.count(c) for chunk in _chunks(sources.fd(path), start, end) for c in codes)
+    listed = "/".join(f"0x{c:02X}" for c in codes)
+    raise InvalidCheckpoint(
+        f"{path.name}: weight '{source}' holds {count} {what} ({listed}); fp8fix will not turn them into "
+        "plausible numbers: the checkpoint is corrupt or mislabelled, re-export it"
     )
 
 
-def _refuse_nan_codes(src: int, piece: CopyRange, dtype: str, source: str) -> None:
-    """Scan a range for NaN codes through a sliding memory map (memchr speed, no copy, bounded RSS)."""
-    codes = [bytes([c]) for c in NAN_CODES[dtype]]
-    for offset in range(piece.start, piece.end, SCAN_WINDOW):
-        base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        stop = min(piece.end, offset + SCAN_WINDOW)
-        with mmap.mmap(src, stop - base, prot=mmap.PROT_READ, offset=base) as window:
-            if any(window.find(code, offset - base) >= 0 for code in codes):
-                raise _nan_error(src, piece, dtype, source)
+def _recode(sources: _Sources, out: int, piece: Recode, source: str) -> int:
+    recoding = RECODINGS[piece.recoding]
+    _refuse_codes(sources, piece, recoding.forbidden, source, recoding.why)
+    lossy = inexact_codes(piece.recoding)
+    inexact = 0
+    for chunk in _chunks(sources.fd(piece.path), piece.start, piece.end):
+        inexact += sum(chunk.count(c) for c in lossy)
+        _write_all(out, recode(chunk, piece.recoding))
+    return inexact
 
 
-def _requantize(src: int, out: int, piece: Requantize, source: str, bar: tqdm) -> RequantizeError:
+def _rescale(src: int, piece: Rescale, name: str) -> bytes:
+    from fp8fix.transforms import scale_exactly
+
+    try:
+        return scale_exactly(os.pread(src, piece.end - piece.start, piece.start), piece.dtype, piece.factor)
+    except ValueError as e:
+        raise InvalidCheckpoint(f"{piece.path.name}: scale '{name}': {e}; cannot convert it exactly") from e
+
+
+def _requantize(sources: _Sources, out: int, piece: Requantize, source: str) -> RequantizeError:
     from fp8fix.transforms import requantize
 
+    forbidden = RECODINGS[piece.normalize].forbidden if piece.normalize else NAN_CODES[piece.dtype]
+    _refuse_codes(sources, piece, forbidden, source, "NaN codes")
     worst = RequantizeError()
-    for chunk in _chunks(src, piece.start, piece.end):
-        if count_nan_codes(chunk, piece.dtype):
-            raise _nan_error(src, piece, piece.dtype, source)
-        codes, error = requantize(chunk, piece.dtype, piece.scale, piece.target_scale)
+    for chunk in _chunks(sources.fd(piece.path), piece.start, piece.end):
+        codes = recode(chunk, piece.normalize) if piece.normalize else chunk
+        new, error = requantize(codes, piece.dtype, piece.scale, piece.target_scale, piece.out_dtype)
         worst.update(error)
-        _write_all(out, codes)
-        bar.update(len(chunk))
+        _write_all(out, new)
     return worst

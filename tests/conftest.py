@@ -93,3 +93,14 @@ def rewrite_header() -> Callable[..., None]:
 
 def fused_names(folder: Path, suffix: str) -> list[str]:
     return sorted({n.rsplit(".", 1)[0] for n in shard_files(folder) if n.rsplit(".", 1)[0].endswith(suffix)})
+
+
+def patch_bytes(folder: Path, tensor: str, patches: dict[int, int]) -> None:
+    """Overwrite bytes of one tensor in place (offsets relative to the tensor's first byte)."""
+    path = folder / shard_files(folder)[tensor]
+    header, data = read_raw_header(path)
+    begin = header[tensor]["data_offsets"][0]
+    buffer = bytearray(data)
+    for offset, value in patches.items():
+        buffer[begin + offset] = value
+    write_raw(path, header, bytes(buffer))

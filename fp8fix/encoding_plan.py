@@ -1,0 +1,110 @@
+"""Planning an e4m3fn <-> e4m3fnuz conversion on top of a layout plan.
+
+fn -> fnuz (AMD MI300): every FP8 weight keeps its bits (0x80, -0, becomes 0x00) and is
+labelled F8_E4M3FNUZ; every scale that multiplies those codes doubles: weight scales
+(per tensor, per shard, per channel) and static input scales. kv-cache scales stay:
+runtimes double them themselves on fnuz platforms. Where the layout requantizes a
+fused module, the codes are normalized FIRST and requantized in the fnuz domain (the
+reverse order clips every weight above code 224).
+
+fnuz -> fn: scales halve and bits stay, which is exact unless a tensor holds +-240
+(0x7F/0xFF, NaN in fn). Such a tensor keeps its scale instead and each code becomes the
+fn code of the same value: exact except codes below 2^-6 with an odd mantissa, which
+round by half an fn step; the count is reported.
+"""
+
+from __future__ import annotations
+
+from fp8fix.checkpoint import Checkpoint
+from fp8fix.dtypes import ENCODINGS, FP8_WEIGHT_DTYPES
+from fp8fix.errors import UnsupportedCheckpoint
+from fp8fix.plan import CopyRange, EncodingChange, OutputShard, Piece, Recode, RepeatRange, Requantize, Rescale
+from fp8fix.registry.formats import FormatSpec
+from fp8fix.scan import range_contains
+from fp8fix.transforms import FN_TO_FNUZ, FNUZ_TO_FN, FNUZ_TO_FN_SAME_SCALE, Recoding
+
+#: Calibration scales of the kv cache, in fn units whatever the weights' encoding.
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", ".kv_scale")
+
+
+def plan_encoding(ckpt: Checkpoint, fmt: FormatSpec, shards: list[OutputShard], target: str) -> EncodingChange | None:
+    """Rewrite `shards` in place for the `target` encoding; None when the weights already use it."""
+    fp8 = {name: t for name, t in ckpt.tensors.items() if t.dtype in FP8_WEIGHT_DTYPES}
+    encodings = sorted({t.dtype for t in fp8.values()})
+    if len(encodings) > 1:
+        raise UnsupportedCheckpoint(
+            f"the checkpoint mixes FP8 encodings ({', '.join(encodings)}); convert one at a time"
+        )
+    source, wanted = encodings[0], ENCODINGS[target]
+    if source == wanted:
+        return None
+    activation_factor = FN_TO_FNUZ.scale_factor if wanted == FN_TO_FNUZ.target else FNUZ_TO_FN.scale_factor
+    recodings: dict[str, Recoding] = {name: _recoding_for(ckpt, name) for name in fp8}
+    factors: dict[str, float] = {}
+    for name, recoding in recodings.items():
+        module = name.rsplit(".", 1)[0]
+        factors[f"{module}.{fmt.weight_scale}"] = recoding.scale_factor
+        if f"{module}.{fmt.input_scale}" in ckpt.tensors:
+            factors[f"{module}.{fmt.input_scale}"] = activation_factor
+    for shard in shards:
+        shard.metadata["fp8fix_encoding"] = target
+        for t in shard.tensors:
+            if t.source in recodings:
+                t.dtype = wanted
+                t.pieces = [_recoded(p, recodings[t.source], t.source) for p in t.pieces]
+            elif t.source in factors:
+                t.pieces = [_rescaled(p, t.dtype, factors[t.source], t.name) for p in t.pieces]
+    return EncodingChange(
+        source=FP8_WEIGHT_DTYPES[source],
+        target=target,
+        weights=len(fp8),
+        scales=len(factors),
+        kv_scales_kept=sum(name.endswith(KV_SCALE_SUFFIXES) for name in ckpt.tensors),
+        same_scale_weights=sorted(n for n, r in recodings.items() if r is FNUZ_TO_FN_SAME_SCALE),
+    )
+
+
+def _recoding_for(ckpt: Checkpoint, name: str) -> Recoding:
+    t = ckpt.tensors[name]
+    if t.dtype == FN_TO_FNUZ.source:
+        return FN_TO_FNUZ
+    import os
+
+    fd = os.open(t.path, os.O_RDONLY)
+    try:
+        holds_240 = range_contains(fd, t.start, t.end, (0x7F, 0xFF))
+    finally:
+        os.close(fd)
+    return FNUZ_TO_FN_SAME_SCALE if holds_240 else FNUZ_TO_FN
+
+
+def _recoded(piece: Piece, recoding: Recoding, name: str) -> Piece:
+    if isinstance(piece, CopyRange):
+        return Recode(piece.path, piece.start, piece.end, recoding.name)
+    if isinstance(piece, Requantize) and recoding is FN_TO_FNUZ:
+        # normalize first, then requantize in the fnuz domain at the doubled scales
+        f = recoding.scale_factor
+        return Requantize(
+            piece.path,
+            piece.start,
+            piece.end,
+            recoding.target,
+            piece.scale * f,
+            piece.target_scale * f,
+            recoding.target,
+            normalize=recoding.name,
+        )
+    if isinstance(piece, Requantize):
+        f = recoding.scale_factor
+        return Requantize(
+            piece.path, piece.start, piece.end, piece.dtype, piece.scale, piece.target_scale * f, recoding.target
+        )
+    raise AssertionError(f"{name}: cannot change the encoding of {piece}")
+
+
+def _rescaled(piece: Piece, dtype: str, factor: float, name: str) -> Piece:
+    if isinstance(piece, CopyRange):
+        return Rescale(piece.path, piece.start, piece.end, dtype, factor)
+    if isinstance(piece, RepeatRange):
+        return Rescale(piece.path, piece.start, piece.end, dtype, factor, piece.times)
+    raise AssertionError(f"{name}: cannot rescale {piece}")

@@ -1,0 +1,252 @@
+"""e4m3fn <-> e4m3fnuz: exactness, the normalize-then-requantize order, NaN refusal, round trips."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.builders import build, phi3
+from tests.conftest import dequant, load_tensors, patch_bytes, raw, run_cli, shard_files
+from tests.test_convert_layouts import fused_modules
+
+FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
+KV = ("k_scale", "v_scale")
+FP8_MODULE_PARAMS = ("weight_scale", "input_scale")
+
+
+def codes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equal float32 values, with -0 and +0 counted equal (0x80 -> 0x00 is documented)."""
+    return raw(a + 0.0) == raw(b + 0.0)
+
+
+def fused_rows(module: str) -> list[int]:
+    return next((f.rows for m, f in fused_modules() if m == module), [])
+
+
+def dequant_rows(w: torch.Tensor, scale: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Dequantize, expanding a per-shard scale vector over each shard's rows."""
+    if rows and scale.dim() == 1 and scale.numel() == len(rows):
+        scale = scale.float().repeat_interleave(torch.tensor(rows)).reshape(-1, 1)
+    return dequant(w, scale)
+
+
+def convert(src: Path, out: Path, *args: str) -> dict:
+    result = run_cli("convert", src, out, "--json", "-q", *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def with_negative_zeros(src: Path) -> Path:
+    """Real exports hold -0 (0x80) where tiny negative weights round to zero; make sure these do."""
+    for name in shard_files(src):
+        if name.endswith("o_proj.weight") or name.endswith("qkv_proj.weight"):
+            patch_bytes(src, name, {3: 0x80, 200: 0x80})
+    return src
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "compressed-tensors"])
+@pytest.mark.parametrize(
+    "scale,layout", [("tensor", "unfused"), ("tensor", "per-shard"), ("channel", "unfused"), ("shard", "fused")]
+)
+def test_fn_to_fnuz_is_exact_in_value(tmp_path: Path, fmt: str, scale: str, layout: str) -> None:
+    src = with_negative_zeros(build(tmp_path / "src", phi3(), fmt=fmt, scale=scale if layout != "fused" else "tensor"))
+    ref = tmp_path / "ref"  # the same layout without an encoding change: the values to match
+    convert(src, ref, "--layout", layout)
+    report = convert(src, tmp_path / "out", "--layout", layout, "--to", "e4m3fnuz")
+    r, o = load_tensors(ref), load_tensors(tmp_path / "out")
+    assert set(r) == set(o)
+    assert report["encoding"]["source"] == "e4m3fn" and report["encoding"]["target"] == "e4m3fnuz"
+    for name, t in r.items():
+        module, _, param = name.rpartition(".")
+        if t.dtype == FN:
+            assert o[name].dtype == FNUZ
+            out_codes, ref_codes = codes(o[name]), codes(t)
+            assert torch.equal(out_codes, torch.where(ref_codes == 0x80, 0, ref_codes))
+            rows = fused_rows(module)
+            assert same_value(
+                dequant_rows(o[name], o[module + ".weight_scale"], rows),
+                dequant_rows(t, r[module + ".weight_scale"], rows),
+            )
+        elif param in FP8_MODULE_PARAMS:
+            # per tensor, per shard and per channel: every entry doubled, nothing else changes
+            assert o[name].dtype == t.dtype and o[name].shape == t.shape
+            assert raw(o[name]) == raw(t * 2), name
+        else:  # kv-cache scales, norms, embeddings, lm_head
+            assert raw(o[name]) == raw(t), name
+    for file in set(shard_files(tmp_path / "out").values()):
+        with safe_open(tmp_path / "out" / file, framework="pt") as f:
+            assert f.metadata() == {"format": "pt", "fp8fix_encoding": "e4m3fnuz"}
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "- rocm" in card and "- e4m3fnuz" in card and "e4m3fn -> e4m3fnuz" in card
+
+
+def test_kv_cache_scales_are_untouched(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3())
+    convert(src, tmp_path / "out", "--to", "e4m3fnuz")
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
+    kv = [n for n in s if n.endswith(KV)]
+    assert len(kv) == 4
+    assert all(raw(o[n]) == raw(s[n]) for n in kv)
+
+
+def reference_fused_fnuz(w: torch.Tensor, scales: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The issue's order, written from its formulas: normalize fn -> fnuz (bits kept, 0x80 -> 0x00, scales
+    doubled), THEN requantize each shard to the largest doubled scale in the fnuz domain: float32 dequantize,
+    divide, clamp +-224, round to nearest even."""
+    normalized = torch.where(codes(w) == 0x80, 0, codes(w)).view(FNUZ)
+    doubled = scales.float() * 2
+    top = doubled.max()
+    out, start = [], 0
+    for i, n in enumerate(rows):
+        part = normalized[start : start + n].float() * doubled[i]
+        out.append((part / top).clamp(-224, 224).to(FNUZ))
+        start += n
+    return torch.cat(out)
+
+
+def reversed_order_fused_fnuz(w: torch.Tensor, scales: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The old Quark order: requantize first (in fn, with the fnuz kernel's +-224 clamp), then normalize."""
+    top = scales.float().max()
+    out, start = [], 0
+    for i, n in enumerate(rows):
+        part = w[start : start + n].float() * scales[i].float()
+        out.append((part / top).clamp(-224, 224).to(FN))
+        start += n
+    fn_codes = codes(torch.cat(out))
+    return torch.where(fn_codes == 0x80, 0, fn_codes).view(FNUZ)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "compressed-tensors"])
+def test_fused_fnuz_normalizes_before_requantizing(tmp_path: Path, fmt: str) -> None:
+    src = build(tmp_path / "src", phi3(), fmt=fmt, scale="shard")
+    report = convert(src, tmp_path / "out", "--layout", "fused", "--to", "e4m3fnuz")
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
+    outliers = 0
+    for module, f in fused_modules():
+        w, scales = s[f"{module}.weight"], s[f"{module}.weight_scale"]
+        assert bool((w.float().abs() > 224).any()), "the fixture must hold codes above 224"
+        got = o[f"{module}.weight"]
+        expected = reference_fused_fnuz(w, scales, f.rows)
+        assert got.dtype == FNUZ
+        assert torch.equal(codes(got), codes(expected)), f"{module}: not the normalize-first result"
+        out_scale = o[f"{module}.weight_scale"]
+        assert out_scale.float().item() == (scales.float().max() * 2).item()
+        # the reversed order clips the outliers; the right order keeps them
+        wrong = reversed_order_fused_fnuz(w, scales, f.rows)
+        true_value = torch.cat(
+            [
+                w[a : a + n].float() * scales[i].float()
+                for i, (a, n) in enumerate(zip(_starts(f.rows), f.rows, strict=True))
+            ]
+        )
+        top = scales.float().max()
+        clipped = true_value.abs() > 224 * top * (1 + 2**-4)
+        outliers += int(clipped.sum())
+        assert bool((wrong.float()[clipped].abs() * 2 * top <= 224 * top).all())
+        assert not torch.equal(codes(wrong), codes(got))
+        got_value = got.float() * out_scale.float()
+        assert bool(((got_value[clipped] - true_value[clipped]).abs() <= 16 * top).all())
+        # requantization error: at most half an fnuz step of each value at the max scale
+        entry = next(m for m in report["modules"] if m["module"] == module)
+        assert entry["action"] == "requantize" and 0 < entry["max_error_steps"] <= 0.5
+        assert entry["max_error"] == pytest.approx(float((got_value - true_value).abs().max()), rel=1e-6)
+    assert outliers > 0
+
+
+def _starts(rows: list[int]) -> list[int]:
+    return [sum(rows[:i]) for i in range(len(rows))]
+
+
+def test_nan_codes_are_refused_with_a_count(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3())
+    name = "model.layers.0.mlp.down_proj.weight"  # not fused: only the encoding change rewrites it
+    patch_bytes(src, name, {0: 0x7F, 9: 0xFF, 77: 0x7F})
+    assert run_cli("convert", src, tmp_path / "plain", "-q").exit_code == 0  # untouched there
+    result = run_cli("convert", src, tmp_path / "out", "--to", "e4m3fnuz")
+    assert result.exit_code == 3
+    assert f"'{name}' holds 3 NaN codes in e4m3fn" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("layout", ["unfused", "per-shard", "fused"])
+def test_fn_fnuz_fn_round_trip_returns_the_source(tmp_path: Path, layout: str) -> None:
+    src = with_negative_zeros(build(tmp_path / "src", phi3(), fmt="compressed-tensors"))
+    convert(src, tmp_path / "ref", "--layout", layout)
+    convert(src, tmp_path / "fnuz", "--layout", layout, "--to", "e4m3fnuz")
+    convert(tmp_path / "fnuz", tmp_path / "back", "--layout", layout, "--to", "e4m3fn")
+    r, b = load_tensors(tmp_path / "ref"), load_tensors(tmp_path / "back")
+    assert set(r) == set(b)
+    for name, t in r.items():
+        assert b[name].dtype == t.dtype
+        if t.dtype == FN:
+            assert torch.equal(codes(b[name]), torch.where(codes(t) == 0x80, 0, codes(t))), name
+        else:
+            assert raw(b[name]) == raw(t), name
+
+
+def test_fnuz_to_fn_keeps_the_scale_of_tensors_holding_240(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3(), scale="tensor")
+    convert(src, tmp_path / "fnuz", "--to", "e4m3fnuz")
+    name = "model.layers.0.mlp.down_proj.weight"
+    # +240, -240, and fnuz codes below 2^-6 with odd mantissas (0x03, 0x0B), which e4m3fn cannot hold at this scale
+    patch_bytes(tmp_path / "fnuz", name, {0: 0x7F, 1: 0xFF, 2: 0x03, 3: 0x0B, 4: 0x0B})
+    report = convert(tmp_path / "fnuz", tmp_path / "fn", "--to", "e4m3fn")
+    z, o = load_tensors(tmp_path / "fnuz"), load_tensors(tmp_path / "fn")
+    module = name.rsplit(".", 1)[0]
+    assert report["encoding"]["same_scale_weights"] == [name]
+    # codes e4m3fn cannot hold at the same scale, counted independently with torch's own cast
+    lossy = int((z[name].float().to(FN).float() != z[name].float()).sum())
+    assert lossy >= 3 and report["encoding"]["inexact_codes"] == lossy
+    assert raw(o[module + ".weight_scale"]) == raw(z[module + ".weight_scale"])  # kept, not halved
+    assert raw(o[module + ".input_scale"]) == raw(z[module + ".input_scale"] / 2)  # activations: halved as usual
+    scale = z[module + ".weight_scale"].float()
+    before, after = dequant(z[name], scale), dequant(o[name], o[module + ".weight_scale"])
+    assert after.flatten()[0] == 240 * scale and after.flatten()[1] == -240 * scale  # float32, like dequant
+    diff = (after - before).abs()
+    assert int((diff > 0).sum()) == lossy
+    assert float(diff.max()) <= 2**-10 * scale.item() * (1 + 1e-6)  # half an fn subnormal step, float32 rounding
+    # torch's own fnuz -> fn cast (round to nearest even) agrees code for code
+    assert torch.equal(codes(o[name]), codes(z[name].float().to(FN)))
+    other = "model.layers.0.mlp.down_proj.weight".replace("layers.0", "layers.1")
+    assert raw(o[other]) == raw(z[other].view(torch.uint8).view(FN))
+
+
+def test_fnuz_nan_code_is_refused(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3())
+    convert(src, tmp_path / "fnuz", "--to", "e4m3fnuz")
+    patch_bytes(tmp_path / "fnuz", "model.layers.1.self_attn.o_proj.weight", {5: 0x80})
+    result = run_cli("convert", tmp_path / "fnuz", tmp_path / "fn", "--to", "e4m3fn")
+    assert result.exit_code == 3
+    assert "model.layers.1.self_attn.o_proj.weight' holds 1 0x80 (NaN in e4m3fnuz)" in result.output
+
+
+def test_to_the_same_encoding_changes_nothing(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3())
+    report = convert(src, tmp_path / "out", "--layout", "fused", "--to", "e4m3fn")
+    assert report["encoding"] is None
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
+    assert all(raw(o[n]) == raw(t) for n, t in s.items())
+
+
+def test_fnuz_conversion_does_not_import_torch(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    src = build(tmp_path / "src", phi3())
+    code = (
+        "import sys\nfrom fp8fix.cli import main\n"
+        f"sys.argv = ['fp8fix', 'convert', {str(src)!r}, {str(tmp_path / 'out')!r}, '--to', 'e4m3fnuz', '-q']\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "assert 'torch' not in sys.modules\nprint('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("ok")
