@@ -23,7 +23,8 @@ LAYOUTS: tuple[str, ...] = ("unfused", "per-shard", "fused")
 @dataclass(frozen=True)
 class CopyRange:
     """Bytes copied unchanged from the source. `nan_check` names the FP8 dtype whose NaN
-    codes must be refused: set for weights that end up under a new name or shape."""
+    codes must be refused: set for the untouched shard of a weight whose other shards
+    are requantized, so a module is refused or converted as a whole."""
 
     path: Path
     start: int

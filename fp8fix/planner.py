@@ -227,9 +227,8 @@ def _unfuse(
                 item = ITEM_SIZE[t.dtype]
                 element = CopyRange(t.path, t.start + i * item, t.start + (i + 1) * item)
                 pieces.append(OutputTensor(name, t.dtype, fmt.scalar_shape, [element], t.name))
-            else:  # weight, bias or per-channel scale: a slice of rows
-                nan_check = t.dtype if param == "weight" and is_fp8(t.dtype) else None
-                pieces.append(_row_slice(t, bounds[i], bounds[i + 1], name, nan_check))
+            else:  # weight, bias or per-channel scale: a slice of rows, moved as bytes like any untouched tensor
+                pieces.append(_row_slice(t, bounds[i], bounds[i + 1], name))
         outputs[t.name] = pieces
     change.action = "unfuse"
     change.new_modules = new_paths
@@ -241,11 +240,11 @@ def _unfuse(
     return change, outputs
 
 
-def _row_slice(t: TensorInfo, r0: int, r1: int, name: str, nan_check: str | None) -> OutputTensor:
+def _row_slice(t: TensorInfo, r0: int, r1: int, name: str) -> OutputTensor:
     row_bytes = t.nbytes // t.shape[0]
     shape = (r1 - r0, *t.shape[1:])
     return OutputTensor(
-        name, t.dtype, shape, [CopyRange(t.path, t.start + r0 * row_bytes, t.start + r1 * row_bytes, nan_check)], t.name
+        name, t.dtype, shape, [CopyRange(t.path, t.start + r0 * row_bytes, t.start + r1 * row_bytes)], t.name
     )
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from tqdm import tqdm
+from typing import Any
 
 from fp8fix.dtypes import NAN_CODES
 from fp8fix.errors import InvalidCheckpoint
@@ -24,6 +24,9 @@ from fp8fix.scan import range_contains
 from fp8fix.transforms import RECODINGS, RequantizeError, inexact_codes, recode
 
 CHUNK = 16 * 1024 * 1024
+#: Byte-mapped chunks stay below glibc's mmap threshold (128 KiB): larger ones are fresh
+#: mmaps, and zero-filling their pages on every pread cost 3x the time of the mapping itself.
+RECODE_CHUNK = 64 * 1024
 _NO_COPY_FILE_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
 
 
@@ -33,6 +36,28 @@ class WriteStats:
 
     requantized: dict[str, RequantizeError] = field(default_factory=dict)
     inexact_codes: int = 0
+
+
+class _NoProgress:
+    """Stands in for tqdm when no bar is shown, so tqdm is not even imported."""
+
+    def update(self, n: int) -> None:
+        pass
+
+    def __enter__(self) -> _NoProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def progress_bar(total: int, desc: str, quiet: bool) -> Any:
+    """A tqdm bar over bytes on a terminal (tqdm's own rule: no bar when stderr is not a TTY)."""
+    if quiet or not sys.stderr.isatty():
+        return _NoProgress()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
 
 
 class _Sources:
@@ -56,22 +81,13 @@ def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False) -> Writ
     stats = WriteStats()
     with ExitStack() as stack:
         sources = _Sources(stack, plan.sources)
-        bar = stack.enter_context(
-            tqdm(
-                total=plan.total_bytes,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                desc="fp8fix convert",
-                disable=True if quiet else None,
-            )
-        )
+        bar = stack.enter_context(progress_bar(plan.total_bytes, "fp8fix convert", quiet))
         for shard in plan.shards:
             _write_shard(shard, out_dir / shard.name, sources, bar, stats)
     return stats
 
 
-def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: tqdm, stats: WriteStats) -> None:
+def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Any, stats: WriteStats) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     header = encode_header([(t.name, t.dtype, t.shape) for t in shard.tensors], shard.metadata)
     with open(path, "wb", buffering=0) as f:
@@ -104,7 +120,7 @@ def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: tqdm, s
 class _RangeCopier:
     """Copies byte ranges in order, merging ranges that continue each other into one kernel copy."""
 
-    def __init__(self, sources: _Sources, out: int, bar: tqdm) -> None:
+    def __init__(self, sources: _Sources, out: int, bar: Any) -> None:
         self._sources, self._out, self._bar = sources, out, bar
         self._pending: CopyRange | None = None
 
@@ -122,7 +138,7 @@ class _RangeCopier:
             _copy(self._sources.fd(p.path), self._out, p.start, p.end, self._bar)
 
 
-def _copy(src: int, dst: int, start: int, end: int, bar: tqdm) -> None:
+def _copy(src: int, dst: int, start: int, end: int, bar: Any) -> None:
     offset = start
     while offset < end:
         count = min(end - offset, 1 << 30)
@@ -145,9 +161,9 @@ def _write_all(fd: int, data: bytes) -> int:
     return len(data)
 
 
-def _chunks(src: int, start: int, end: int) -> Iterator[bytes]:
-    for offset in range(start, end, CHUNK):
-        yield os.pread(src, min(CHUNK, end - offset), offset)
+def _chunks(src: int, start: int, end: int, size: int = CHUNK) -> Iterator[bytes]:
+    for offset in range(start, end, size):
+        yield os.pread(src, min(size, end - offset), offset)
 
 
 def _refuse_codes(
@@ -167,11 +183,14 @@ def _refuse_codes(
 
 
 def _recode(sources: _Sources, out: int, piece: Recode, source: str) -> int:
+    """Map the codes chunk by chunk; forbidden codes are looked for in each chunk as it passes."""
     recoding = RECODINGS[piece.recoding]
-    _refuse_codes(sources, piece, recoding.forbidden, source, recoding.why)
+    needles = [bytes([c]) for c in recoding.forbidden]
     lossy = inexact_codes(piece.recoding)
     inexact = 0
-    for chunk in _chunks(sources.fd(piece.path), piece.start, piece.end):
+    for chunk in _chunks(sources.fd(piece.path), piece.start, piece.end, RECODE_CHUNK):
+        if any(chunk.find(n) >= 0 for n in needles):
+            _refuse_codes(sources, piece, recoding.forbidden, source, recoding.why)
         inexact += sum(chunk.count(c) for c in lossy)
         _write_all(out, recode(chunk, piece.recoding))
     return inexact

@@ -59,7 +59,8 @@ def _size_mismatch(h: dict) -> None:
 
 
 def _nan_last_shard(src: Path) -> None:
-    """0x7F (NaN in e4m3fn) inside a weight the unfused layout rewrites, in the LAST shard: fails midway."""
+    """0x7F/0xFF (NaN in e4m3fn) in a weight `--layout fused` requantizes, in the LAST shard: fails midway."""
+    build(src, phi3(), scale="shard")  # per-shard scale vectors: the fused layout requantizes
     path = src / SHARD2
     header, data = read_raw_header(path)
     begin = header[QKV1 + ".weight"]["data_offsets"][0]
@@ -67,6 +68,7 @@ def _nan_last_shard(src: Path) -> None:
     patched[begin + 5] = 0x7F
     patched[begin + 700] = 0xFF
     write_raw(path, header, bytes(patched))
+    return ("--layout", "fused")
 
 
 CASES: dict[str, tuple[Callable[[Path], object], list[str]]] = {
@@ -128,7 +130,7 @@ CASES: dict[str, tuple[Callable[[Path], object], list[str]]] = {
     ),
     "NaN codes in a rewritten weight (last shard: fails midway)": (
         _nan_last_shard,
-        [SHARD2, QKV1 + ".weight", "2 NaN code"],
+        [SHARD2, QKV1 + ".weight", "2 NaN codes (0x7F/0xFF)"],
     ),
     "block FP8": (
         lambda s: edit_json(s / "config.json", lambda c: c["quantization_config"].update(weight_block_size=[128, 128])),
@@ -173,10 +175,10 @@ def _truncate(path: Path) -> None:
 def test_bad_input_is_refused_cleanly(tmp_path: Path, case: str) -> None:
     src = build(tmp_path / "src", phi3())
     breaker, expected = CASES[case]
-    breaker(src)
+    options = breaker(src)
     before = folder_digest(src)
     out = tmp_path / "out"
-    result = run_cli("convert", src, out, "-q")
+    result = run_cli("convert", src, out, "-q", *(options if isinstance(options, tuple) else ()))
     assert result.exit_code == 3, result.output
     message = result.output.strip().splitlines()[-1]
     assert message.startswith("Error: ")

@@ -235,3 +235,15 @@ def test_single_file_checkpoint_without_index(tmp_path: Path) -> None:
     assert run_cli("convert", src, tmp_path / "out", "-q").exit_code == 0
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
     assert "model.layers.0.self_attn.q_proj.weight" in load_tensors(tmp_path / "out")
+
+
+def test_unfused_moves_nan_codes_as_they_are(tmp_path: Path) -> None:
+    """Splitting moves bytes and never recomputes them: a NaN stays the NaN it was (inspect --scan-data finds it);
+    only conversions that recompute codes (requantize, --to) refuse NaN codes."""
+    from tests.conftest import patch_bytes
+
+    src = build(tmp_path / "src", phi3())
+    patch_bytes(src, "model.layers.0.self_attn.qkv_proj.weight", {1: 0x7F})
+    assert run_cli("convert", src, tmp_path / "out", "-q").exit_code == 0
+    q = load_tensors(tmp_path / "out")["model.layers.0.self_attn.q_proj.weight"]
+    assert raw(q)[1] == 0x7F
