@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,10 +124,14 @@ def _parse_entry(where: str, path: Path, name: str, entry: object, buffer_start:
     return TensorInfo(name, path, dtype, tuple(shape), buffer_start + offsets[0], buffer_start + offsets[1])
 
 
-def encode_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
-    """The complete header bytes (length prefix + JSON padded to 8 bytes) for tensors laid out in order.
+def encode_header(
+    tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str], align: Callable[[int], int] | None = None
+) -> bytes:
+    """The complete header bytes (length prefix + JSON padded with spaces) for tensors laid out in order.
 
     `tensors` is (name, dtype, shape) in the order their data will follow the header.
+    The JSON is padded to a multiple of 8, plus `align(header_size)` more bytes when
+    given (a multiple of 8), so the writer can choose where the data starts.
     """
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
@@ -136,6 +141,8 @@ def encode_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dic
         offset += size
     body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     body += b" " * (-len(body) % 8)
+    if align is not None:
+        body += b" " * align(8 + len(body))
     return struct.pack("<Q", len(body)) + body
 
 

@@ -27,6 +27,9 @@ CHUNK = 16 * 1024 * 1024
 #: Byte-mapped chunks stay below glibc's mmap threshold (128 KiB): larger ones are fresh
 #: mmaps, and zero-filling their pages on every pread cost 3x the time of the mapping itself.
 RECODE_CHUNK = 64 * 1024
+PAGE = 4096
+#: One buffer for unaligned copies: reused, so its pages are never faulted in again.
+_BUFFER = memoryview(bytearray(1024 * 1024))
 _NO_COPY_FILE_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
 
 
@@ -89,7 +92,9 @@ def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False) -> Writ
 
 def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Any, stats: WriteStats) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = encode_header([(t.name, t.dtype, t.shape) for t in shard.tensors], shard.metadata)
+    header = encode_header(
+        [(t.name, t.dtype, t.shape) for t in shard.tensors], shard.metadata, lambda size: _page_padding(shard, size)
+    )
     with open(path, "wb", buffering=0) as f:
         out = f.fileno()
         _write_all(out, header)
@@ -138,23 +143,50 @@ class _RangeCopier:
             _copy(self._sources.fd(p.path), self._out, p.start, p.end, self._bar)
 
 
+def _page_padding(shard: OutputShard, header_size: int) -> int:
+    """Header padding that puts the most copied bytes at the same offset within a page as in the source.
+
+    The kernel copies page-aligned ranges a third faster than ranges whose source and
+    destination sit at different offsets within their pages (measured: 0.15 s vs 0.23 s
+    for 0.57 GB); a few KiB of spaces in the header buy that for most of the data.
+    """
+    weights: dict[int, int] = {}
+    position = header_size
+    for tensor in shard.tensors:
+        for piece in tensor.pieces:
+            if isinstance(piece, CopyRange):
+                delta = (piece.start - position) % PAGE
+                if delta % 8 == 0:
+                    weights[delta] = weights.get(delta, 0) + piece.nbytes
+            position += piece.nbytes
+    return max(sorted(weights), key=lambda d: weights[d]) if weights else 0
+
+
 def _copy(src: int, dst: int, start: int, end: int, bar: Any) -> None:
+    """Copy [start, end) of `src` to the current position of `dst`: in the kernel when the
+    two sit at the same offset within a page, else through one reused buffer."""
     offset = start
+    aligned = (start - os.lseek(dst, 0, os.SEEK_CUR)) % PAGE == 0
     while offset < end:
         count = min(end - offset, 1 << 30)
-        try:
-            copied = os.copy_file_range(src, dst, count, offset)
-        except OSError as e:
-            if e.errno not in _NO_COPY_FILE_RANGE:
-                raise
-            copied = _write_all(dst, os.pread(src, min(count, CHUNK), offset))
+        copied = 0
+        if aligned:
+            try:
+                copied = os.copy_file_range(src, dst, count, offset)
+            except OSError as e:
+                if e.errno not in _NO_COPY_FILE_RANGE:
+                    raise
+                aligned = False
+        if not aligned:
+            view = _BUFFER[: min(count, len(_BUFFER))]
+            copied = _write_all(dst, view[: os.preadv(src, [view], offset)])
         if copied == 0:
             raise InvalidCheckpoint(f"source file shrank while reading (offset {offset}); is it being written?")
         offset += copied
         bar.update(copied)
 
 
-def _write_all(fd: int, data: bytes) -> int:
+def _write_all(fd: int, data: bytes | memoryview) -> int:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
