@@ -130,3 +130,39 @@ def convert(
         click.echo("dry run: nothing written")
     else:
         click.echo(f"wrote {output}")
+
+
+INSPECT_EPILOG = """\b
+Examples:
+  fp8fix inspect ./Phi-3-mini-fp8
+  fp8fix inspect ./model --scan-data --json > report.json
+  fp8fix inspect ./model --strict      # CI gate: exit 1 if convert would fix something
+
+\b
+Exit codes: 0 inspected (no --strict finding), 1 --strict and a finding convert
+fixes, 3 invalid checkpoint.
+"""
+
+
+@main.command(epilog=INSPECT_EPILOG)
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema: README, 'inspect --json').")
+@click.option("--strict", is_flag=True, help="Exit 1 when there is a finding that `fp8fix convert` would fix.")
+@click.option("--scan-data", is_flag=True, help="Also read the FP8 weights: NaN codes, fnuz data under an fn label.")
+@reports_errors
+def inspect(source: Path, as_json: bool, strict: bool, scan_data: bool) -> None:
+    """Report what the checkpoint SOURCE is, its problems, and which loaders take it.
+
+    Reads config.json, the safetensors headers and the scales; the weights only
+    with --scan-data.
+    """
+    from fp8fix.inspect import inspect_checkpoint, report_lines
+
+    report = inspect_checkpoint(source, scan_data=scan_data)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        for line in report_lines(report):
+            click.echo(line)
+    if strict and report.fixable:
+        sys.exit(1)

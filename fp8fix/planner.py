@@ -27,7 +27,7 @@ SPLITTABLE = ("weight", "bias")
 
 
 @dataclass
-class _Module:
+class FusedModule:
     """A fused module found in the checkpoint, with its tensors by parameter name."""
 
     path: str
@@ -50,7 +50,7 @@ def plan_conversion(ckpt: Checkpoint, layout: str | None, to: str | None = None)
     fmt = detect_format(ckpt.config, ckpt.root)
     arch_name, arch = architecture_for(ckpt.config)
     chosen = layout or default_layout(arch)
-    fused = _fused_modules(ckpt, arch)
+    fused = find_fused_modules(ckpt, arch)
     _check_fp8_weights(ckpt, fmt, {m.path: len(m.rows) for m in fused})
     replacements: dict[str, list[OutputTensor]] = {}
     changes: list[ModuleChange] = []
@@ -111,14 +111,14 @@ def _check_fp8_weights(ckpt: Checkpoint, fmt: FormatSpec, fused_shards: dict[str
                 "its values cannot be recovered (incomplete export?)"
             )
         module = t.name.rsplit(".", 1)[0]
-        _scale_kind(scale, t.shape[0], fused_shards.get(module), allow_channel=True)
+        scale_kind(scale, t.shape[0], fused_shards.get(module), allow_channel=True)
 
 
 def _sibling(weight_name: str, param: str) -> str:
     return weight_name.rsplit(".", 1)[0] + "." + param
 
 
-def _scale_kind(scale: TensorInfo, rows: int, n_shards: int | None, allow_channel: bool) -> str:
+def scale_kind(scale: TensorInfo, rows: int, n_shards: int | None, allow_channel: bool) -> str:
     """tensor (one value), shard (one per fused shard) or channel (one per row); else an error."""
     if scale.dtype not in SCALE_DTYPES:
         raise UnsupportedCheckpoint(
@@ -137,7 +137,7 @@ def _scale_kind(scale: TensorInfo, rows: int, n_shards: int | None, allow_channe
     )
 
 
-def _fused_modules(ckpt: Checkpoint, arch: ArchitectureSpec) -> list[_Module]:
+def find_fused_modules(ckpt: Checkpoint, arch: ArchitectureSpec) -> list[FusedModule]:
     by_module: dict[str, dict[str, TensorInfo]] = {}
     for t in ckpt.tensors.values():
         module, _, param = t.name.rpartition(".")
@@ -155,15 +155,15 @@ def _fused_modules(ckpt: Checkpoint, arch: ArchitectureSpec) -> list[_Module]:
                 f"{' + '.join(f'{s.shard} {r}' for s, r in zip(spec.shards, rows, strict=True))} = {sum(rows)}: "
                 "the config does not match the weights"
             )
-        found.append(_Module(path, spec, rows, params))
+        found.append(FusedModule(path, spec, rows, params))
     return found
 
 
-def _plan_module(m: _Module, fmt: FormatSpec, layout: str) -> tuple[ModuleChange, dict[str, list[OutputTensor]]]:
+def _plan_module(m: FusedModule, fmt: FormatSpec, layout: str) -> tuple[ModuleChange, dict[str, list[OutputTensor]]]:
     n = len(m.rows)
     quantized = is_fp8(m.weight.dtype)
     scales = {p: m.params[p] for p in (fmt.weight_scale, fmt.input_scale) if p in m.params}
-    kinds = {p: _scale_kind(t, m.weight.shape[0], n, allow_channel=(p == fmt.weight_scale)) for p, t in scales.items()}
+    kinds = {p: scale_kind(t, m.weight.shape[0], n, allow_channel=(p == fmt.weight_scale)) for p, t in scales.items()}
     weight_kind = kinds.get(fmt.weight_scale, "none")
     change = ModuleChange(
         module=m.path,
@@ -210,7 +210,7 @@ def _keep_reason(kind: str) -> str:
 
 
 def _unfuse(
-    m: _Module, fmt: FormatSpec, kinds: dict[str, str], change: ModuleChange
+    m: FusedModule, fmt: FormatSpec, kinds: dict[str, str], change: ModuleChange
 ) -> tuple[ModuleChange, dict[str, list[OutputTensor]]]:
     n = len(m.rows)
     new_paths = [m.spec.unfused_path(m.path, s) for s in m.spec.shards]
@@ -249,7 +249,7 @@ def _row_slice(t: TensorInfo, r0: int, r1: int, name: str) -> OutputTensor:
 
 
 def _fuse_scales(
-    m: _Module,
+    m: FusedModule,
     fmt: FormatSpec,
     scales: dict[str, TensorInfo],
     kinds: dict[str, str],

@@ -29,7 +29,7 @@ def module_groups(plan: ConversionPlan) -> list[dict[str, Any]]:
             {
                 "kind": kind,
                 "count": len(members),
-                "modules": _pattern([m.module for m in members]),
+                "modules": name_pattern([m.module for m in members]),
                 "quantized": first.quantized,
                 "scale": scale,
                 "action": action,
@@ -46,18 +46,24 @@ def _generic_reason(reason: str) -> str:
     return re.sub(r"\([^)]*\)", "", reason)
 
 
-def _pattern(names: list[str]) -> str:
-    """'model.layers.{0..31}.mlp.gate_up_proj' for names that differ only by a layer number."""
-    shapes = {re.sub(r"\.\d+\.", ".#.", n, count=1) for n in names}
-    if len(names) == 1 or len(shapes) != 1:
-        return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1} more)"
-    numbers = sorted(int(re.search(r"\.(\d+)\.", n).group(1)) for n in names)  # type: ignore[union-attr]
+def name_pattern(names: list[str]) -> str:
+    """One compact name for many: 'model.layers.{0..31}.mlp.gate_up_proj',
+    'model.layers.{0..1}.{mlp.down_proj,self_attn.o_proj}'."""
+    unique = list(dict.fromkeys(names))
+    if len(unique) == 1:
+        return unique[0]
+    parts = [re.match(r"^(.*?\.)(\d+)(\..*)$", n) for n in unique]
+    if not all(parts) or len({p.group(1) for p in parts if p}) != 1:
+        return f"{unique[0]} (+{len(unique) - 1} more)"
+    layers = sorted({int(p.group(2)) for p in parts if p})
+    tails = sorted({p.group(3)[1:] for p in parts if p})
     span = (
-        f"{numbers[0]}..{numbers[-1]}"
-        if numbers == list(range(numbers[0], numbers[-1] + 1))
-        else ",".join(map(str, numbers))
+        f"{layers[0]}..{layers[-1]}"
+        if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1))
+        else ",".join(map(str, layers))
     )
-    return shapes.pop().replace(".#.", f".{{{span}}}.")
+    tail = tails[0] if len(tails) == 1 else "{" + ",".join(tails) + "}"
+    return f"{parts[0].group(1)}{{{span}}}.{tail}" if parts[0] else unique[0]
 
 
 VLLM_FNUZ_NOTE = (
