@@ -32,6 +32,17 @@ class Checkpoint:
     def shard_of(self, tensor: str) -> str:
         return self.tensors[tensor].path.relative_to(self.root).as_posix()
 
+    def other_files(self) -> list[str]:
+        """Every other file of the folder (tokenizer, generation config, license, card...), hidden ones excepted."""
+        found = []
+        for path in sorted(self.root.rglob("*")):
+            rel = path.relative_to(self.root)
+            if any(part.startswith(".") for part in rel.parts) or not path.is_file():
+                continue
+            if rel.as_posix() not in self.model_files:
+                found.append(rel.as_posix())
+        return found
+
     @property
     def model_files(self) -> set[str]:
         """Files the conversion rewrites; every other file of the folder is copied."""

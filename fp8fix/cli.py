@@ -64,8 +64,8 @@ Layouts (how fused modules such as qkv_proj carry their scales):
   fused      fused weight, one scale (current vLLM, transformers)
 
 \b
-Exit codes: 0 done, 2 usage error, 3 invalid or unsupported checkpoint,
-1 could not write OUTPUT.
+Exit codes: 0 done, 1 --verify found a mismatch or OUTPUT could not be
+written, 2 usage error, 3 invalid or unsupported checkpoint.
 """
 
 
@@ -80,6 +80,12 @@ Exit codes: 0 done, 2 usage error, 3 invalid or unsupported checkpoint,
     type=click.Choice(["e4m3fnuz", "e4m3fn"]),
     help="Change the FP8 encoding: e4m3fnuz for AMD MI300-class GPUs, e4m3fn (OCP) back.",
 )
+@click.option(
+    "--verify",
+    "run_verify",
+    is_flag=True,
+    help="Verify OUTPUT against SOURCE before it appears (exit 1 on a mismatch).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan (each module: what changes and why); write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists and is not empty.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (for CI).")
@@ -90,6 +96,7 @@ def convert(
     output: Path,
     layout: str | None,
     to: str | None,
+    run_verify: bool,
     dry_run: bool,
     overwrite: bool,
     as_json: bool,
@@ -104,7 +111,7 @@ def convert(
     from fp8fix.convert import convert as run_convert
     from fp8fix.summary import VLLM_FNUZ_NOTE, loader_lines, plan_json, plan_lines
 
-    result = run_convert(source, output, ConvertOptions(layout, to, dry_run, overwrite, quiet or as_json))
+    result = run_convert(source, output, ConvertOptions(layout, to, dry_run, overwrite, quiet or as_json, run_verify))
     if as_json:
         payload = plan_json(result.plan)
         payload.update(
@@ -113,6 +120,7 @@ def convert(
             written=result.written,
             config_edits=result.config_edits,
             copied_files=result.copied_files,
+            verification=result.verification.to_json() if result.verification else None,
         )
         click.echo(json.dumps(payload, indent=2))
         return
@@ -126,6 +134,8 @@ def convert(
         click.echo(line)
     if result.plan.encoding and result.plan.encoding.target == "e4m3fnuz":
         click.echo(VLLM_FNUZ_NOTE)
+    if result.verification:
+        click.echo(f"verified: {result.verification.summary()}")
     if dry_run:
         click.echo("dry run: nothing written")
     else:
@@ -165,4 +175,46 @@ def inspect(source: Path, as_json: bool, strict: bool, scan_data: bool) -> None:
         for line in report_lines(report):
             click.echo(line)
     if strict and report.fixable:
+        sys.exit(1)
+
+
+VERIFY_EPILOG = """\b
+Examples:
+  fp8fix verify ./Phi-3-mini-fp8 ./Phi-3-mini-fp8-fixed
+  fp8fix verify ./model ./model-mi300 --json > verify.json
+
+\b
+Exit codes: 0 faithful, 1 mismatch (the tensors are named), 3 invalid input.
+"""
+
+
+@main.command("verify", epilog=VERIFY_EPILOG)
+@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("output", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@reports_errors
+def verify_command(source: Path, output: Path, as_json: bool, quiet: bool) -> None:
+    """Prove OUTPUT a faithful conversion of SOURCE, tensor by tensor.
+
+    Splits and fn <-> fnuz changes must be exact in value, requantized modules
+    within half an fp8 step; every other tensor byte-identical; index, config and
+    copied files as they should be. Streams with bounded memory.
+    """
+    from fp8fix.verify import verify
+
+    report = verify(source, output, quiet=quiet or as_json)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        click.echo(f"{'faithful' if report.ok else 'MISMATCH'}: {report.summary()}")
+        for w in report.weights:
+            if w.kind != "exact":
+                click.echo(
+                    f"  {w.kind:<11} {w.tensor}: max error {w.max_error:.3g} ({w.max_error_steps:.2f} fp8 steps)"
+                    + (f", {w.rounded_codes} codes rounded" if w.rounded_codes else "")
+                )
+        for problem in report.problems:
+            click.echo(f"  problem: {problem}")
+    if not report.ok:
         sys.exit(1)

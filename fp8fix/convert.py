@@ -21,10 +21,11 @@ from typing import Any
 
 from fp8fix.checkpoint import CONFIG, INDEX, Checkpoint, open_checkpoint
 from fp8fix.config_edit import rewrite_config
-from fp8fix.errors import OutputError
+from fp8fix.errors import OutputError, VerificationFailed
 from fp8fix.model_card import CARD, write_card
 from fp8fix.plan import ConversionPlan
 from fp8fix.planner import plan_conversion
+from fp8fix.verify import VerifyReport, verify
 from fp8fix.writer import write_plan
 
 
@@ -35,10 +36,13 @@ class ConvertOptions:
     dry_run: bool = False
     overwrite: bool = False
     quiet: bool = False
+    verify: bool = False
 
     def describe(self, plan: ConversionPlan) -> str:
         """The options as a command line, for the model card."""
-        return f"--layout {plan.layout}" + (f" --to {self.to}" if self.to else "")
+        return (
+            f"--layout {plan.layout}" + (f" --to {self.to}" if self.to else "") + (" --verify" if self.verify else "")
+        )
 
 
 @dataclass
@@ -48,6 +52,7 @@ class ConvertResult:
     written: bool
     config_edits: list[str] = field(default_factory=list)
     copied_files: list[str] = field(default_factory=list)
+    verification: VerifyReport | None = None
 
 
 def convert(source: Path, output: Path, options: ConvertOptions) -> ConvertResult:
@@ -55,7 +60,7 @@ def convert(source: Path, output: Path, options: ConvertOptions) -> ConvertResul
     ckpt = open_checkpoint(source)
     plan = plan_conversion(ckpt, options.layout, options.to)
     new_config, edits = rewrite_config(ckpt.config, plan.format.name_lists, plan.renames)
-    copies = files_to_copy(ckpt)
+    copies = [f for f in ckpt.other_files() if f != CARD]
     result = ConvertResult(plan, output, written=False, config_edits=edits, copied_files=copies)
     if options.dry_run:
         return result
@@ -76,7 +81,14 @@ def convert(source: Path, output: Path, options: ConvertOptions) -> ConvertResul
         for name in copies:
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source / name, staging / name)
-        write_card(source, staging, plan, source.resolve().name, options.describe(plan), edits)
+        if options.verify:
+            result.verification = verify(source, staging, quiet=options.quiet)
+            if not result.verification.ok:
+                raise VerificationFailed(
+                    "verification failed, nothing written: " + "; ".join(result.verification.problems[:5])
+                )
+        summary = result.verification.summary() if result.verification else None
+        write_card(source, staging, plan, source.resolve().name, options.describe(plan), edits, summary)
     result.written = True
     return result
 
@@ -92,19 +104,6 @@ def check_output(source: Path, output: Path, overwrite: bool) -> None:
         raise OutputError(f"{output}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise OutputError(f"{output}: exists and is not empty; pass --overwrite to replace it")
-
-
-def files_to_copy(ckpt: Checkpoint) -> list[str]:
-    """Every other file of the source (tokenizer, generation config, license...), hidden ones excepted."""
-    skip = ckpt.model_files | {CARD}
-    found = []
-    for path in sorted(ckpt.root.rglob("*")):
-        rel = path.relative_to(ckpt.root)
-        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
-            continue
-        if rel.as_posix() not in skip:
-            found.append(rel.as_posix())
-    return found
 
 
 def new_index(ckpt: Checkpoint, plan: ConversionPlan) -> dict[str, Any]:

@@ -27,3 +27,9 @@ class UnsupportedCheckpoint(Fp8fixError):
 
 class OutputError(Fp8fixError):
     """The destination cannot be written as asked (exists, overlaps the source, ...)."""
+
+
+class VerificationFailed(Fp8fixError):
+    """`convert --verify` found the output unfaithful; nothing was written."""
+
+    exit_code = EXIT_MISMATCH

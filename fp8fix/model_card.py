@@ -33,7 +33,9 @@ def split_card(text: str) -> tuple[dict[str, Any], str]:
     return (metadata if isinstance(metadata, dict) else {}), text[match.end() :]
 
 
-def conversion_section(plan: ConversionPlan, source_name: str, options: str, config_edits: list[str]) -> str:
+def conversion_section(
+    plan: ConversionPlan, source_name: str, options: str, config_edits: list[str], verified: str | None = None
+) -> str:
     lines = [
         "## FP8 conversion by fp8fix",
         "",
@@ -63,6 +65,8 @@ def conversion_section(plan: ConversionPlan, source_name: str, options: str, con
     lines.append("")
     if config_edits:
         lines += ["config.json changes:", ""] + [f"- {e}" for e in config_edits] + [""]
+    if verified:
+        lines += [f"Verified with `fp8fix verify`: {verified}.", ""]
     lines += ["Loaders for this layout:", "", "| loader | loads | why |", "|---|---|---|"]
     for name, row in loader_table(plan.layout).items():
         lines.append(f"| {name} | {'yes' if row['loads'] else 'no'} | {row['reason']} |")
@@ -71,7 +75,13 @@ def conversion_section(plan: ConversionPlan, source_name: str, options: str, con
 
 
 def write_card(
-    source: Path, out_dir: Path, plan: ConversionPlan, source_name: str, options: str, config_edits: list[str]
+    source: Path,
+    out_dir: Path,
+    plan: ConversionPlan,
+    source_name: str,
+    options: str,
+    config_edits: list[str],
+    verified: str | None = None,
 ) -> None:
     from huggingface_hub.repocard_data import ModelCardData
 
@@ -80,7 +90,7 @@ def write_card(
     data = ModelCardData(**metadata)
     rocm = ["e4m3fnuz", "rocm"] if plan.encoding and plan.encoding.target == "e4m3fnuz" else []
     data.tags = list(dict.fromkeys([*(data.tags or []), *TAGS, *rocm]))
-    text = conversion_section(plan, source_name, options, config_edits)
+    text = conversion_section(plan, source_name, options, config_edits, verified)
     if body.strip():
         text += "\n## Original model card\n\n" + body.strip() + "\n"
     (out_dir / CARD).write_text(f"---\n{data.to_yaml()}\n---\n\n{text}", encoding="utf-8")

@@ -17,8 +17,19 @@ from safetensors import safe_open
 from fp8fix.cli import main
 
 
-def run_cli(*args: str | Path) -> Result:
-    """The real `fp8fix` command, in process; exceptions other than exit codes are test failures."""
+def run_cli(*args: str | Path, check_output: bool = True) -> Result:
+    """The real `fp8fix` command, in process; exceptions other than exit codes are test failures.
+
+    Every successful conversion the suite makes is then checked by `fp8fix verify`.
+    """
+    result = _invoke(*args)
+    if check_output and args[0] == "convert" and result.exit_code == 0 and "--dry-run" not in args:
+        checked = _invoke("verify", args[1], args[2], "-q")
+        assert checked.exit_code == 0, f"fp8fix verify rejects this conversion:\n{checked.output}"
+    return result
+
+
+def _invoke(*args: str | Path) -> Result:
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=True)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception

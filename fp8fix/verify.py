@@ -1,0 +1,380 @@
+"""`verify`: prove that OUTPUT is a faithful conversion of SOURCE, tensor by tensor.
+
+The mapping from source to output tensors is worked out from names and the
+architecture registry alone, not from the converter's plan, so a planner bug
+cannot vouch for itself. Then:
+- every FP8 weight is dequantized on both sides in float32, row chunk by row chunk:
+  where the output scale is the source scale times a power of two (splits, fn <-> fnuz)
+  every output code must be the source value at the output scale, exactly when that
+  value exists in the output encoding and else its nearest-even rounding; elsewhere
+  (requantized modules) within half an fp8 step, or at the clamp;
+- static input scales equal the source's (times the encoding's factor, or their max);
+- every other tensor, or its row slice, is byte-identical;
+- index, shard files, config.json and the copied files are what they should be.
+Memory stays at one row chunk per tensor whatever the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp8fix.checkpoint import INDEX, Checkpoint, open_checkpoint
+from fp8fix.config_edit import rewrite_config
+from fp8fix.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, ITEM_SIZE, REQUANT_CLAMP, decode_floats
+from fp8fix.model_card import CARD
+from fp8fix.planner import FusedModule, find_fused_modules
+from fp8fix.registry.architectures import builtin_architectures
+from fp8fix.registry.formats import FormatSpec, detect_format
+from fp8fix.safetensors_file import TensorInfo, read_range
+from fp8fix.transforms import MANTISSA_BITS, MIN_NORMAL_EXPONENT
+from fp8fix.writer import progress_bar
+
+CHUNK_ELEMENTS = 4 * 1024 * 1024
+MAX_PROBLEMS = 50
+
+
+@dataclass
+class Target:
+    """Where rows [start, end) of a source tensor went: `name` in OUTPUT (for scales: entry `index`)."""
+
+    name: str
+    start: int
+    end: int
+    index: int | None = None
+
+
+@dataclass
+class WeightCheck:
+    tensor: str
+    targets: list[str]
+    kind: str  # exact | rounded | requantized
+    max_error: float = 0.0
+    max_error_steps: float = 0.0
+    rounded_codes: int = 0
+
+
+@dataclass
+class VerifyReport:
+    source: str
+    output: str
+    weights: list[WeightCheck] = field(default_factory=list)
+    identical_tensors: int = 0
+    scales_checked: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def problem(self, text: str) -> None:
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(text)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ok"] = self.ok
+        return data
+
+    def summary(self) -> str:
+        kinds = {k: sum(w.kind == k for w in self.weights) for k in ("exact", "rounded", "requantized")}
+        worst = max((w.max_error_steps for w in self.weights if w.kind == "requantized"), default=None)
+        text = (
+            f"{len(self.weights)} FP8 weights ({kinds['exact']} exact, {kinds['rounded']} with rounded codes, "
+            f"{kinds['requantized']} requantized"
+            + (f", max {worst:.2f} fp8 steps" if worst is not None else "")
+            + f"), {self.scales_checked} input scales, {self.identical_tensors} tensors byte-identical"
+        )
+        return text
+
+
+def verify(source: Path, output: Path, quiet: bool = False) -> VerifyReport:
+    src, out = open_checkpoint(source), open_checkpoint(output)
+    fmt = detect_format(src.config, src.root)
+    arch = builtin_architectures().get((src.config.get("architectures") or [""])[0])
+    fused = {m.path: m for m in find_fused_modules(src, arch)} if arch else {}
+    report = VerifyReport(str(source), str(output))
+    mapping = _map_tensors(src, out, fused, report)
+    weights = {n for n, t in src.tensors.items() if t.dtype in FP8_WEIGHT_DTYPES and n.endswith(".weight")}
+    scale_names = {_sibling(w, fmt.weight_scale) for w in weights}
+    input_names = {_sibling(w, fmt.input_scale) for w in weights} & set(src.tensors)
+    total = sum(src.tensors[n].nbytes for n in mapping if n not in scale_names | input_names)
+    fds: dict[Path, int] = {}
+    try:
+        with progress_bar(total, "fp8fix verify", quiet) as bar:
+            for name, targets in mapping.items():
+                t = src.tensors[name]
+                if name in weights:
+                    report.weights.append(_check_weight(src, out, fmt, fused, name, targets, fds, report))
+                elif name in input_names:
+                    _check_input_scale(src, out, fmt, name, targets, report)
+                elif name not in scale_names:
+                    _check_bytes(src, out, name, targets, fds, report)
+                bar.update(t.nbytes if name not in scale_names | input_names else 0)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    renames = {m: [tg.name.rsplit(".", 1)[0] for tg in targets] for m, targets in _module_renames(mapping, fused)}
+    _check_repo(src, out, fmt, renames, report)
+    return report
+
+
+def _sibling(weight: str, param: str) -> str:
+    return weight.rsplit(".", 1)[0] + "." + param
+
+
+def _map_tensors(
+    src: Checkpoint, out: Checkpoint, fused: dict[str, FusedModule], report: VerifyReport
+) -> dict[str, list[Target]]:
+    """Each source tensor -> where it is in OUTPUT: the same name, or the per-shard names of its fused module."""
+    mapping: dict[str, list[Target]] = {}
+    for name, t in src.tensors.items():
+        rows = t.shape[0] if t.shape else 1
+        if name in out.tensors:
+            mapping[name] = [Target(name, 0, rows)]
+            continue
+        module, _, param = name.rpartition(".")
+        f = fused.get(module)
+        if f is not None and f.spec.can_unfuse:
+            names = [f"{f.spec.unfused_path(module, s)}.{param}" for s in f.spec.shards]
+            if all(n in out.tensors for n in names):
+                bounds = [sum(f.rows[:i]) for i in range(len(f.rows) + 1)]
+                per_shard = t.shape == (len(f.rows),)
+                mapping[name] = [
+                    Target(n, 0, rows, index=i) if t.numel == 1 or per_shard else Target(n, bounds[i], bounds[i + 1])
+                    for i, n in enumerate(names)
+                ]
+                continue
+        report.problem(f"tensor '{name}' of SOURCE is missing from OUTPUT")
+    claimed = {tg.name for targets in mapping.values() for tg in targets}
+    for name in out.tensors:
+        if name not in claimed:
+            report.problem(f"OUTPUT has tensor '{name}', which nothing in SOURCE accounts for")
+    return mapping
+
+
+def _module_renames(mapping: dict[str, list[Target]], fused: dict[str, FusedModule]):  # type: ignore[no-untyped-def]
+    for name, targets in mapping.items():
+        module, _, param = name.rpartition(".")
+        if param == "weight" and module in fused and targets[0].name != name:
+            yield module, targets
+
+
+def _scale_rows(scale: TensorInfo | None, weight: TensorInfo, shard_rows: list[int] | None, where: str) -> list[float]:
+    """One scale value per row of `weight`, from a per-tensor, per-shard or per-channel scale."""
+    if scale is None:
+        raise _Mismatch(f"{where}: FP8 weight '{weight.name}' has no scale")
+    values = decode_floats(read_range(scale.path, scale.start, scale.end), scale.dtype)
+    rows = weight.shape[0]
+    if len(values) == 1:
+        return values * rows
+    if shard_rows and len(values) == len(shard_rows):
+        return [v for v, n in zip(values, shard_rows, strict=True) for _ in range(n)]
+    if len(values) == rows:
+        return values
+    raise _Mismatch(f"{where}: scale '{scale.name}' of shape {list(scale.shape)} does not fit '{weight.name}'")
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _fd(fds: dict[Path, int], path: Path) -> int:
+    if path not in fds:
+        fds[path] = os.open(path, os.O_RDONLY)
+    return fds[path]
+
+
+def _check_weight(
+    src: Checkpoint,
+    out: Checkpoint,
+    fmt: FormatSpec,
+    fused: dict[str, FusedModule],
+    name: str,
+    targets: list[Target],
+    fds: dict[Path, int],
+    report: VerifyReport,
+) -> WeightCheck:
+    import torch
+
+    w = src.tensors[name]
+    module = name.rsplit(".", 1)[0]
+    check = WeightCheck(name, [t.name for t in targets], "exact")
+    try:
+        src_scales = _scale_rows(src.tensors.get(f"{module}.{fmt.weight_scale}"), w, _rows_of(fused, module), "SOURCE")
+        for target in targets:
+            o = out.tensors[target.name]
+            if o.dtype not in FP8_WEIGHT_DTYPES or o.shape != (target.end - target.start, *w.shape[1:]):
+                raise _Mismatch(f"'{target.name}' is {o.dtype} {list(o.shape)}, expected FP8 rows of '{name}'")
+            out_module = target.name.rsplit(".", 1)[0]
+            out_scale = out.tensors.get(f"{out_module}.{fmt.weight_scale}")
+            out_scales = _scale_rows(out_scale, o, _rows_of(fused, out_module), "OUTPUT")
+            _compare_rows(torch, w, o, target, src_scales, out_scales, fds, check)
+    except _Mismatch as e:
+        report.problem(str(e))
+    return check
+
+
+def _rows_of(fused: dict[str, FusedModule], module: str) -> list[int] | None:
+    f = fused.get(module)
+    return f.rows if f else None
+
+
+def _torch_dtype(torch: Any, dtype: str) -> Any:
+    return {E4M3FN: torch.float8_e4m3fn, E4M3FNUZ: torch.float8_e4m3fnuz}[dtype]
+
+
+def _compare_rows(
+    torch: Any,
+    w: TensorInfo,
+    o: TensorInfo,
+    target: Target,
+    src_scales: list[float],
+    out_scales: list[float],
+    fds: dict[Path, int],
+    check: WeightCheck,
+) -> None:
+    cols = math.prod(w.shape[1:])
+    step_rows = max(1, CHUNK_ELEMENTS // max(cols, 1))
+    src_fp8, out_fp8 = _torch_dtype(torch, w.dtype), _torch_dtype(torch, o.dtype)
+    clamp = REQUANT_CLAMP[o.dtype]
+    top_scale = max(src_scales)
+    for r0 in range(target.start, target.end, step_rows):
+        r1 = min(target.end, r0 + step_rows)
+        s_src = torch.tensor(src_scales[r0:r1], dtype=torch.float32).reshape(-1, 1)
+        s_out = torch.tensor(out_scales[r0 - target.start : r1 - target.start], dtype=torch.float32).reshape(-1, 1)
+        a = _read_codes(torch, fds, w, r0, r1, cols).view(src_fp8).float().reshape(r1 - r0, -1)
+        b = _read_codes(torch, fds, o, r0 - target.start, r1 - target.start, cols).view(out_fp8).float()
+        b = b.reshape(r1 - r0, -1)
+        src_value = a * s_src
+        ratio = (s_out.double() / s_src.double()).flatten().tolist()
+        power_of_two = torch.tensor([_power_of_two(r) for r in ratio]).reshape(-1, 1)
+        for row, (r, s) in enumerate(zip(ratio, s_out.flatten().tolist(), strict=True)):
+            # requantizing is legitimate only onto the module's largest scale (times the encoding's factor)
+            if not _power_of_two(r) and not _power_of_two(s / top_scale):
+                raise _Mismatch(
+                    f"'{o.name}' row {r0 - target.start + row}: scale {s:.6g} is neither the source's "
+                    f"({s / r:.6g}) nor the largest of its module ({top_scale:.6g}) times a power of two"
+                )
+        # the code at the output scale: exact (a power-of-two multiple of the source code) for splits and
+        # encoding changes; for requantized rows the converter's own float32 formula
+        q = torch.where(power_of_two, a * (s_src / s_out), src_value / s_out)
+        # requantizing clamps before rounding (to +-224 for e4m3fnuz, as vLLM's ROCm kernels do)
+        clamped = q.clamp(-clamp, clamp)
+        nearest = clamped.to(out_fp8).float()
+        _, exponent = torch.frexp(clamped)
+        step = torch.exp2((exponent - 1).clamp(min=MIN_NORMAL_EXPONENT[o.dtype]).float() - MANTISSA_BITS)
+        steps = (b - clamped).abs() / step
+        both_nan = torch.isnan(b) & torch.isnan(q)  # a NaN moved as bytes stays the NaN it was
+        exact_ok = (b == nearest) | both_nan
+        requant_ok = steps <= 0.5 + 1e-6
+        ok = torch.where(power_of_two, exact_ok, requant_ok)
+        if not bool(ok.all()):
+            bad = (~ok).nonzero()[0].tolist()
+            row, col = bad[0], bad[1]
+            raise _Mismatch(
+                f"'{o.name}' (from '{w.name}') row {r0 - target.start + row} column {col}: source value "
+                f"{float(src_value[row, col]):.6g}, output {float(b[row, col] * s_out[row, 0]):.6g} "
+                f"(scale {float(s_out[row, 0]):.6g})"
+            )
+        error = torch.where(both_nan, 0.0, (b * s_out - src_value).abs())
+        check.max_error = max(check.max_error, float(error.max()) if error.numel() else 0.0)
+        if not bool(power_of_two.all()):
+            check.kind = "requantized"
+            check.max_error_steps = max(check.max_error_steps, float(steps[~power_of_two.expand_as(steps)].max()))
+        rounded = int(((nearest != q) & power_of_two & ~both_nan).sum())
+        if rounded and check.kind == "exact":
+            check.kind = "rounded"
+        check.rounded_codes += rounded
+
+
+def _power_of_two(ratio: float) -> bool:
+    return ratio > 0 and math.frexp(ratio)[0] == 0.5
+
+
+def _read_codes(torch: Any, fds: dict[Path, int], t: TensorInfo, r0: int, r1: int, cols: int) -> Any:
+    item = ITEM_SIZE[t.dtype]
+    data = os.pread(_fd(fds, t.path), (r1 - r0) * cols * item, t.start + r0 * cols * item)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _encoding_factor(src: Checkpoint, out: Checkpoint, weight: str, out_weight: str) -> float:
+    a, b = src.tensors[weight].dtype, out.tensors[out_weight].dtype
+    return {(E4M3FN, E4M3FNUZ): 2.0, (E4M3FNUZ, E4M3FN): 0.5}.get((a, b), 1.0)
+
+
+def _check_input_scale(
+    src: Checkpoint, out: Checkpoint, fmt: FormatSpec, name: str, targets: list[Target], report: VerifyReport
+) -> None:
+    s = src.tensors[name]
+    values = decode_floats(read_range(s.path, s.start, s.end), s.dtype)
+    for target in targets:
+        o = out.tensors[target.name]
+        got = decode_floats(read_range(o.path, o.start, o.end), o.dtype)
+        weight = _sibling(name, "weight")
+        f = _encoding_factor(src, out, weight, _sibling(target.name, "weight"))
+        if target.index is not None and len(values) > 1:
+            expected = [[values[target.index] * f]]
+        elif len(values) == 1:
+            expected = [[values[0] * f] * len(got)]
+        else:
+            expected = [[v * f for v in values], [max(values) * f]]
+        report.scales_checked += 1
+        if o.dtype != s.dtype or got not in expected:
+            report.problem(
+                f"input scale '{target.name}' is {o.dtype} {got}; expected {s.dtype} "
+                + " or ".join(map(str, expected))
+                + f" from '{name}'"
+            )
+
+
+def _check_bytes(
+    src: Checkpoint, out: Checkpoint, name: str, targets: list[Target], fds: dict[Path, int], report: VerifyReport
+) -> None:
+    t = src.tensors[name]
+    row_bytes = t.nbytes // (t.shape[0] if t.shape and t.shape[0] else 1)
+    for target in targets:
+        o = out.tensors[target.name]
+        start = t.start + target.start * row_bytes if t.shape else t.start
+        end = t.start + target.end * row_bytes if t.shape else t.end
+        if o.dtype != t.dtype or o.nbytes != end - start:
+            report.problem(f"'{target.name}' is {o.dtype} {list(o.shape)}; expected the bytes of '{name}'")
+            continue
+        for offset in range(0, o.nbytes, 16 * 1024 * 1024):
+            n = min(16 * 1024 * 1024, o.nbytes - offset)
+            if os.pread(_fd(fds, t.path), n, start + offset) != os.pread(_fd(fds, o.path), n, o.start + offset):
+                report.problem(f"'{target.name}' differs from '{name}' of SOURCE (byte range from {offset})")
+                break
+        else:
+            report.identical_tensors += 1
+
+
+def _check_repo(
+    src: Checkpoint, out: Checkpoint, fmt: FormatSpec, renames: dict[str, list[str]], report: VerifyReport
+) -> None:
+    if set(out.shards) != set(src.shards):
+        report.problem(f"OUTPUT's shard files {sorted(out.shards)} are not SOURCE's {sorted(src.shards)}")
+    if (src.index is None) != (out.index is None):
+        report.problem(f"{INDEX}: present in only one of SOURCE and OUTPUT")
+    if out.index is not None:
+        weight_map = out.index.get("weight_map", {})
+        if set(weight_map) != set(out.tensors):
+            report.problem(f"{INDEX}: its weight_map does not list exactly the tensors of OUTPUT's shards")
+        total = sum(t.nbytes for t in out.tensors.values())
+        if (out.index.get("metadata") or {}).get("total_size") != total:
+            report.problem(f"{INDEX}: total_size is not {total}, the sum of OUTPUT's tensor sizes")
+    for name, header in out.shards.items():
+        if header.metadata.get("format") != "pt":
+            report.problem(f"{name}: __metadata__ has no format: pt")
+    expected, _ = rewrite_config(src.config, fmt.name_lists, renames)
+    if out.config != (expected or src.config):
+        report.problem("config.json: differs from SOURCE's beyond the renamed quantization_config entries")
+    for rel in src.other_files():
+        if rel == CARD:
+            continue
+        copied = out.root / rel
+        if not copied.is_file() or copied.read_bytes() != (src.root / rel).read_bytes():
+            report.problem(f"{rel}: missing from OUTPUT or not a copy of SOURCE's")

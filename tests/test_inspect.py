@@ -1,0 +1,156 @@
+"""inspect: each finding appears for a fixture that has it and not for one that does not; loaders; --strict."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from tests.builders import build, phi3
+from tests.conftest import patch_bytes, read_raw_header, run_cli, shard_files, write_raw
+
+DOWN = "model.layers.0.mlp.down_proj"
+
+# From ../shared/reference/fp8-checkpoints.md, section 2a, written out by hand:
+# (vLLM <= 0.5.0, vLLM 0.5.1 - 0.19, vLLM >= 0.20, transformers)
+EXPECTED_LOADS = {
+    "single-scale fused": (False, True, True, True),
+    "per-shard": (True, False, False, False),
+    "unfused": (True, True, True, False),
+}
+
+
+def inspect(path: Path, *args: str) -> dict:
+    result = run_cli("inspect", path, "--json", *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def codes(report: dict) -> set[str]:
+    return {f["code"] for f in report["findings"]}
+
+
+def loads(report: dict) -> tuple[bool, ...]:
+    return tuple(row["loads"] for row in report["loaders"].values())
+
+
+def set_scale(src: Path, name: str, value: float) -> None:
+    patch_bytes(src, name, dict(enumerate(struct.pack("<f", value))))
+
+
+def test_report_describes_the_checkpoint(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3(), fmt="compressed-tensors", scale="channel")
+    report = inspect(src)
+    assert report["schema_version"] == 1
+    assert report["format"] == "compressed-tensors" and report["convert_supported"]
+    assert report["architecture"] == "Phi3ForCausalLM" and report["encoding"] == "e4m3fn"
+    assert [f["name"] for f in report["files"]] == sorted(set(shard_files(src).values()))
+    modules = {m["module"]: m for m in report["modules"]}
+    assert len(modules) == 8
+    qkv = modules["model.layers.0.self_attn.qkv_proj"]
+    assert qkv["fused"] == "self_attn.qkv_proj" and qkv["shards"] == 3
+    assert qkv["scale"] == "channel" and qkv["scale_dtype"] == "BF16" and qkv["scale_shape"] == [128, 1]
+    assert qkv["input_scale"] == "static"
+    assert len(report["kv_cache_scales"]) == 4
+    text = run_cli("inspect", src).output
+    assert "Phi3ForCausalLM" in text and "model.layers.{0,1}.self_attn.qkv_proj" in text
+
+
+def test_single_scale_fused_finding_and_loaders(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3())
+    report = inspect(src)
+    finding = next(f for f in report["findings"] if f["code"] == "single-scale-fused")
+    assert finding["fix"] == "--layout unfused" and len(finding["modules"]) == 4
+    assert loads(report) == EXPECTED_LOADS["single-scale fused"]
+    assert run_cli("inspect", src, "--strict").exit_code == 1
+    # converted, the finding is gone and the checkpoint passes the CI gate
+    assert run_cli("convert", src, tmp_path / "out", "-q").exit_code == 0
+    fixed = inspect(tmp_path / "out")
+    assert "single-scale-fused" not in codes(fixed)
+    assert loads(fixed) == EXPECTED_LOADS["unfused"]
+    assert run_cli("inspect", tmp_path / "out", "--strict").exit_code == 0
+
+
+def test_per_shard_finding_and_loaders(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3(), scale="shard")
+    report = inspect(src)
+    assert "per-shard-scales-on-fused" in codes(report) and "single-scale-fused" not in codes(report)
+    assert loads(report) == EXPECTED_LOADS["per-shard"]
+    assert run_cli("convert", src, tmp_path / "fused", "--layout", "fused", "-q").exit_code == 0
+    fused = inspect(tmp_path / "fused")
+    assert "per-shard-scales-on-fused" not in codes(fused)
+    assert loads(fused) == EXPECTED_LOADS["single-scale fused"]
+    assert run_cli("convert", src, tmp_path / "per-shard", "--layout", "per-shard", "-q").exit_code == 0
+    assert loads(inspect(tmp_path / "per-shard")) == EXPECTED_LOADS["per-shard"]
+
+
+def test_nan_codes_need_the_data(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3())
+    assert "nan-codes" not in codes(inspect(src, "--scan-data"))
+    patch_bytes(src, DOWN + ".weight", {0: 0x7F, 1: 0x80})
+    assert "nan-codes" not in codes(inspect(src))  # headers only
+    report = inspect(src, "--scan-data")
+    finding = next(f for f in report["findings"] if f["code"] == "nan-codes")
+    assert finding["modules"] == [DOWN] and finding["fix"] is None
+
+
+def test_fnuz_data_under_an_fn_label_is_a_heuristic(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3())
+    assert run_cli("convert", src, tmp_path / "fnuz", "--to", "e4m3fnuz", "-q").exit_code == 0
+    fnuz = tmp_path / "fnuz"
+    assert "e4m3fnuz-for-vllm" in codes(inspect(fnuz))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    patch_bytes(fnuz, name, {7: 0x7F})  # +240 in e4m3fnuz: an exporter's maximum
+    path = fnuz / shard_files(fnuz)[name]
+    header, data = read_raw_header(path)
+    header[name]["dtype"] = "F8_E4M3"  # mislabelled as e4m3fn
+    write_raw(path, header, data)
+    report = inspect(fnuz, "--scan-data")
+    finding = next(f for f in report["findings"] if f["code"] == "fnuz-data-under-fn-label")
+    assert finding["heuristic"] and finding["modules"] == [name.rsplit(".", 1)[0]]
+    assert "fnuz-data-under-fn-label" not in codes(inspect(src, "--scan-data"))
+
+
+@pytest.mark.parametrize("value", [0.0, -0.5, float("inf"), float("nan")])
+def test_bad_scale_values(tmp_path: Path, value: float) -> None:
+    src = build(tmp_path / "src", phi3())
+    assert "bad-scale-value" not in codes(inspect(src))
+    set_scale(src, DOWN + ".weight_scale", value)
+    report = inspect(src)
+    finding = next(f for f in report["findings"] if f["code"] == "bad-scale-value")
+    assert finding["modules"] == [DOWN]
+
+
+def test_tiny_scales_warn_about_float16_requantization(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3())
+    assert "tiny-scale" not in codes(inspect(src))
+    set_scale(src, DOWN + ".weight_scale", 1e-6)
+    assert next(f for f in inspect(src)["findings"] if f["code"] == "tiny-scale")["modules"] == [DOWN]
+
+
+def test_missing_scale(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3(), files=1)
+    path = src / "model.safetensors"
+    header, data = read_raw_header(path)
+    header[DOWN + ".scale_renamed"] = header.pop(DOWN + ".weight_scale")
+    write_raw(path, header, data)
+    report = inspect(src)
+    assert next(f for f in report["findings"] if f["code"] == "missing-scale")["modules"] == [DOWN]
+    assert not any(loads(report))
+
+
+def test_unsupported_formats_are_described_not_refused(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3())
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [128, 128]
+    (src / "config.json").write_text(json.dumps(config))
+    report = inspect(src)
+    assert report["convert_supported"] is False
+    assert "block FP8" in report["format_label"]
+
+
+def test_inspect_bad_input_is_exit_3(tmp_path: Path) -> None:
+    result = run_cli("inspect", tmp_path / "nothing")
+    assert result.exit_code == 3 and "not a folder" in result.output
