@@ -152,3 +152,31 @@ def scale_exactly(data: bytes, dtype: str, factor: float) -> bytes:
     if decode_floats(out, dtype) != scaled or not all(math.isfinite(v) for v in scaled):
         raise ValueError(f"a {dtype} scale times {factor} is not exactly representable")
     return out
+
+
+@cache
+def value_map(source: str, target: str, factor: float) -> tuple[bytes, bytes, bytes]:
+    """How codes keep their value when the scale is multiplied by a power of two `factor`.
+
+    For every `source` code at scale s: the `target` code of the same value at scale
+    s * factor (nearest even where it has none), then the codes that round (no exact
+    `target` code) and the codes that overflow (beyond the `target` range: only a
+    clamp could hold them). NaN codes map to a NaN code of `target`.
+    """
+    nan_code = 0x7F if target == E4M3FN else 0x80
+    expected, rounded, overflow = bytearray(256), bytearray(), bytearray()
+    top = max(e4m3_value(c, target) for c in range(128) if not math.isnan(e4m3_value(c, target)))
+    for code in range(256):
+        value = e4m3_value(code, source)
+        if math.isnan(value):
+            expected[code] = code if source == target else nan_code
+            continue
+        wanted = value / factor
+        if abs(wanted) > top:
+            overflow.append(code)
+            continue
+        # zero keeps its sign within one encoding (bytes are moved); e4m3fnuz has no -0
+        expected[code] = code if wanted == 0 and source == target else nearest_code(wanted, target)
+        if e4m3_value(expected[code], target) != wanted:
+            rounded.append(code)
+    return bytes(expected), bytes(rounded), bytes(overflow)

@@ -30,10 +30,10 @@ from fp8fix.planner import FusedModule, find_fused_modules
 from fp8fix.registry.architectures import builtin_architectures
 from fp8fix.registry.formats import FormatSpec, detect_format
 from fp8fix.safetensors_file import TensorInfo, read_range
-from fp8fix.transforms import MANTISSA_BITS, MIN_NORMAL_EXPONENT
+from fp8fix.transforms import MANTISSA_BITS, MIN_NORMAL_EXPONENT, value_map
 from fp8fix.writer import progress_bar
 
-CHUNK_ELEMENTS = 4 * 1024 * 1024
+CHUNK_ELEMENTS = 1024 * 1024
 MAX_PROBLEMS = 50
 
 
@@ -198,8 +198,6 @@ def _check_weight(
     fds: dict[Path, int],
     report: VerifyReport,
 ) -> WeightCheck:
-    import torch
-
     w = src.tensors[name]
     module = name.rsplit(".", 1)[0]
     check = WeightCheck(name, [t.name for t in targets], "exact")
@@ -212,7 +210,7 @@ def _check_weight(
             out_module = target.name.rsplit(".", 1)[0]
             out_scale = out.tensors.get(f"{out_module}.{fmt.weight_scale}")
             out_scales = _scale_rows(out_scale, o, _rows_of(fused, out_module), "OUTPUT")
-            _compare_rows(torch, w, o, target, src_scales, out_scales, fds, check)
+            _compare_rows(w, o, target, src_scales, out_scales, fds, check)
     except _Mismatch as e:
         report.problem(str(e))
     return check
@@ -223,12 +221,7 @@ def _rows_of(fused: dict[str, FusedModule], module: str) -> list[int] | None:
     return f.rows if f else None
 
 
-def _torch_dtype(torch: Any, dtype: str) -> Any:
-    return {E4M3FN: torch.float8_e4m3fn, E4M3FNUZ: torch.float8_e4m3fnuz}[dtype]
-
-
 def _compare_rows(
-    torch: Any,
     w: TensorInfo,
     o: TensorInfo,
     target: Target,
@@ -237,68 +230,112 @@ def _compare_rows(
     fds: dict[Path, int],
     check: WeightCheck,
 ) -> None:
+    """Compare rows run by run, where a run shares one output/source scale ratio.
+
+    A power-of-two ratio (splits, fn <-> fnuz) is checked as bytes: the output codes must
+    be the source codes through `value_map`, the table of same-value codes. Runs that
+    round or requantize are dequantized in float32 with torch.
+    """
     cols = math.prod(w.shape[1:])
-    step_rows = max(1, CHUNK_ELEMENTS // max(cols, 1))
-    src_fp8, out_fp8 = _torch_dtype(torch, w.dtype), _torch_dtype(torch, o.dtype)
-    clamp = REQUANT_CLAMP[o.dtype]
     top_scale = max(src_scales)
-    for r0 in range(target.start, target.end, step_rows):
-        r1 = min(target.end, r0 + step_rows)
-        s_src = torch.tensor(src_scales[r0:r1], dtype=torch.float32).reshape(-1, 1)
-        s_out = torch.tensor(out_scales[r0 - target.start : r1 - target.start], dtype=torch.float32).reshape(-1, 1)
-        a = _read_codes(torch, fds, w, r0, r1, cols).view(src_fp8).float().reshape(r1 - r0, -1)
-        b = _read_codes(torch, fds, o, r0 - target.start, r1 - target.start, cols).view(out_fp8).float()
-        b = b.reshape(r1 - r0, -1)
-        src_value = a * s_src
-        ratio = (s_out.double() / s_src.double()).flatten().tolist()
-        power_of_two = torch.tensor([_power_of_two(r) for r in ratio]).reshape(-1, 1)
-        for row, (r, s) in enumerate(zip(ratio, s_out.flatten().tolist(), strict=True)):
-            # requantizing is legitimate only onto the module's largest scale (times the encoding's factor)
-            if not _power_of_two(r) and not _power_of_two(s / top_scale):
-                raise _Mismatch(
-                    f"'{o.name}' row {r0 - target.start + row}: scale {s:.6g} is neither the source's "
-                    f"({s / r:.6g}) nor the largest of its module ({top_scale:.6g}) times a power of two"
-                )
-        # the code at the output scale: exact (a power-of-two multiple of the source code) for splits and
-        # encoding changes; for requantized rows the converter's own float32 formula
-        q = torch.where(power_of_two, a * (s_src / s_out), src_value / s_out)
-        # requantizing clamps before rounding (to +-224 for e4m3fnuz, as vLLM's ROCm kernels do)
-        clamped = q.clamp(-clamp, clamp)
-        nearest = clamped.to(out_fp8).float()
-        _, exponent = torch.frexp(clamped)
-        step = torch.exp2((exponent - 1).clamp(min=MIN_NORMAL_EXPONENT[o.dtype]).float() - MANTISSA_BITS)
-        steps = (b - clamped).abs() / step
-        both_nan = torch.isnan(b) & torch.isnan(q)  # a NaN moved as bytes stays the NaN it was
-        exact_ok = (b == nearest) | both_nan
-        requant_ok = steps <= 0.5 + 1e-6
-        ok = torch.where(power_of_two, exact_ok, requant_ok)
-        if not bool(ok.all()):
-            bad = (~ok).nonzero()[0].tolist()
-            row, col = bad[0], bad[1]
+    row = target.start
+    while row < target.end:
+        ratio = out_scales[row - target.start] / src_scales[row]
+        end = row + 1
+        while end < target.end and out_scales[end - target.start] / src_scales[end] == ratio:
+            end += 1
+        if not _power_of_two(ratio) and not _power_of_two(out_scales[row - target.start] / top_scale):
             raise _Mismatch(
-                f"'{o.name}' (from '{w.name}') row {r0 - target.start + row} column {col}: source value "
-                f"{float(src_value[row, col]):.6g}, output {float(b[row, col] * s_out[row, 0]):.6g} "
-                f"(scale {float(s_out[row, 0]):.6g})"
+                f"'{o.name}' row {row - target.start}: scale {out_scales[row - target.start]:.6g} is neither the "
+                f"source's ({src_scales[row]:.6g}) nor the largest of its module ({top_scale:.6g}) times a power of two"
             )
-        error = torch.where(both_nan, 0.0, (b * s_out - src_value).abs())
-        check.max_error = max(check.max_error, float(error.max()) if error.numel() else 0.0)
-        if not bool(power_of_two.all()):
-            check.kind = "requantized"
-            check.max_error_steps = max(check.max_error_steps, float(steps[~power_of_two.expand_as(steps)].max()))
-        rounded = int(((nearest != q) & power_of_two & ~both_nan).sum())
-        if rounded and check.kind == "exact":
-            check.kind = "rounded"
-        check.rounded_codes += rounded
+        step_rows = max(1, CHUNK_ELEMENTS // max(cols, 1))
+        for r0 in range(row, end, step_rows):
+            r1 = min(end, r0 + step_rows)
+            a, b = _read(fds, w, r0, r1, cols), _read(fds, o, r0 - target.start, r1 - target.start, cols)
+            if _power_of_two(ratio) and _same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 - target.start, cols):
+                continue
+            _compare_values(w, o, target, r0, r1, a, b, src_scales, out_scales, check)
+        row = end
+
+
+def _same_values(a: bytes, b: bytes, src: str, out: str, ratio: float, name: str, row0: int, cols: int) -> bool:
+    """True when `b` is exactly `a`'s values at the new scale; False when some codes round (check those
+    with floats); raises on anything else."""
+    expected, rounded, overflow = value_map(src, out, ratio)
+    if any(bytes([c]) in a for c in overflow):
+        raise _Mismatch(f"'{name}': source values beyond the range of {out} at the output scale (clipped)")
+    if any(bytes([c]) in a for c in rounded):
+        return False
+    mapped = a.translate(expected)
+    if mapped != b:
+        first = next(i for i in range(len(b)) if mapped[i] != b[i])
+        raise _Mismatch(
+            f"'{name}' row {row0 + first // cols} column {first % cols}: code 0x{b[first]:02X}, expected "
+            f"0x{mapped[first]:02X} (the source's value at the output scale)"
+        )
+    return True
+
+
+def _compare_values(
+    w: TensorInfo,
+    o: TensorInfo,
+    target: Target,
+    r0: int,
+    r1: int,
+    a_bytes: bytes,
+    b_bytes: bytes,
+    src_scales: list[float],
+    out_scales: list[float],
+    check: WeightCheck,
+) -> None:
+    import torch
+
+    fp8 = {E4M3FN: torch.float8_e4m3fn, E4M3FNUZ: torch.float8_e4m3fnuz}
+    clamp = REQUANT_CLAMP[o.dtype]
+    s_src = torch.tensor(src_scales[r0:r1], dtype=torch.float32).reshape(-1, 1)
+    s_out = torch.tensor(out_scales[r0 - target.start : r1 - target.start], dtype=torch.float32).reshape(-1, 1)
+    a = torch.frombuffer(bytearray(a_bytes), dtype=torch.uint8).view(fp8[w.dtype]).float().reshape(r1 - r0, -1)
+    b = torch.frombuffer(bytearray(b_bytes), dtype=torch.uint8).view(fp8[o.dtype]).float().reshape(r1 - r0, -1)
+    src_value = a * s_src
+    ratio = (s_out.double() / s_src.double()).flatten().tolist()
+    power_of_two = torch.tensor([_power_of_two(r) for r in ratio]).reshape(-1, 1)
+    # the code at the output scale: exact (a power-of-two multiple of the source code) for splits and
+    # encoding changes; for requantized rows the converter's own float32 formula, clamped before rounding
+    # (to +-224 for e4m3fnuz, as vLLM's ROCm kernels do)
+    q = torch.where(power_of_two, a * (s_src / s_out), src_value / s_out)
+    clamped = q.clamp(-clamp, clamp)
+    nearest = clamped.to(fp8[o.dtype]).float()
+    _, exponent = torch.frexp(clamped)
+    step = torch.exp2((exponent - 1).clamp(min=MIN_NORMAL_EXPONENT[o.dtype]).float() - MANTISSA_BITS)
+    steps = (b - clamped).abs() / step
+    both_nan = torch.isnan(b) & torch.isnan(q)  # a NaN moved as bytes stays the NaN it was
+    ok = torch.where(power_of_two, (b == nearest) | both_nan, steps <= 0.5 + 1e-6)
+    if not bool(ok.all()):
+        row, col = (~ok).nonzero()[0].tolist()
+        raise _Mismatch(
+            f"'{o.name}' (from '{w.name}') row {r0 - target.start + row} column {col}: source value "
+            f"{float(src_value[row, col]):.6g}, output {float(b[row, col] * s_out[row, 0]):.6g} "
+            f"(scale {float(s_out[row, 0]):.6g})"
+        )
+    error = torch.where(both_nan, 0.0, (b * s_out - src_value).abs())
+    check.max_error = max(check.max_error, float(error.max()) if error.numel() else 0.0)
+    if not bool(power_of_two.all()):
+        check.kind = "requantized"
+        check.max_error_steps = max(check.max_error_steps, float(steps[~power_of_two.expand_as(steps)].max()))
+    rounded = int(((nearest != q) & power_of_two & ~both_nan).sum())
+    if rounded and check.kind == "exact":
+        check.kind = "rounded"
+    check.rounded_codes += rounded
 
 
 def _power_of_two(ratio: float) -> bool:
     return ratio > 0 and math.frexp(ratio)[0] == 0.5
 
 
-def _read_codes(torch: Any, fds: dict[Path, int], t: TensorInfo, r0: int, r1: int, cols: int) -> Any:
+def _read(fds: dict[Path, int], t: TensorInfo, r0: int, r1: int, cols: int) -> bytes:
     item = ITEM_SIZE[t.dtype]
-    data = os.pread(_fd(fds, t.path), (r1 - r0) * cols * item, t.start + r0 * cols * item)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return os.pread(_fd(fds, t.path), (r1 - r0) * cols * item, t.start + r0 * cols * item)
 
 
 def _encoding_factor(src: Checkpoint, out: Checkpoint, weight: str, out_weight: str) -> float:
