@@ -28,6 +28,7 @@ class Checkpoint:
     index: dict[str, Any] | None  # the parsed index file, None for a single-file checkpoint
     shards: dict[str, SafetensorsHeader]  # shard file name (relative to root) -> header, in order
     tensors: dict[str, TensorInfo]  # every tensor of the model, shard by shard in data order
+    has_data: bool = True  # False when only the headers are known (read from the Hub)
 
     def shard_of(self, tensor: str) -> str:
         return self.tensors[tensor].path.relative_to(self.root).as_posix()
@@ -124,3 +125,22 @@ def _single_file(root: Path) -> list[str]:
     if not found:
         raise InvalidCheckpoint(f"{root}: no .safetensors files (fp8fix reads safetensors checkpoints only)")
     raise InvalidCheckpoint(f"{root}: {len(found)} .safetensors files but no {INDEX} to say which belong to the model")
+
+
+def checkpoint_from_headers(root: Path, headers: dict[str, tuple[dict[str, str], dict[str, Any]]]) -> Checkpoint:
+    """A checkpoint whose shard headers came from elsewhere (the Hub's safetensors metadata), without data.
+
+    `headers` maps each shard file to (its __metadata__, {tensor: (dtype, shape, (begin, end))}).
+    """
+    config = read_json(root / CONFIG, "a checkpoint needs the model's config.json")
+    index = read_json(root / INDEX, "") if (root / INDEX).exists() else None
+    shards: dict[str, SafetensorsHeader] = {}
+    tensors: dict[str, TensorInfo] = {}
+    for file, (metadata, entries) in sorted(headers.items()):
+        infos = {
+            name: TensorInfo(name, root / file, dtype, tuple(shape), begin, end)
+            for name, (dtype, shape, (begin, end)) in entries.items()
+        }
+        shards[file] = SafetensorsHeader(root / file, dict(metadata or {}), infos)
+        tensors.update(infos)
+    return Checkpoint(root, config, index, shards, tensors, has_data=False)

@@ -43,34 +43,53 @@ def reports_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def source_options(func: F) -> F:
+    """SOURCE: a checkpoint folder, or a Hub repo id with --revision."""
+    func = click.option("--revision", help="Branch, tag or commit of a Hub SOURCE.")(func)
+    return click.argument("source")(func)  # type: ignore[return-value]
+
+
+def push_options(func: F) -> F:
+    for option in reversed(
+        [
+            click.option("--private", is_flag=True, help="Create the Hub repo private (when it does not exist)."),
+            click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to main."),
+            click.option("--commit-message", help="Commit / PR title [default: what was converted and how]."),
+        ]
+    ):
+        func = option(func)
+    return func
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="fp8fix")
 def main() -> None:
     """Fix FP8 checkpoints that runtimes load wrongly or not at all."""
 
 
-CONVERT_EPILOG = """\b
+CONVERT_EPILOG = """\\b
 Examples:
   fp8fix convert ./Phi-3-mini-fp8 ./Phi-3-mini-fp8-fixed
   fp8fix convert ./model ./out --layout fused --dry-run
   fp8fix convert ./model ./out --layout per-shard --overwrite --json
-  fp8fix convert ./model ./model-mi300 --to e4m3fnuz --layout fused
+  fp8fix convert ./model ./model-mi300 --to e4m3fnuz --layout fused --verify
+  fp8fix convert org/model-FP8 ./out --revision main --push-to-hub me/model-FP8-fixed --create-pr
 
-\b
+\\b
 Layouts (how fused modules such as qkv_proj carry their scales):
   unfused    q_proj/k_proj/v_proj, gate_proj/up_proj, one scale each
              (default where runtimes know per-shard names, e.g. Phi-3)
   per-shard  fused weight, one scale per shard (vLLM <= 0.5.0; default elsewhere)
   fused      fused weight, one scale (current vLLM, transformers)
 
-\b
+\\b
 Exit codes: 0 done, 1 --verify found a mismatch or OUTPUT could not be
-written, 2 usage error, 3 invalid or unsupported checkpoint.
+written, 2 usage error, 3 invalid or unsupported checkpoint, 4 Hub error.
 """
 
 
 @main.command(epilog=CONVERT_EPILOG)
-@click.argument("source", type=click.Path(path_type=Path))
+@source_options
 @click.argument("output", type=click.Path(path_type=Path))
 @click.option(
     "--layout", type=click.Choice(LAYOUTS), help="Layout of fused modules' scales [default: by architecture]."
@@ -80,95 +99,120 @@ written, 2 usage error, 3 invalid or unsupported checkpoint.
     type=click.Choice(["e4m3fnuz", "e4m3fn"]),
     help="Change the FP8 encoding: e4m3fnuz for AMD MI300-class GPUs, e4m3fn (OCP) back.",
 )
-@click.option(
-    "--verify",
-    "run_verify",
-    is_flag=True,
-    help="Verify OUTPUT against SOURCE before it appears (exit 1 on a mismatch).",
-)
+@click.option("--verify", "run_verify", is_flag=True, help="Verify OUTPUT against SOURCE before it appears.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (each module: what changes and why); write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists and is not empty.")
+@click.option("--push-to-hub", metavar="REPO_ID", help="Then upload OUTPUT to this Hub repo.")
+@push_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (for CI).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def convert(
-    source: Path,
-    output: Path,
-    layout: str | None,
-    to: str | None,
-    run_verify: bool,
-    dry_run: bool,
-    overwrite: bool,
-    as_json: bool,
-    quiet: bool,
-) -> None:
-    """Convert the FP8 checkpoint folder SOURCE into a fixed copy in OUTPUT.
+def convert(source: str, revision: str | None, output: Path, push_to_hub: str | None, **options: Any) -> None:
+    """Convert the FP8 checkpoint SOURCE (folder or Hub repo id) into a fixed copy in OUTPUT.
 
     SOURCE is never modified. OUTPUT appears only once complete: an error or an
     interrupt leaves nothing behind.
     """
     from fp8fix.convert import ConvertOptions
     from fp8fix.convert import convert as run_convert
-    from fp8fix.summary import VLLM_FNUZ_NOTE, loader_lines, plan_json, plan_lines
+    from fp8fix.hub import HubError, push_folder, resolve_source
+    from fp8fix.summary import result_json, result_lines
 
-    result = run_convert(source, output, ConvertOptions(layout, to, dry_run, overwrite, quiet or as_json, run_verify))
+    as_json = options["as_json"]
+    folder, repo_id = resolve_source(source, revision)
+    settings = ConvertOptions(
+        layout=options["layout"],
+        to=options["to"],
+        dry_run=options["dry_run"],
+        overwrite=options["overwrite"],
+        quiet=options["quiet"] or as_json,
+        verify=options["run_verify"],
+        source_repo=repo_id,
+        revision=revision,
+    )
+    result = run_convert(folder, output, settings)
     if as_json:
-        payload = plan_json(result.plan)
-        payload.update(
-            output=str(output),
-            dry_run=dry_run,
-            written=result.written,
-            config_edits=result.config_edits,
-            copied_files=result.copied_files,
-            verification=result.verification.to_json() if result.verification else None,
-        )
-        click.echo(json.dumps(payload, indent=2))
-        return
-    for line in plan_lines(result.plan):
-        click.echo(line)
-    for edit in result.config_edits:
-        click.echo(f"  config.json: {edit}")
-    if result.copied_files:
-        click.echo(f"  copied: {', '.join(result.copied_files)}")
-    for line in loader_lines(result.plan.layout):
-        click.echo(line)
-    if result.plan.encoding and result.plan.encoding.target == "e4m3fnuz":
-        click.echo(VLLM_FNUZ_NOTE)
-    if result.verification:
-        click.echo(f"verified: {result.verification.summary()}")
-    if dry_run:
-        click.echo("dry run: nothing written")
+        payload = result_json(result)
     else:
-        click.echo(f"wrote {output}")
+        for line in result_lines(result):
+            click.echo(line)
+    if push_to_hub and result.written:
+        try:
+            url = push_folder(
+                output,
+                push_to_hub,
+                private=options["private"],
+                create_pr=options["create_pr"],
+                commit_message=options["commit_message"],
+            )
+        except HubError as e:
+            raise HubError(f"{e}. {output} is intact: retry with `fp8fix push {output} {push_to_hub}`") from None
+        if as_json:
+            payload["pushed"] = url
+        else:
+            click.echo(f"pushed: {url}")
+    if as_json:
+        click.echo(json.dumps(payload, indent=2))
 
 
-INSPECT_EPILOG = """\b
+PUSH_EPILOG = """\\b
+Examples:
+  fp8fix push ./Phi-3-mini-fp8-fixed me/Phi-3-mini-fp8-fixed
+  fp8fix push ./out org/model-FP8 --create-pr      # propose the fix to the model's owner
+
+\\b
+Exit codes: 0 pushed, 2 usage error, 3 OUTPUT is not a checkpoint folder, 4 Hub error.
+"""
+
+
+@main.command(epilog=PUSH_EPILOG)
+@click.argument("output", type=click.Path(path_type=Path))
+@click.argument("repo_id")
+@push_options
+@reports_errors
+def push(output: Path, repo_id: str, private: bool, create_pr: bool, commit_message: str | None) -> None:
+    """Upload the converted checkpoint folder OUTPUT to the Hub repo REPO_ID in one commit (or pull request)."""
+    from fp8fix.errors import InvalidCheckpoint
+    from fp8fix.hub import push_folder
+
+    if not (output / "config.json").is_file():
+        raise InvalidCheckpoint(f"{output}: not a checkpoint folder (no config.json)")
+    click.echo(
+        f"pushed: {push_folder(output, repo_id, private=private, create_pr=create_pr, commit_message=commit_message)}"
+    )
+
+
+INSPECT_EPILOG = """\\b
 Examples:
   fp8fix inspect ./Phi-3-mini-fp8
+  fp8fix inspect org/model-FP8 --revision main     # headers only, no weights downloaded
   fp8fix inspect ./model --scan-data --json > report.json
   fp8fix inspect ./model --strict      # CI gate: exit 1 if convert would fix something
 
-\b
+\\b
 Exit codes: 0 inspected (no --strict finding), 1 --strict and a finding convert
-fixes, 3 invalid checkpoint.
+fixes, 3 invalid checkpoint, 4 Hub error.
 """
 
 
 @main.command(epilog=INSPECT_EPILOG)
-@click.argument("source", type=click.Path(path_type=Path))
+@source_options
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema: README, 'inspect --json').")
 @click.option("--strict", is_flag=True, help="Exit 1 when there is a finding that `fp8fix convert` would fix.")
 @click.option("--scan-data", is_flag=True, help="Also read the FP8 weights: NaN codes, fnuz data under an fn label.")
 @reports_errors
-def inspect(source: Path, as_json: bool, strict: bool, scan_data: bool) -> None:
+def inspect(source: str, revision: str | None, as_json: bool, strict: bool, scan_data: bool) -> None:
     """Report what the checkpoint SOURCE is, its problems, and which loaders take it.
 
     Reads config.json, the safetensors headers and the scales; the weights only
-    with --scan-data.
+    with --scan-data. A Hub SOURCE is read from the Hub's header API when it can be.
     """
+    from fp8fix.hub import is_repo_id, remote_headers, resolve_source
     from fp8fix.inspect import inspect_checkpoint, report_lines
 
-    report = inspect_checkpoint(source, scan_data=scan_data)
+    remote = remote_headers(source, revision) if is_repo_id(source) and not scan_data else None
+    report = inspect_checkpoint(remote or resolve_source(source, revision)[0], scan_data=scan_data)
+    report.source = source
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
@@ -178,43 +222,37 @@ def inspect(source: Path, as_json: bool, strict: bool, scan_data: bool) -> None:
         sys.exit(1)
 
 
-VERIFY_EPILOG = """\b
+VERIFY_EPILOG = """\\b
 Examples:
   fp8fix verify ./Phi-3-mini-fp8 ./Phi-3-mini-fp8-fixed
-  fp8fix verify ./model ./model-mi300 --json > verify.json
+  fp8fix verify org/model-FP8 ./model-mi300 --json > verify.json
 
-\b
-Exit codes: 0 faithful, 1 mismatch (the tensors are named), 3 invalid input.
+\\b
+Exit codes: 0 faithful, 1 mismatch (the tensors are named), 3 invalid input, 4 Hub error.
 """
 
 
 @main.command("verify", epilog=VERIFY_EPILOG)
-@click.argument("source", type=click.Path(path_type=Path))
+@source_options
 @click.argument("output", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def verify_command(source: Path, output: Path, as_json: bool, quiet: bool) -> None:
+def verify_command(source: str, revision: str | None, output: Path, as_json: bool, quiet: bool) -> None:
     """Prove OUTPUT a faithful conversion of SOURCE, tensor by tensor.
 
     Splits and fn <-> fnuz changes must be exact in value, requantized modules
     within half an fp8 step; every other tensor byte-identical; index, config and
     copied files as they should be. Streams with bounded memory.
     """
-    from fp8fix.verify import verify
+    from fp8fix.hub import resolve_source
+    from fp8fix.verify import verify, verify_lines
 
-    report = verify(source, output, quiet=quiet or as_json)
+    report = verify(resolve_source(source, revision)[0], output, quiet=quiet or as_json)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
-        click.echo(f"{'faithful' if report.ok else 'MISMATCH'}: {report.summary()}")
-        for w in report.weights:
-            if w.kind != "exact":
-                click.echo(
-                    f"  {w.kind:<11} {w.tensor}: max error {w.max_error:.3g} ({w.max_error_steps:.2f} fp8 steps)"
-                    + (f", {w.rounded_codes} codes rounded" if w.rounded_codes else "")
-                )
-        for problem in report.problems:
-            click.echo(f"  problem: {problem}")
+        for line in verify_lines(report):
+            click.echo(line)
     if not report.ok:
         sys.exit(1)

@@ -37,6 +37,8 @@ class ConvertOptions:
     overwrite: bool = False
     quiet: bool = False
     verify: bool = False
+    source_repo: str | None = None  # the Hub repo SOURCE came from, for the model card
+    revision: str | None = None
 
     def describe(self, plan: ConversionPlan) -> str:
         """The options as a command line, for the model card."""
@@ -88,7 +90,19 @@ def convert(source: Path, output: Path, options: ConvertOptions) -> ConvertResul
                     "verification failed, nothing written: " + "; ".join(result.verification.problems[:5])
                 )
         summary = result.verification.summary() if result.verification else None
-        write_card(source, staging, plan, source.resolve().name, options.describe(plan), edits, summary)
+        name = source.resolve().name
+        if options.source_repo:
+            name = options.source_repo + (f"@{options.revision}" if options.revision else "")
+        write_card(
+            source,
+            staging,
+            plan,
+            name,
+            options.describe(plan),
+            edits,
+            summary,
+            base_model=options.source_repo,
+        )
     result.written = True
     return result
 

@@ -80,8 +80,10 @@ class Report:
         return asdict(self)
 
 
-def inspect_checkpoint(root: Path, scan_data: bool = False) -> Report:
-    ckpt = open_checkpoint(root)
+def inspect_checkpoint(root: Path | Checkpoint, scan_data: bool = False) -> Report:
+    """Inspect a local folder, or a checkpoint whose headers came from the Hub (no data: scale values unread)."""
+    ckpt = root if isinstance(root, Checkpoint) else open_checkpoint(root)
+    root = ckpt.root
     qc = quantization_config(ckpt.config) or {}
     fmt, supported, note = _format(ckpt)
     arch_name, arch = _architecture(ckpt.config)
@@ -97,7 +99,10 @@ def inspect_checkpoint(root: Path, scan_data: bool = False) -> Report:
         architecture=arch_name,
         architecture_known=arch is not None,
         encoding=", ".join(encodings) or None,
-        files=[{"name": n, "bytes": h.path.stat().st_size, "tensors": len(h.tensors)} for n, h in ckpt.shards.items()],
+        files=[
+            {"name": n, "bytes": sum(t.nbytes for t in h.tensors.values()), "tensors": len(h.tensors)}
+            for n, h in ckpt.shards.items()
+        ],
         modules=modules,
         kv_cache_scales=[
             {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
@@ -112,7 +117,9 @@ def inspect_checkpoint(root: Path, scan_data: bool = False) -> Report:
         report.notes.append(note)
     if arch is None:
         report.notes.append(f"architecture {arch_name} is not in the registry: fused modules cannot be identified")
-    report.findings = _findings(ckpt, fmt, arch, modules, scan_data)
+    if not ckpt.has_data:
+        report.notes.append("headers read from the Hub: scale values and weights were not read")
+    report.findings = _findings(ckpt, fmt, arch, modules, scan_data and ckpt.has_data)
     report.loaders = _loaders(ckpt, arch, modules)
     return report
 
@@ -199,7 +206,7 @@ def _findings(
                 "and converts e4m3fn checkpoints for MI300 itself",
                 "--to e4m3fn",
             )
-    for name, t in ckpt.tensors.items():
+    for name, t in ckpt.tensors.items() if ckpt.has_data else ():
         if not name.endswith((".weight_scale", ".input_scale", f".{BLOCK_SCALE}")) or t.dtype not in SCALE_DTYPES:
             continue
         if t.numel > 1_000_000:

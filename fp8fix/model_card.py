@@ -82,11 +82,14 @@ def write_card(
     options: str,
     config_edits: list[str],
     verified: str | None = None,
+    base_model: str | None = None,
 ) -> None:
     from huggingface_hub.repocard_data import ModelCardData
 
     original = source / CARD
     metadata, body = split_card(original.read_text(encoding="utf-8")) if original.is_file() else ({}, "")
+    if base_model:  # converted from a Hub repo: link it, as the Hub's model tree expects
+        metadata = {**metadata, "base_model": base_model, "base_model_relation": "quantized"}
     data = ModelCardData(**metadata)
     rocm = ["e4m3fnuz", "rocm"] if plan.encoding and plan.encoding.target == "e4m3fnuz" else []
     data.tags = list(dict.fromkeys([*(data.tags or []), *TAGS, *rocm]))

@@ -175,3 +175,31 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
         "encoding": None if plan.encoding is None else dataclasses.asdict(plan.encoding),
         "loaders": loader_table(plan.layout),
     }
+
+
+def result_lines(result: Any) -> list[str]:
+    """What `convert` prints for people: the plan, config edits, copies, loaders, notes, outcome."""
+    plan = result.plan
+    lines = plan_lines(plan)
+    lines += [f"  config.json: {edit}" for edit in result.config_edits]
+    if result.copied_files:
+        lines.append(f"  copied: {', '.join(result.copied_files)}")
+    lines += loader_lines(plan.layout)
+    if plan.encoding and plan.encoding.target == "e4m3fnuz":
+        lines.append(VLLM_FNUZ_NOTE)
+    if result.verification:
+        lines.append(f"verified: {result.verification.summary()}")
+    lines.append(f"wrote {result.output}" if result.written else "dry run: nothing written")
+    return lines
+
+
+def result_json(result: Any) -> dict[str, Any]:
+    payload = plan_json(result.plan)
+    payload.update(
+        output=str(result.output),
+        written=result.written,
+        config_edits=result.config_edits,
+        copied_files=result.copied_files,
+        verification=result.verification.to_json() if result.verification else None,
+    )
+    return payload

@@ -415,3 +415,15 @@ def _check_repo(
         copied = out.root / rel
         if not copied.is_file() or copied.read_bytes() != (src.root / rel).read_bytes():
             report.problem(f"{rel}: missing from OUTPUT or not a copy of SOURCE's")
+
+
+def verify_lines(report: VerifyReport) -> list[str]:
+    lines = [f"{'faithful' if report.ok else 'MISMATCH'}: {report.summary()}"]
+    for w in report.weights:
+        if w.kind != "exact":
+            rounded = f", {w.rounded_codes} codes rounded" if w.rounded_codes else ""
+            lines.append(
+                f"  {w.kind:<11} {w.tensor}: max error {w.max_error:.3g} ({w.max_error_steps:.2f} fp8 steps){rounded}"
+            )
+    lines += [f"  problem: {p}" for p in report.problems]
+    return lines

@@ -4,7 +4,9 @@
 Builds a synthetic multi-shard Phi-3-shaped FP8 checkpoint (real headers, random
 FP8 codes without NaNs, single-scale fused modules), then runs each contender
 in turn, round-robin, `--repeats` times, and reports the median wall time, the
-ratio to `cp -r` and the peak RSS of each (from the child's own rusage).
+ratio to `cp -r` and the peak RSS of each (from the child's own rusage). The order
+is shuffled each round; the page cache is warm (the source was just written) and
+`sync` runs before each timed command, so no run pays for another's write-back.
 
     python scripts/bench_convert.py                      # 2 GB, default layout
     python scripts/bench_convert.py --size-gb 0.5 --repeats 3 --layout fused
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -151,8 +154,11 @@ def main() -> None:
         if not args.skip_naive:
             contenders["naive load_file/save_file"] = [sys.executable, "-c", NAIVE, str(src), str(work / "out")]
         results: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
-        for _ in range(args.repeats):
-            for name, cmd in contenders.items():
+        order = list(contenders)
+        for round_ in range(args.repeats):
+            random.Random(round_).shuffle(order)  # no contender always runs after the same one
+            for name in order:
+                cmd = contenders[name]
                 shutil.rmtree(work / "out", ignore_errors=True)
                 subprocess.run(["sync"], check=False)
                 results[name].append(timed(cmd))
@@ -160,7 +166,7 @@ def main() -> None:
         base = statistics.median(w for w, _ in results["cp -r"])
         print(
             f"checkpoint: {size / 1e9:.2f} GB in {len(list(src.glob('*.safetensors')))} shards; "
-            f"{args.repeats} runs each, round-robin; fp8fix args: {' '.join(fp8fix[3:])}"
+            f"{args.repeats} runs each, shuffled round-robin; fp8fix args: {' '.join(fp8fix[3:])}"
         )
         print(f"{'contender':<28} {'median s':>9} {'x cp -r':>8} {'peak RSS MB':>12}")
         for name, runs in results.items():

@@ -1,0 +1,165 @@
+"""A tiny stand-in for the Hub's HTTP API, on 127.0.0.1, for testing the real HfApi client.
+
+Implements just what `create_repo`, `repo_info`, `get_repo_discussions`, `preupload`
+(answering `regular` upload mode, so files arrive inline) and `commit` call, and
+records every commit with its files. It can also be told to fail with a status code.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+
+@dataclass
+class Commit:
+    repo_id: str
+    revision: str
+    summary: str
+    description: str
+    create_pr: bool
+    files: dict[str, bytes]
+
+
+@dataclass
+class FakeHub:
+    commits: list[Commit] = field(default_factory=list)
+    repos: dict[str, dict[str, Any]] = field(default_factory=dict)  # repo id -> {"private", "sha"}
+    pull_requests: list[dict[str, Any]] = field(default_factory=list)
+    requests: list[str] = field(default_factory=list)
+    fail_with: int | str | None = None  # answer every request with this status, or "gated"
+    authorization: list[str] = field(default_factory=list)
+    url: str = ""
+
+    def start(self) -> FakeHub:
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, status: int, body: Any) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                if status >= 400:
+                    self.send_header("X-Error-Message", body.get("error", "error"))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _body(self) -> bytes:
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def do_GET(self) -> None:
+                self._route("GET")
+
+            def do_POST(self) -> None:
+                self._route("POST")
+
+            def _route(self, method: str) -> None:
+                url = urlparse(self.path)
+                hub.requests.append(f"{method} {url.path}")
+                hub.authorization.append(self.headers.get("Authorization", ""))
+                body = self._body() if method == "POST" else b""
+                if hub.fail_with:
+                    if hub.fail_with in (404, "gated"):
+                        self.send_response(404 if hub.fail_with == 404 else 403)
+                        self.send_header("X-Error-Code", "RepoNotFound" if hub.fail_with == 404 else "GatedRepo")
+                        self.send_header("Content-Length", "2")
+                        self.end_headers()
+                        self.wfile.write(b"{}")
+                        return
+                    return self._send(hub.fail_with, {"error": "denied"})
+                parts = url.path.strip("/").split("/")
+                if url.path == "/api/repos/create":
+                    data = json.loads(body)
+                    repo = f"{data['organization']}/{data['name']}" if data.get("organization") else data["name"]
+                    hub.repos.setdefault(repo, {"private": data.get("visibility") == "private", "sha": "0" * 40})
+                    return self._send(200, {"url": f"{hub.url}/{repo}", "name": repo})
+                if url.path == "/api/validate-yaml":  # the client checks a model card's metadata first
+                    return self._send(200, {"errors": [], "warnings": []})
+                if parts[:2] == ["api", "models"] and len(parts) >= 4:
+                    repo = f"{parts[2]}/{parts[3]}"
+                    rest = parts[4:]
+                    if not rest or rest[0] == "revision":
+                        return self._send(200, {"id": repo, "sha": hub.repos.get(repo, {}).get("sha"), "siblings": []})
+                    if rest[0] == "discussions" and method == "POST":  # create_pr: the PR first, then its commit
+                        data = json.loads(body)
+                        num = len(hub.pull_requests) + 1
+                        entry = {
+                            "num": num,
+                            "title": data.get("title", ""),
+                            "status": "open",
+                            "isPullRequest": True,
+                            "author": {"name": "me"},
+                            "createdAt": "2026-11-29T00:00:00.000Z",
+                            "repo": {"name": repo, "type": "model"},
+                        }
+                        hub.pull_requests.append({"repo": repo, "entry": entry, "description": data.get("description")})
+                        return self._send(200, {**entry, "url": f"{hub.url}/{repo}/discussions/{num}"})
+                    if rest[0] == "discussions" and len(rest) == 2:
+                        pr = next(
+                            p for p in hub.pull_requests if p["repo"] == repo and p["entry"]["num"] == int(rest[1])
+                        )
+                        details = {"events": [], "changes": {"base": "refs/heads/main"}, "filesWithConflicts": []}
+                        return self._send(200, {**pr["entry"], **details})
+                    if rest[0] == "discussions":
+                        prs = [p for p in hub.pull_requests if p["repo"] == repo]
+                        return self._send(
+                            200,
+                            {
+                                "discussions": [p["entry"] for p in prs],
+                                "count": len(prs),
+                                "start": 0,
+                                "numClosedDiscussions": 0,
+                            },
+                        )
+                    if rest[0] == "preupload":
+                        files = json.loads(body)["files"]
+                        return self._send(
+                            200,
+                            {
+                                "files": [
+                                    {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files
+                                ],
+                                "commitOid": hub.repos.get(repo, {}).get("sha"),
+                            },
+                        )
+                    if rest[0] == "commit":
+                        return self._commit(repo, unquote("/".join(rest[1:])), body)
+                self._send(404, {"error": f"not implemented: {method} {url.path}"})
+
+            def _commit(self, repo: str, revision: str, body: bytes) -> None:
+                header: dict[str, Any] = {}
+                files: dict[str, bytes] = {}
+                for line in body.decode().splitlines():
+                    item = json.loads(line)
+                    if item["key"] == "header":
+                        header = item["value"]
+                    elif item["key"] == "file":
+                        files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                create_pr = revision.startswith("refs/pr/")
+                hub.commits.append(
+                    Commit(repo, revision, header.get("summary", ""), header.get("description", ""), create_pr, files)
+                )
+                oid = f"{len(hub.commits):040x}"
+                answer: dict[str, Any] = {"commitUrl": f"{hub.url}/{repo}/commit/{oid}", "commitOid": oid}
+                if not create_pr:
+                    hub.repos.setdefault(repo, {})["sha"] = oid
+                self._send(200, answer)
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{server.server_address[1]}"
+        self._server = server
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,207 @@
+"""The Hub, without a network: reads through a real huggingface_hub cache with HF_HUB_OFFLINE=1, writes
+through the real HfApi client to a small server on 127.0.0.1 (tests/hub_server.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.builders import build, phi3
+from tests.conftest import folder_digest, load_tensors, raw
+from tests.hub_server import FakeHub
+
+SHA = "1234567890abcdef1234567890abcdef12345678"
+TOKEN = "hf_test_token_that_must_never_be_printed"
+
+
+def fp8fix(*args: str | Path, env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fp8fix", *map(str, args)], env=env, cwd=cwd, capture_output=True, text=True
+    )
+
+
+def base_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1", **extra)
+    return env
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path) -> Path:
+    """A Hub cache as huggingface_hub lays it out: refs/main -> snapshots/<sha>/..."""
+    cache = tmp_path / "cache"
+    repo = cache / "models--org--tiny-fp8"
+    build(repo / "snapshots" / SHA, phi3())
+    (repo / "snapshots" / SHA / "README.md").write_text("---\nlicense: mit\n---\n# tiny\nThe original card.\n")
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(SHA)
+    return cache
+
+
+def offline_env(tmp_path: Path, cache: Path) -> dict[str, str]:
+    return base_env(tmp_path, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
+
+
+def card_metadata(text: str) -> dict:
+    return yaml.safe_load(text.split("---")[1])
+
+
+def test_convert_a_repo_id_from_the_cache(tmp_path: Path, hub_cache: Path) -> None:
+    env = offline_env(tmp_path, hub_cache)
+    proc = fp8fix("convert", "org/tiny-fp8", tmp_path / "out", "-q", "--verify", env=env)
+    assert proc.returncode == 0, proc.stderr
+    snapshot = hub_cache / "models--org--tiny-fp8" / "snapshots" / SHA
+    assert "model.layers.0.self_attn.q_proj.weight" in load_tensors(tmp_path / "out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    meta = card_metadata(card)
+    assert meta["base_model"] == "org/tiny-fp8" and meta["base_model_relation"] == "quantized"
+    assert {"fp8", "fp8fix"} <= set(meta["tags"]) and meta["license"] == "mit"
+    assert "The original card." in card and "Converted from `org/tiny-fp8`" in card
+    # inspect and verify take the repo id too
+    inspected = fp8fix("inspect", "org/tiny-fp8", "--json", env=env)
+    assert inspected.returncode == 0 and '"single-scale-fused"' in inspected.stdout
+    assert fp8fix("verify", "org/tiny-fp8", tmp_path / "out", "-q", env=env).returncode == 0
+    assert folder_digest(snapshot) == folder_digest(snapshot)  # the cache is read, never written
+
+
+def test_revision_and_its_errors(tmp_path: Path, hub_cache: Path) -> None:
+    env = offline_env(tmp_path, hub_cache)
+    proc = fp8fix("convert", "org/tiny-fp8", tmp_path / "out", "--revision", SHA, "-q", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "Converted from `org/tiny-fp8@" + SHA in (tmp_path / "out" / "README.md").read_text()
+    proc = fp8fix("convert", "org/tiny-fp8", tmp_path / "out2", "--revision", "no-such-branch", env=env)
+    assert proc.returncode == 4 and proc.stderr.startswith("Error: org/tiny-fp8@no-such-branch")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out2").exists()
+
+
+def test_a_repo_that_is_not_cached_offline(tmp_path: Path, hub_cache: Path) -> None:
+    proc = fp8fix("convert", "org/other", tmp_path / "out", env=offline_env(tmp_path, hub_cache))
+    assert proc.returncode == 4
+    assert "not in the local Hub cache" in proc.stderr and "HF_HUB_OFFLINE" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_a_local_folder_wins_over_a_repo_id(tmp_path: Path, hub_cache: Path) -> None:
+    work = tmp_path / "work"
+    build(work / "org" / "tiny-fp8", phi3(layers=1))
+    proc = fp8fix("convert", "org/tiny-fp8", tmp_path / "out", "-q", env=offline_env(tmp_path, hub_cache), cwd=work)
+    assert proc.returncode == 0, proc.stderr
+    assert "base_model" not in card_metadata((tmp_path / "out" / "README.md").read_text())
+    assert "model.layers.1.self_attn.q_proj.weight" not in load_tensors(tmp_path / "out")
+
+
+@pytest.fixture
+def fake_hub():
+    hub = FakeHub().start()
+    yield hub
+    hub.stop()
+
+
+def online_env(tmp_path: Path, hub: FakeHub) -> dict[str, str]:
+    return base_env(tmp_path, HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_CACHE=str(tmp_path / "cache"))
+
+
+def test_convert_and_push(tmp_path: Path, fake_hub: FakeHub) -> None:
+    src = build(tmp_path / "src", phi3())
+    env = online_env(tmp_path, fake_hub)
+    proc = fp8fix(
+        "convert",
+        src,
+        tmp_path / "out",
+        "--to",
+        "e4m3fnuz",
+        "--push-to-hub",
+        "me/tiny-mi300",
+        "--private",
+        "-q",
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert fake_hub.repos["me/tiny-mi300"]["private"] is True
+    (commit,) = fake_hub.commits
+    assert commit.repo_id == "me/tiny-mi300" and commit.revision == "main" and not commit.create_pr
+    out = tmp_path / "out"
+    assert set(commit.files) == {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    for name, data in commit.files.items():
+        assert data == (out / name).read_bytes(), name
+    assert commit.summary == "fp8fix: convert src (--layout unfused --to e4m3fnuz)"
+    meta = card_metadata(commit.files["README.md"].decode())
+    assert {"fp8", "fp8fix", "e4m3fnuz", "rocm"} <= set(meta["tags"])
+    assert f"pushed: {fake_hub.url}/me/tiny-mi300/commit/" in proc.stdout
+    assert TOKEN not in proc.stdout + proc.stderr
+    assert all(a == f"Bearer {TOKEN}" for a in fake_hub.authorization)
+
+
+def test_push_as_a_pull_request_once(tmp_path: Path, fake_hub: FakeHub) -> None:
+    src = build(tmp_path / "src", phi3())
+    env = online_env(tmp_path, fake_hub)
+    assert fp8fix("convert", src, tmp_path / "out", "-q", env=env).returncode == 0
+    first = fp8fix("push", tmp_path / "out", "org/tiny", "--create-pr", "--commit-message", "Fix FP8 scales", env=env)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == f"pushed: {fake_hub.url}/org/tiny/discussions/1"
+    (commit,) = fake_hub.commits
+    assert commit.create_pr and commit.revision == "refs/pr/1" and commit.summary.startswith("Fix FP8 scales (parent ")
+    again = fp8fix("push", tmp_path / "out", "org/tiny", "--create-pr", "--commit-message", "Fix FP8 scales", env=env)
+    assert again.returncode == 0 and again.stdout == first.stdout
+    assert len(fake_hub.commits) == 1 and len(fake_hub.pull_requests) == 1
+
+
+@pytest.mark.parametrize(
+    "failure,message",
+    [(404, "repo not found"), (403, "no permission"), ("gated", "gated"), (500, "HTTP 500")],
+)
+def test_hub_failures_are_one_line_and_exit_4(
+    tmp_path: Path, fake_hub: FakeHub, failure: int | str, message: str
+) -> None:
+    src = build(tmp_path / "src", phi3())
+    fake_hub.fail_with = failure
+    env = online_env(tmp_path, fake_hub)
+    proc = fp8fix("convert", src, tmp_path / "out", "--push-to-hub", "me/x", "-q", env=env)
+    assert proc.returncode == 4, proc.stderr
+    assert message in proc.stderr and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert f"retry with `fp8fix push {tmp_path / 'out'} me/x`" in proc.stderr
+    assert (tmp_path / "out" / "config.json").exists(), "a failed push must leave OUTPUT intact"
+    assert TOKEN not in proc.stderr
+    read = fp8fix("inspect", "org/remote", env=env)
+    assert read.returncode == 4 and read.stderr.startswith("Error: org/remote")
+
+
+def test_network_error(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = base_env(tmp_path, HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_TOKEN=TOKEN, HF_HUB_ETAG_TIMEOUT="2")
+    proc = fp8fix("convert", "org/tiny", tmp_path / "out", env=env)
+    assert proc.returncode == 4 and proc.stderr.startswith("Error: org/tiny")
+    assert TOKEN not in proc.stderr
+
+
+def test_push_refuses_a_folder_that_is_not_a_checkpoint(tmp_path: Path, fake_hub: FakeHub) -> None:
+    (tmp_path / "empty").mkdir()
+    proc = fp8fix("push", tmp_path / "empty", "me/x", env=online_env(tmp_path, fake_hub))
+    assert proc.returncode == 3 and fake_hub.requests == []
+
+
+def test_revision_with_a_local_folder_is_refused(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3())
+    proc = fp8fix("convert", src, tmp_path / "out", "--revision", "main", env=base_env(tmp_path))
+    assert proc.returncode == 3 and "--revision" in proc.stderr
+
+
+def test_source_card_content_is_kept_unchanged_in_cache(tmp_path: Path, hub_cache: Path) -> None:
+    snapshot = hub_cache / "models--org--tiny-fp8" / "snapshots" / SHA
+    before = folder_digest(snapshot)
+    assert (
+        fp8fix("convert", "org/tiny-fp8", tmp_path / "out", "-q", env=offline_env(tmp_path, hub_cache)).returncode == 0
+    )
+    assert folder_digest(snapshot) == before
+    s, o = load_tensors(snapshot), load_tensors(tmp_path / "out")
+    assert raw(o["model.norm.weight"]) == raw(s["model.norm.weight"])
+    shutil.rmtree(tmp_path / "out")
