@@ -9,6 +9,7 @@ reported here with the file it concerns.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,8 @@ def _weight_map(index: Any) -> dict[str, str]:
 
 def _shard_path(root: Path, name: str) -> Path:
     path = root / name
-    if Path(name).is_absolute() or not path.resolve().is_relative_to(root.resolve()):
+    # lexically, not through symlinks: a Hub cache snapshot links every file to ../../blobs/
+    if Path(name).is_absolute() or not Path(os.path.normpath(path)).is_relative_to(os.path.normpath(root)):
         raise InvalidCheckpoint(f"{INDEX}: names '{name}', a path outside the checkpoint folder; refusing to read it")
     if not path.is_file():
         raise InvalidCheckpoint(f"{INDEX}: names '{name}', which does not exist in {root}; the download is incomplete")

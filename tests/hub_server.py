@@ -8,10 +8,13 @@ records every commit with its files. It can also be told to fail with a status c
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -34,6 +37,7 @@ class FakeHub:
     requests: list[str] = field(default_factory=list)
     fail_with: int | str | None = None  # answer every request with this status, or "gated"
     authorization: list[str] = field(default_factory=list)
+    files: dict[str, Path] = field(default_factory=dict)  # repo id -> folder served by /{repo}/resolve/...
     url: str = ""
 
     def start(self) -> FakeHub:
@@ -59,6 +63,9 @@ class FakeHub:
             def do_GET(self) -> None:
                 self._route("GET")
 
+            def do_HEAD(self) -> None:
+                self._route("HEAD")
+
             def do_POST(self) -> None:
                 self._route("POST")
 
@@ -67,6 +74,9 @@ class FakeHub:
                 hub.requests.append(f"{method} {url.path}")
                 hub.authorization.append(self.headers.get("Authorization", ""))
                 body = self._body() if method == "POST" else b""
+                parts = url.path.strip("/").split("/")
+                if len(parts) > 4 and parts[2] == "resolve" and not hub.fail_with:
+                    return self._resolve(method, f"{parts[0]}/{parts[1]}", "/".join(parts[4:]))
                 if hub.fail_with:
                     if hub.fail_with in (404, "gated"):
                         self.send_response(404 if hub.fail_with == 404 else 403)
@@ -76,7 +86,6 @@ class FakeHub:
                         self.wfile.write(b"{}")
                         return
                     return self._send(hub.fail_with, {"error": "denied"})
-                parts = url.path.strip("/").split("/")
                 if url.path == "/api/repos/create":
                     data = json.loads(body)
                     repo = f"{data['organization']}/{data['name']}" if data.get("organization") else data["name"]
@@ -88,7 +97,26 @@ class FakeHub:
                     repo = f"{parts[2]}/{parts[3]}"
                     rest = parts[4:]
                     if not rest or rest[0] == "revision":
-                        return self._send(200, {"id": repo, "sha": hub.repos.get(repo, {}).get("sha"), "siblings": []})
+                        folder = hub.files.get(repo)
+                        siblings = [{"rfilename": p.name} for p in sorted(folder.iterdir())] if folder else []
+                        sha = hub.repos.get(repo, {}).get("sha") or ("f" * 40 if folder else None)
+                        return self._send(200, {"id": repo, "sha": sha, "siblings": siblings})
+                    if rest[0] == "tree":  # snapshot_download lists the files first
+                        folder = hub.files.get(repo)
+                        entries = (
+                            [
+                                {
+                                    "type": "file",
+                                    "path": p.name,
+                                    "size": p.stat().st_size,
+                                    "oid": hashlib.sha1(p.read_bytes()).hexdigest(),
+                                }
+                                for p in sorted(folder.iterdir())
+                            ]
+                            if folder
+                            else []
+                        )
+                        return self._send(200, entries)
                     if rest[0] == "discussions" and method == "POST":  # create_pr: the PR first, then its commit
                         data = json.loads(body)
                         num = len(hub.pull_requests) + 1
@@ -134,6 +162,30 @@ class FakeHub:
                     if rest[0] == "commit":
                         return self._commit(repo, unquote("/".join(rest[1:])), body)
                 self._send(404, {"error": f"not implemented: {method} {url.path}"})
+
+            def _resolve(self, method: str, repo: str, name: str) -> None:
+                """A file of a served repo: HEAD for metadata, GET with an optional Range (header reads)."""
+                path = hub.files.get(repo, Path("/nonexistent")) / name
+                if not path.is_file():
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "EntryNotFound")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                data = path.read_bytes()
+                status, first = 200, 0
+                ranged = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+                if ranged:
+                    first = int(ranged.group(1))
+                    last = int(ranged.group(2)) if ranged.group(2) else len(data) - 1
+                    data, status = data[first : last + 1], 206
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("ETag", f'"{hashlib.sha1(path.read_bytes()).hexdigest()}"')
+                self.send_header("X-Repo-Commit", "f" * 40)
+                self.end_headers()
+                if method == "GET":
+                    self.wfile.write(data)
 
             def _commit(self, repo: str, revision: str, body: bytes) -> None:
                 header: dict[str, Any] = {}

@@ -3,6 +3,7 @@ through the real HfApi client to a small server on 127.0.0.1 (tests/hub_server.p
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -38,8 +39,13 @@ def hub_cache(tmp_path: Path) -> Path:
     """A Hub cache as huggingface_hub lays it out: refs/main -> snapshots/<sha>/..."""
     cache = tmp_path / "cache"
     repo = cache / "models--org--tiny-fp8"
-    build(repo / "snapshots" / SHA, phi3())
-    (repo / "snapshots" / SHA / "README.md").write_text("---\nlicense: mit\n---\n# tiny\nThe original card.\n")
+    snapshot = build(repo / "snapshots" / SHA, phi3())
+    (snapshot / "README.md").write_text("---\nlicense: mit\n---\n# tiny\nThe original card.\n")
+    (repo / "blobs").mkdir()
+    for file in list(snapshot.iterdir()):  # as huggingface_hub stores them: blobs, linked from the snapshot
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        file.rename(blob)
+        file.symlink_to(os.path.relpath(blob, snapshot))
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(SHA)
     return cache
@@ -205,3 +211,26 @@ def test_source_card_content_is_kept_unchanged_in_cache(tmp_path: Path, hub_cach
     s, o = load_tensors(snapshot), load_tensors(tmp_path / "out")
     assert raw(o["model.norm.weight"]) == raw(s["model.norm.weight"])
     shutil.rmtree(tmp_path / "out")
+
+
+def test_inspect_a_repo_id_reads_headers_not_weights(tmp_path: Path, fake_hub: FakeHub) -> None:
+    fake_hub.files["org/remote"] = build(tmp_path / "served", phi3(), scale="shard")
+    env = base_env(tmp_path, HF_ENDPOINT=fake_hub.url)
+    proc = fp8fix("inspect", "org/remote", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    report = json.loads(proc.stdout)
+    assert report["source"] == "org/remote" and len(report["modules"]) == 8
+    assert {f["code"] for f in report["findings"]} == {"per-shard-scales-on-fused"}
+    assert any("headers read from the Hub" in n for n in report["notes"])
+    assert not list((tmp_path / "hf-home").rglob("*.safetensors")), "inspect downloaded weights"
+    assert any(r.startswith("GET /org/remote/resolve/") and r.endswith(".safetensors") for r in fake_hub.requests)
+
+
+def test_convert_a_repo_id_online(tmp_path: Path, fake_hub: FakeHub) -> None:
+    fake_hub.files["org/remote"] = build(tmp_path / "served", phi3())
+    env = base_env(tmp_path, HF_ENDPOINT=fake_hub.url)
+    proc = fp8fix("convert", "org/remote", tmp_path / "out", "-q", "--verify", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert card_metadata((tmp_path / "out" / "README.md").read_text())["base_model"] == "org/remote"
