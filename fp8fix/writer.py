@@ -8,6 +8,7 @@ chunks whatever the checkpoint's size.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import sys
 from collections.abc import Iterator
@@ -21,13 +22,18 @@ from fp8fix.errors import InvalidCheckpoint
 from fp8fix.plan import ConversionPlan, CopyRange, OutputShard, Recode, RepeatRange, Requantize, Rescale
 from fp8fix.safetensors_file import TensorInfo, encode_header
 from fp8fix.scan import range_contains
-from fp8fix.transforms import RECODINGS, RequantizeError, inexact_codes, recode
+from fp8fix.transforms import RECODINGS, RequantizeError, inexact_codes, recode, recoding_table
 
 CHUNK = 16 * 1024 * 1024
 #: Byte-mapped chunks stay below glibc's mmap threshold (128 KiB): larger ones are fresh
 #: mmaps, and zero-filling their pages on every pread cost 3x the time of the mapping itself.
 RECODE_CHUNK = 64 * 1024
+#: Kernel-copied recoding: windows of this size, patched in place when they hold few changed codes.
+PATCH_WINDOW = 4 * 1024 * 1024
+MAX_PATCHES = 2048
 PAGE = 4096
+#: Copies at least this long start at a page boundary (see `_copy`).
+PAGE_ALIGN_MIN = 1024 * 1024
 #: One buffer for unaligned copies: reused, so its pages are never faulted in again.
 _BUFFER = memoryview(bytearray(1024 * 1024))
 _NO_COPY_FILE_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
@@ -95,7 +101,7 @@ def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Any, st
     header = encode_header(
         [(t.name, t.dtype, t.shape) for t in shard.tensors], shard.metadata, lambda size: _page_padding(shard, size)
     )
-    with open(path, "wb", buffering=0) as f:
+    with open(path, "w+b", buffering=0) as f:  # read too: `_copy` restores bytes it overwrote
         out = f.fileno()
         _write_all(out, header)
         copier = _RangeCopier(sources, out, bar)
@@ -154,7 +160,7 @@ def _page_padding(shard: OutputShard, header_size: int) -> int:
     position = header_size
     for tensor in shard.tensors:
         for piece in tensor.pieces:
-            if isinstance(piece, CopyRange):
+            if isinstance(piece, CopyRange | Recode):  # both are copied by the kernel
                 delta = (piece.start - position) % PAGE
                 if delta % 8 == 0:
                     weights[delta] = weights.get(delta, 0) + piece.nbytes
@@ -165,8 +171,23 @@ def _page_padding(shard: OutputShard, header_size: int) -> int:
 def _copy(src: int, dst: int, start: int, end: int, bar: Any) -> None:
     """Copy [start, end) of `src` to the current position of `dst`: in the kernel when the
     two sit at the same offset within a page, else through one reused buffer."""
+    position = os.lseek(dst, 0, os.SEEK_CUR)
+    aligned = (start - position) % PAGE == 0
+    lead = start % PAGE
+    if aligned and lead and end - start >= PAGE_ALIGN_MIN:
+        # The kernel copies whole pages fastest (a fifth faster, measured). Start the copy at the page
+        # boundary before `start`, then put back the bytes of `dst` that this overwrote.
+        kept = os.pread(dst, lead, position - lead)
+        os.lseek(dst, position - lead, os.SEEK_SET)
+        _copy_range(src, dst, start - lead, end, aligned, _NoProgress())
+        os.pwrite(dst, kept, position - lead)
+        bar.update(end - start)
+        return
+    _copy_range(src, dst, start, end, aligned, bar)
+
+
+def _copy_range(src: int, dst: int, start: int, end: int, aligned: bool, bar: Any) -> None:
     offset = start
-    aligned = (start - os.lseek(dst, 0, os.SEEK_CUR)) % PAGE == 0
     while offset < end:
         count = min(end - offset, 1 << 30)
         copied = 0
@@ -215,7 +236,51 @@ def _refuse_codes(
 
 
 def _recode(sources: _Sources, out: int, piece: Recode, source: str) -> int:
-    """Map the codes chunk by chunk; forbidden codes are looked for in each chunk as it passes."""
+    """Map the codes; return how many could not keep their exact value.
+
+    Recodings that change at most one code (fn -> fnuz turns 0x80 into 0x00; fnuz -> fn
+    changes none) are done in the kernel: each window is scanned in a memory map, copied
+    with copy_file_range, and the few changed bytes are patched in place. A window dense
+    with changed codes, and any other recoding, goes through Python's byte maps.
+    """
+    recoding = RECODINGS[piece.recoding]
+    table = recoding_table(piece.recoding)
+    changed = [c for c in range(256) if table[c] != c and c not in recoding.forbidden]
+    if len(changed) > 1:
+        return _recode_in_python(sources, out, piece, source)
+    src = sources.fd(piece.path)
+    needles = [bytes([c]) for c in recoding.forbidden]
+    for offset in range(piece.start, piece.end, PATCH_WINDOW):
+        stop = min(piece.end, offset + PATCH_WINDOW)
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(src, stop - base, prot=mmap.PROT_READ, offset=base) as window:
+            if any(window.find(n, offset - base) >= 0 for n in needles):
+                _refuse_codes(sources, piece, recoding.forbidden, source, recoding.why)
+            patches = _positions(window, changed[0], offset - base, MAX_PATCHES) if changed else []
+            if patches is None:  # dense: map the bytes in Python
+                _write_all(out, recode(window[offset - base : stop - base], piece.recoding))
+                continue
+        position = os.lseek(out, 0, os.SEEK_CUR)
+        _copy(src, out, offset, stop, _NoProgress())
+        for at in patches:
+            os.pwrite(out, bytes([table[changed[0]]]), position + at - (offset - base))
+    return 0
+
+
+def _positions(window: mmap.mmap, code: int, start: int, limit: int) -> list[int] | None:
+    """Where `code` occurs in the window from `start`; None past `limit` occurrences."""
+    found: list[int] = []
+    needle = bytes([code])
+    at = window.find(needle, start)
+    while at >= 0:
+        if len(found) == limit:
+            return None
+        found.append(at)
+        at = window.find(needle, at + 1)
+    return found
+
+
+def _recode_in_python(sources: _Sources, out: int, piece: Recode, source: str) -> int:
     recoding = RECODINGS[piece.recoding]
     needles = [bytes([c]) for c in recoding.forbidden]
     lossy = inexact_codes(piece.recoding)

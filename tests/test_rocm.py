@@ -250,3 +250,14 @@ def test_fnuz_conversion_does_not_import_torch(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_fn_to_fnuz_with_many_negative_zeros(tmp_path: Path) -> None:
+    """A weight dense with -0 takes the byte-map path instead of kernel copies plus patches: same result."""
+    src = build(tmp_path / "src", phi3())
+    name = "model.layers.0.mlp.gate_up_proj.weight"
+    patch_bytes(src, name, {i: 0x80 for i in range(0, 6000, 7)})
+    convert(src, tmp_path / "out", "--layout", "fused", "--to", "e4m3fnuz")
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
+    assert int((codes(s[name]) == 0x80).sum()) > 800
+    assert torch.equal(codes(o[name]), torch.where(codes(s[name]) == 0x80, 0, codes(s[name])))
