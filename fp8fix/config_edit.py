@@ -1,39 +1,76 @@
-"""Rewriting config.json: only the quantization_config name lists that a rename touches.
+"""Rewriting config files: only the module-name lists that a rename touches.
 
 When the unfused layout turns `...qkv_proj` into `...q_proj`, `...k_proj`, `...v_proj`,
-an ignore list that named the fused module must name its shards instead (vLLM checks
-every shard of a fused layer against it). Entries are exact module names or, in
-compressed-tensors, `re:` patterns matched from the start of the name.
+a list that named the fused module must name its shards instead (vLLM checks every
+shard of a fused layer against ignore lists). Formats match entries in different
+grammars (`NameList.grammar`): exact names, compressed-tensors' exact-or-`re:`,
+transformers' substrings, Quark's and ModelOpt's fnmatch wildcards. An entry naming the
+fused module exactly is replaced by the shard names; a pattern that matched the fused
+module but not all its shards gets the missing shard names added after it.
 """
 
 from __future__ import annotations
 
 import copy
+import fnmatch
+import json
 import re
+from pathlib import Path
 from typing import Any
 
-from fp8fix.registry.formats import quantization_config
+from fp8fix.registry.formats import NameList, quantization_config
+
+
+def matches(entry: str, name: str, grammar: str) -> bool:
+    if grammar == "exact":
+        return entry == name
+    if grammar == "exact-or-re":
+        return entry == name or (entry.startswith("re:") and re.match(entry[3:], name) is not None)
+    if grammar == "substring":
+        return entry in name
+    if grammar == "fnmatch":
+        return fnmatch.fnmatchcase(name, entry)
+    raise ValueError(f"unknown name-list grammar {grammar!r}")
 
 
 def rewrite_config(
-    config: dict[str, Any], name_lists: tuple[str, ...], renames: dict[str, list[str]]
+    config: dict[str, Any], name_lists: tuple[NameList, ...], renames: dict[str, list[str]]
 ) -> tuple[dict[str, Any] | None, list[str]]:
-    """The new config (None when nothing changes) and one line per edit made."""
-    if not renames:
-        return None, []
+    """The new config.json (None when nothing changes) and one line per edit made."""
     new = copy.deepcopy(config)
     qc = quantization_config(new)
-    edits: list[str] = []
-    if qc is None:
+    if not renames or qc is None:
         return None, []
-    for path in name_lists:
-        for where, holder, key in _lists_at(qc, path.split("."), "quantization_config"):
+    edits = _rewrite(qc, [n for n in name_lists if n.file == "config.json"], renames, "quantization_config")
+    return (new if edits else None), edits
+
+
+def rewrite_side_file(
+    root: Path, name_lists: tuple[NameList, ...], renames: dict[str, list[str]]
+) -> dict[str, tuple[dict[str, Any], list[str]]]:
+    """Other config files holding name lists (ModelOpt's hf_quant_config.json): file -> (new content, edits)."""
+    out: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    for file in sorted({n.file for n in name_lists} - {"config.json"}):
+        path = root / file
+        if not renames or not path.is_file():
+            continue
+        data = json.loads(path.read_text(encoding="utf-8"))
+        edits = _rewrite(data, [n for n in name_lists if n.file == file], renames, file)
+        if edits:
+            out[file] = (data, edits)
+    return out
+
+
+def _rewrite(root: dict[str, Any], lists: list[NameList], renames: dict[str, list[str]], label: str) -> list[str]:
+    edits = []
+    for name_list in lists:
+        for where, holder, key in _lists_at(root, name_list.path.split("."), label):
             entries = holder[key]
-            rewritten = _rename_entries(entries, renames)
+            rewritten = _rename_entries(entries, renames, name_list.grammar)
             if rewritten != entries:
                 holder[key] = rewritten
                 edits.append(f"{where}: {len(entries)} -> {len(rewritten)} entries (fused modules renamed)")
-    return (new if edits else None), edits
+    return edits
 
 
 def _lists_at(node: Any, parts: list[str], where: str) -> list[tuple[str, dict[str, Any], str]]:
@@ -51,17 +88,15 @@ def _lists_at(node: Any, parts: list[str], where: str) -> list[tuple[str, dict[s
     return found
 
 
-def _rename_entries(entries: list[Any], renames: dict[str, list[str]]) -> list[Any]:
+def _rename_entries(entries: list[Any], renames: dict[str, list[str]], grammar: str) -> list[Any]:
     out: list[Any] = []
     for entry in entries:
         if isinstance(entry, str) and entry in renames:
             out.extend(renames[entry])
-        elif isinstance(entry, str) and entry.startswith("re:"):
-            out.append(entry)
-            pattern = re.compile(entry[3:])
+            continue
+        out.append(entry)
+        if isinstance(entry, str):
             for fused, shards in renames.items():
-                if pattern.match(fused):
-                    out.extend(s for s in shards if not pattern.match(s))
-        else:
-            out.append(entry)
+                if matches(entry, fused, grammar):
+                    out.extend(s for s in shards if not matches(entry, s, grammar))
     return list(dict.fromkeys(out)) if all(isinstance(e, str) for e in out) else out

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix.checkpoint import CONFIG, INDEX, Checkpoint, open_checkpoint
-from fp8fix.config_edit import rewrite_config
+from fp8fix.config_edit import rewrite_config, rewrite_side_file
 from fp8fix.errors import OutputError, VerificationFailed
 from fp8fix.model_card import CARD, write_card
 from fp8fix.plan import ConversionPlan
@@ -62,7 +62,9 @@ def convert(source: Path, output: Path, options: ConvertOptions) -> ConvertResul
     ckpt = open_checkpoint(source)
     plan = plan_conversion(ckpt, options.layout, options.to)
     new_config, edits = rewrite_config(ckpt.config, plan.format.name_lists, plan.renames)
-    copies = [f for f in ckpt.other_files() if f != CARD]
+    side_files = rewrite_side_file(ckpt.root, plan.format.name_lists, plan.renames)
+    edits += [edit for _, file_edits in side_files.values() for edit in file_edits]
+    copies = [f for f in ckpt.other_files() if f != CARD and f not in side_files]
     result = ConvertResult(plan, output, written=False, config_edits=edits, copied_files=copies)
     if options.dry_run:
         return result
@@ -80,6 +82,8 @@ def convert(source: Path, output: Path, options: ConvertOptions) -> ConvertResul
             shutil.copyfile(source / CONFIG, staging / CONFIG)
         else:
             write_json(staging / CONFIG, new_config)
+        for file, (content, _) in side_files.items():
+            write_json(staging / file, content)
         for name in copies:
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source / name, staging / name)

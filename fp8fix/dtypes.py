@@ -50,8 +50,8 @@ ENCODINGS: dict[str, str] = {"e4m3fn": E4M3FN, "e4m3fnuz": E4M3FNUZ}
 #: Codes that are NaN in each encoding and must never reach a rewritten weight.
 NAN_CODES: dict[str, tuple[int, ...]] = {E4M3FN: (0x7F, 0xFF), E4M3FNUZ: (0x80,)}
 
-#: Float dtypes a scale may be stored in, with their `struct` decoding.
-SCALE_DTYPES = ("F32", "BF16", "F16", "F64")
+#: Dtypes a scale may be stored in (F8_E8M0: a bare power-of-two exponent, for block scales).
+SCALE_DTYPES = ("F32", "BF16", "F16", "F64", "F8_E8M0")
 
 
 def is_fp8(dtype: str) -> bool:
@@ -85,6 +85,8 @@ def decode_floats(data: bytes, dtype: str) -> list[float]:
     if dtype == "BF16":
         widened = b"".join(b"\x00\x00" + data[i : i + 2] for i in range(0, len(data), 2))
         return list(struct.unpack(f"<{len(data) // 2}f", widened))
+    if dtype == "F8_E8M0":
+        return [math.nan if b == 0xFF else 2.0 ** (b - 127) for b in data]
     raise ValueError(f"not a float scale dtype: {dtype}")
 
 
@@ -95,4 +97,7 @@ def encode_floats(values: list[float], dtype: str) -> bytes:
     if dtype == "BF16":
         wide = struct.pack(f"<{len(values)}f", *values)
         return b"".join(wide[i + 2 : i + 4] for i in range(0, len(wide), 4))
+    if dtype == "F8_E8M0":
+        exponents = [math.frexp(v)[1] - 1 + 127 if v > 0 and math.isfinite(v) else 0xFF for v in values]
+        return bytes(min(max(e, 0), 0xFF) for e in exponents)
     raise ValueError(f"not a float scale dtype: {dtype}")

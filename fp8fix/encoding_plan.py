@@ -24,7 +24,7 @@ from fp8fix.scan import range_contains
 from fp8fix.transforms import FN_TO_FNUZ, FNUZ_TO_FN, FNUZ_TO_FN_SAME_SCALE, Recoding
 
 #: Calibration scales of the kv cache, in fn units whatever the weights' encoding.
-KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", ".kv_scale")
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", ".kv_scale", ".output_scale")
 
 
 def plan_encoding(ckpt: Checkpoint, fmt: FormatSpec, shards: list[OutputShard], target: str) -> EncodingChange | None:

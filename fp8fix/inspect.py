@@ -126,7 +126,7 @@ def inspect_checkpoint(root: Path | Checkpoint, scan_data: bool = False) -> Repo
 
 def _format(ckpt: Checkpoint) -> tuple[FormatSpec | None, bool, str]:
     try:
-        return detect_format(ckpt.config, ckpt.root), True, ""
+        return detect_format(ckpt.config, ckpt.root, set(ckpt.tensors)), True, ""
     except Fp8fixError as e:
         return None, False, str(e).removeprefix("config.json: ")
 
@@ -153,7 +153,9 @@ def _module_info(ckpt: Checkpoint, fmt: FormatSpec | None, weight: TensorInfo, f
         kind = "missing"
     else:
         try:
-            kind = scale_kind(scale, weight.shape[0] if weight.shape else 0, n if f else None, allow_channel=True)
+            kind = scale_kind(
+                scale, weight.shape, n if f else None, allow_channel=True, block=fmt.block if fmt else None
+            )
         except Fp8fixError:
             kind = "unknown"
     inp = ckpt.tensors.get(f"{module}.input_scale")

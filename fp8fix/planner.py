@@ -22,6 +22,8 @@ from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, arc
 from fp8fix.registry.formats import FormatSpec, detect_format
 from fp8fix.safetensors_file import TensorInfo, read_range
 
+Block = tuple[int, int] | None
+
 #: Parameters of a fused module fp8fix knows how to split; anything else is refused.
 SPLITTABLE = ("weight", "bias")
 
@@ -47,7 +49,7 @@ def default_layout(arch: ArchitectureSpec) -> str:
 
 def plan_conversion(ckpt: Checkpoint, layout: str | None, to: str | None = None) -> ConversionPlan:
     """The whole conversion: fused-module layout first, then (with `to`) the FP8 encoding."""
-    fmt = detect_format(ckpt.config, ckpt.root)
+    fmt = detect_format(ckpt.config, ckpt.root, set(ckpt.tensors))
     arch_name, arch = architecture_for(ckpt.config)
     chosen = layout or default_layout(arch)
     fused = find_fused_modules(ckpt, arch)
@@ -111,30 +113,41 @@ def _check_fp8_weights(ckpt: Checkpoint, fmt: FormatSpec, fused_shards: dict[str
                 "its values cannot be recovered (incomplete export?)"
             )
         module = t.name.rsplit(".", 1)[0]
-        scale_kind(scale, t.shape[0], fused_shards.get(module), allow_channel=True)
+        scale_kind(scale, t.shape, fused_shards.get(module), allow_channel=True, block=fmt.block)
 
 
 def _sibling(weight_name: str, param: str) -> str:
     return weight_name.rsplit(".", 1)[0] + "." + param
 
 
-def scale_kind(scale: TensorInfo, rows: int, n_shards: int | None, allow_channel: bool) -> str:
-    """tensor (one value), shard (one per fused shard) or channel (one per row); else an error."""
+def scale_kind(
+    scale: TensorInfo, weight_shape: tuple[int, ...], n_shards: int | None, allow_channel: bool, block: Block = None
+) -> str:
+    """tensor (one value), shard (one per fused shard), channel (one per row) or block (one per
+    rows x columns block); else an error."""
+    rows = weight_shape[0]
     if scale.dtype not in SCALE_DTYPES:
         raise UnsupportedCheckpoint(
-            f"{scale.path.name}: scale '{scale.name}' is {scale.dtype}; fp8fix reads F32/BF16/F16 scales"
+            f"{scale.path.name}: scale '{scale.name}' is {scale.dtype}; fp8fix reads F32/BF16/F16/E8M0 scales"
         )
     if scale.numel == 1 and len(scale.shape) <= 2:
         return "tensor"
+    if block and allow_channel and scale.shape == block_grid(weight_shape, block):
+        return "block"
     if n_shards and scale.shape == (n_shards,):
         return "shard"
     if allow_channel and scale.shape in ((rows, 1), (rows,)):
         return "channel"
+    grid = f", {list(block_grid(weight_shape, block))} per {block[0]}x{block[1]} block" if block else ""
     raise InvalidCheckpoint(
         f"{scale.path.name}: scale '{scale.name}' has shape {list(scale.shape)}, which fits no known convention "
-        f"for a weight of {rows} rows ([] or [1] per tensor, [{rows}, 1] per channel"
+        f"for a weight of {rows} rows ([] or [1] per tensor, [{rows}, 1] per channel{grid}"
         + (f", [{n_shards}] per fused shard)" if n_shards else ")")
     )
+
+
+def block_grid(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    return -(-weight_shape[0] // block[0]), -(-weight_shape[1] // block[1])
 
 
 def find_fused_modules(ckpt: Checkpoint, arch: ArchitectureSpec) -> list[FusedModule]:
@@ -163,7 +176,10 @@ def _plan_module(m: FusedModule, fmt: FormatSpec, layout: str) -> tuple[ModuleCh
     n = len(m.rows)
     quantized = is_fp8(m.weight.dtype)
     scales = {p: m.params[p] for p in (fmt.weight_scale, fmt.input_scale) if p in m.params}
-    kinds = {p: scale_kind(t, m.weight.shape[0], n, allow_channel=(p == fmt.weight_scale)) for p, t in scales.items()}
+    kinds = {
+        p: scale_kind(t, m.weight.shape, n, allow_channel=(p == fmt.weight_scale), block=fmt.block)
+        for p, t in scales.items()
+    }
     weight_kind = kinds.get(fmt.weight_scale, "none")
     change = ModuleChange(
         module=m.path,
@@ -204,6 +220,7 @@ def _plan_module(m: FusedModule, fmt: FormatSpec, layout: str) -> tuple[ModuleCh
 def _keep_reason(kind: str) -> str:
     return {
         "channel": "per-channel scales already cover each row",
+        "block": "block scales already cover each block of rows",
         "tensor": "already one scale per fused module",
         "none": "not quantized",
     }.get(kind, "nothing to change")
@@ -223,6 +240,9 @@ def _unfuse(
             name = f"{new}.{param}"
             if kind == "tensor":
                 pieces.append(OutputTensor(name, t.dtype, t.shape, [CopyRange(t.path, t.start, t.end)], t.name))
+            elif kind == "block":
+                assert fmt.block is not None
+                pieces.append(_block_rows(t, fmt.block[0], bounds[i], bounds[i + 1], name, m))
             elif kind == "shard":
                 item = ITEM_SIZE[t.dtype]
                 element = CopyRange(t.path, t.start + i * item, t.start + (i + 1) * item)
@@ -238,6 +258,18 @@ def _unfuse(
         )
     )
     return change, outputs
+
+
+def _block_rows(t: TensorInfo, b0: int, r0: int, r1: int, name: str, m: FusedModule) -> OutputTensor:
+    """The block-scale rows of weight rows [r0, r1): exact only when r0 starts a block and r1 ends one."""
+    total = m.weight.shape[0]
+    if r0 % b0 or (r1 % b0 and r1 != total):
+        raise UnsupportedCheckpoint(
+            f"{m.weight.path.name}: fused module '{m.path}' has a shard boundary at row {r0 if r0 % b0 else r1}, "
+            f"not a multiple of the {b0}-row scale block: splitting its block scales would need requantizing, "
+            "which fp8fix does not do silently; use --layout per-shard or --layout fused (they keep the fused weight)"
+        )
+    return _row_slice(t, r0 // b0, -(-r1 // b0), name)
 
 
 def _row_slice(t: TensorInfo, r0: int, r1: int, name: str) -> OutputTensor:

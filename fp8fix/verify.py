@@ -16,6 +16,7 @@ Memory stays at one row chunk per tensor whatever the checkpoint's size.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix.checkpoint import INDEX, Checkpoint, open_checkpoint
-from fp8fix.config_edit import rewrite_config
+from fp8fix.config_edit import rewrite_config, rewrite_side_file
 from fp8fix.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, ITEM_SIZE, REQUANT_CLAMP, decode_floats
 from fp8fix.model_card import CARD
 from fp8fix.planner import FusedModule, find_fused_modules
@@ -93,7 +94,7 @@ class VerifyReport:
 
 def verify(source: Path, output: Path, quiet: bool = False) -> VerifyReport:
     src, out = open_checkpoint(source), open_checkpoint(output)
-    fmt = detect_format(src.config, src.root)
+    fmt = detect_format(src.config, src.root, set(src.tensors))
     arch = builtin_architectures().get((src.config.get("architectures") or [""])[0])
     fused = {m.path: m for m in find_fused_modules(src, arch)} if arch else {}
     report = VerifyReport(str(source), str(output))
@@ -202,7 +203,13 @@ def _check_weight(
     module = name.rsplit(".", 1)[0]
     check = WeightCheck(name, [t.name for t in targets], "exact")
     try:
-        src_scales = _scale_rows(src.tensors.get(f"{module}.{fmt.weight_scale}"), w, _rows_of(fused, module), "SOURCE")
+        src_scale = src.tensors.get(f"{module}.{fmt.weight_scale}")
+        if fmt.block and src_scale is not None and src_scale.numel > 1 and len(src_scale.shape) == 2:
+            for target in targets:
+                out_scale = out.tensors.get(f"{target.name.rsplit('.', 1)[0]}.{fmt.weight_scale}")
+                _compare_block(w, out.tensors[target.name], target, src_scale, out_scale, fmt.block, fds, check)
+            return check
+        src_scales = _scale_rows(src_scale, w, _rows_of(fused, module), "SOURCE")
         for target in targets:
             o = out.tensors[target.name]
             if o.dtype not in FP8_WEIGHT_DTYPES or o.shape != (target.end - target.start, *w.shape[1:]):
@@ -285,21 +292,26 @@ def _compare_values(
     r1: int,
     a_bytes: bytes,
     b_bytes: bytes,
-    src_scales: list[float],
-    out_scales: list[float],
+    src_scales: Any,
+    out_scales: Any,
     check: WeightCheck,
 ) -> None:
+    """Dequantize rows [r0, r1) in float32 and compare; scales are per-row lists or per-element tensors."""
     import torch
 
     fp8 = {E4M3FN: torch.float8_e4m3fn, E4M3FNUZ: torch.float8_e4m3fnuz}
     clamp = REQUANT_CLAMP[o.dtype]
-    s_src = torch.tensor(src_scales[r0:r1], dtype=torch.float32).reshape(-1, 1)
-    s_out = torch.tensor(out_scales[r0 - target.start : r1 - target.start], dtype=torch.float32).reshape(-1, 1)
+    if isinstance(src_scales, list):
+        s_src = torch.tensor(src_scales[r0:r1], dtype=torch.float32).reshape(-1, 1)
+        s_out = torch.tensor(out_scales[r0 - target.start : r1 - target.start], dtype=torch.float32).reshape(-1, 1)
+    else:
+        s_src, s_out = src_scales, out_scales
     a = torch.frombuffer(bytearray(a_bytes), dtype=torch.uint8).view(fp8[w.dtype]).float().reshape(r1 - r0, -1)
     b = torch.frombuffer(bytearray(b_bytes), dtype=torch.uint8).view(fp8[o.dtype]).float().reshape(r1 - r0, -1)
     src_value = a * s_src
-    ratio = (s_out.double() / s_src.double()).flatten().tolist()
-    power_of_two = torch.tensor([_power_of_two(r) for r in ratio]).reshape(-1, 1)
+    _, exponent_of_ratio = torch.frexp(s_out.double() / s_src.double())
+    mantissa, _ = torch.frexp(s_out.double() / s_src.double())
+    power_of_two = (mantissa == 0.5).expand_as(a)
     # the code at the output scale: exact (a power-of-two multiple of the source code) for splits and
     # encoding changes; for requantized rows the converter's own float32 formula, clamped before rounding
     # (to +-224 for e4m3fnuz, as vLLM's ROCm kernels do)
@@ -313,20 +325,66 @@ def _compare_values(
     ok = torch.where(power_of_two, (b == nearest) | both_nan, steps <= 0.5 + 1e-6)
     if not bool(ok.all()):
         row, col = (~ok).nonzero()[0].tolist()
+        out_value = float((b * s_out)[row, col])
         raise _Mismatch(
             f"'{o.name}' (from '{w.name}') row {r0 - target.start + row} column {col}: source value "
-            f"{float(src_value[row, col]):.6g}, output {float(b[row, col] * s_out[row, 0]):.6g} "
-            f"(scale {float(s_out[row, 0]):.6g})"
+            f"{float(src_value[row, col]):.6g}, output {out_value:.6g}"
         )
     error = torch.where(both_nan, 0.0, (b * s_out - src_value).abs())
     check.max_error = max(check.max_error, float(error.max()) if error.numel() else 0.0)
     if not bool(power_of_two.all()):
         check.kind = "requantized"
-        check.max_error_steps = max(check.max_error_steps, float(steps[~power_of_two.expand_as(steps)].max()))
+        check.max_error_steps = max(check.max_error_steps, float(steps[~power_of_two].max()))
     rounded = int(((nearest != q) & power_of_two & ~both_nan).sum())
     if rounded and check.kind == "exact":
         check.kind = "rounded"
     check.rounded_codes += rounded
+
+
+def _compare_block(
+    w: TensorInfo,
+    o: TensorInfo,
+    target: Target,
+    src_scale: TensorInfo,
+    out_scale: TensorInfo | None,
+    block: tuple[int, int],
+    fds: dict[Path, int],
+    check: WeightCheck,
+) -> None:
+    """Block-scaled rows: the output's block scales must be the source's block rows times one power of two,
+    and the codes the source values at those scales."""
+    b0, b1 = block
+    cols = math.prod(w.shape[1:])
+    if out_scale is None:
+        raise _Mismatch(f"'{o.name}' has no block scale")
+    grid_cols = src_scale.shape[1]
+    src_grid = decode_floats(read_range(src_scale.path, src_scale.start, src_scale.end), src_scale.dtype)
+    out_grid = decode_floats(read_range(out_scale.path, out_scale.start, out_scale.end), out_scale.dtype)
+    first, last = target.start // b0, -(-target.end // b0)
+    expected = src_grid[first * grid_cols : last * grid_cols]
+    if target.start % b0 or len(out_grid) != len(expected) or out_scale.shape[1:] != src_scale.shape[1:]:
+        raise _Mismatch(f"'{out_scale.name}' is not the block rows {first}..{last - 1} of '{src_scale.name}'")
+    ratios = {o_ / s_ for o_, s_ in zip(out_grid, expected, strict=True)}
+    if len(ratios) != 1 or not _power_of_two(next(iter(ratios))):
+        raise _Mismatch(f"'{out_scale.name}': block scales are not '{src_scale.name}' times one power of two")
+    ratio = ratios.pop()
+    step_rows = max(b0, (CHUNK_ELEMENTS // max(cols, 1)) // b0 * b0)
+    for r0 in range(target.start, target.end, step_rows):
+        r1 = min(target.end, r0 + step_rows)
+        a, b = _read(fds, w, r0, r1, cols), _read(fds, o, r0 - target.start, r1 - target.start, cols)
+        if _same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 - target.start, cols):
+            continue
+        s_src = _expand_grid(src_grid, grid_cols, r0, r1 - r0, cols, block)
+        s_out = _expand_grid(out_grid, grid_cols, r0 - target.start, r1 - r0, cols, block)
+        _compare_values(w, o, target, r0, r1, a, b, s_src, s_out, check)
+
+
+def _expand_grid(grid: list[float], grid_cols: int, row0: int, rows: int, cols: int, block: tuple[int, int]) -> Any:
+    """One scale per element of rows [row0, row0 + rows) from a block grid."""
+    import torch
+
+    g = torch.tensor(grid, dtype=torch.float32).reshape(-1, grid_cols)
+    return g[torch.arange(row0, row0 + rows) // block[0]][:, torch.arange(cols) // block[1]]
 
 
 def _power_of_two(ratio: float) -> bool:
@@ -409,8 +467,12 @@ def _check_repo(
     expected, _ = rewrite_config(src.config, fmt.name_lists, renames)
     if out.config != (expected or src.config):
         report.problem("config.json: differs from SOURCE's beyond the renamed quantization_config entries")
+    side_files = rewrite_side_file(src.root, fmt.name_lists, renames)
+    for file, (content, _) in side_files.items():
+        if not (out.root / file).is_file() or json.loads((out.root / file).read_text()) != content:
+            report.problem(f"{file}: not SOURCE's with the renamed module entries")
     for rel in src.other_files():
-        if rel == CARD:
+        if rel == CARD or rel in side_files:
             continue
         copied = out.root / rel
         if not copied.is_file() or copied.read_bytes() != (src.root / rel).read_bytes():

@@ -132,19 +132,33 @@ CASES: dict[str, tuple[Callable[[Path], object], list[str]]] = {
         _nan_last_shard,
         [SHARD2, QKV1 + ".weight", "2 NaN codes (0x7F/0xFF)"],
     ),
-    "block FP8": (
-        lambda s: edit_json(s / "config.json", lambda c: c["quantization_config"].update(weight_block_size=[128, 128])),
-        ["block FP8", "not supported yet"],
+    "compressed-tensors int weights": (
+        lambda s: edit_json(
+            s / "config.json",
+            lambda c: c["quantization_config"].update(quant_method="compressed-tensors", format="pack-quantized"),
+        ),
+        ["compressed-tensors format 'pack-quantized'", "not supported yet"],
     ),
-    "quark": (
-        lambda s: edit_json(s / "config.json", lambda c: c["quantization_config"].update(quant_method="quark")),
-        ["AMD Quark", "not supported yet"],
+    "quark int8": (
+        lambda s: edit_json(
+            s / "config.json",
+            lambda c: c["quantization_config"].update(
+                quant_method="quark", global_quant_config={"weight": {"dtype": "int8", "qscheme": "per_tensor"}}
+            ),
+        ),
+        ["AMD Quark int8", "not supported yet"],
     ),
-    "fbgemm": (
-        lambda s: edit_json(s / "config.json", lambda c: c["quantization_config"].update(quant_method="fbgemm_fp8")),
-        ["FBGEMM", "not supported yet"],
+    "not an FP8 method": (
+        lambda s: edit_json(s / "config.json", lambda c: c["quantization_config"].update(quant_method="gptq")),
+        ["quant_method 'gptq'", "not an FP8 format"],
     ),
-    "modelopt": (lambda s: (s / "hf_quant_config.json").write_text("{}"), ["ModelOpt", "not supported yet"]),
+    "modelopt nvfp4": (
+        lambda s: (
+            edit_json(s / "config.json", lambda c: c.pop("quantization_config")),
+            (s / "hf_quant_config.json").write_text('{"quantization": {"quant_algo": "NVFP4"}}'),
+        ),
+        ["ModelOpt NVFP4", "not supported yet"],
+    ),
 }
 
 

@@ -144,11 +144,11 @@ def test_missing_scale(tmp_path: Path) -> None:
 def test_unsupported_formats_are_described_not_refused(tmp_path: Path) -> None:
     src = build(tmp_path / "src", phi3())
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"]["weight_block_size"] = [128, 128]
+    config["quantization_config"].update(quant_method="compressed-tensors", format="pack-quantized")
     (src / "config.json").write_text(json.dumps(config))
     report = inspect(src)
     assert report["convert_supported"] is False
-    assert "block FP8" in report["format_label"]
+    assert "pack-quantized" in report["format_label"]
 
 
 def test_inspect_bad_input_is_exit_3(tmp_path: Path) -> None:

@@ -1,55 +1,98 @@
-"""FP8 checkpoint formats: how to recognise each from config.json and what it names how.
+"""FP8 checkpoint formats: how to recognise each from its config and what it names how.
 
-A format decides the scale shape convention (`[]` or `[1]` for one scale per tensor)
-and where quantization_config lists module names that must follow a rename. Formats
-fp8fix cannot convert yet are recognised too, so the user gets "not supported yet,
-format X" instead of a guess.
+A format decides the tensor names of its scales, the scale shape convention (`[]` or
+`[1]` for one scale per tensor, a block grid), and which config lists name modules
+(and in which match grammar) that must follow a rename. Formats fp8fix cannot
+convert yet are recognised too, so the user gets "not supported yet, format X"
+instead of a guess.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
 
+MODELOPT_CONFIG = "hf_quant_config.json"
+
+
+@dataclass(frozen=True)
+class NameList:
+    """A config list of module names: where it is and how its entries match a module name.
+
+    grammar: `exact`, `exact-or-re` (compressed-tensors: exact or `re:` pattern from the
+    start), `substring` (transformers' modules_to_not_convert), `fnmatch` (Quark, ModelOpt).
+    """
+
+    path: str  # dotted path inside the quantization config; '*' = every key
+    grammar: str
+    file: str = "config.json"  # or hf_quant_config.json (ModelOpt)
+
 
 @dataclass(frozen=True)
 class FormatSpec:
-    name: str  # quant_method as written in config.json
+    name: str  # quant_method as written in the config
     label: str  # what people call it
     scalar_shape: tuple[int, ...]  # shape of a per-tensor scale written by this format
-    name_lists: tuple[str, ...]  # quantization_config paths holding module names ('*' = every key)
+    name_lists: tuple[NameList, ...]
     weight_scale: str = "weight_scale"
     input_scale: str = "input_scale"
+    block: tuple[int, int] | None = None  # block scales: rows x columns per scale
 
 
 AUTOFP8 = FormatSpec(
     name="fp8",
     label="AutoFP8 / vLLM fp8 (per-tensor)",
     scalar_shape=(),
-    name_lists=("ignored_layers", "modules_to_not_convert"),
+    name_lists=(NameList("ignored_layers", "exact"), NameList("modules_to_not_convert", "substring")),
 )
-
+#: AutoFP8's first releases: `act_scale` for the input scale, one `kv_scale` per attention.
+AUTOFP8_LEGACY = replace(AUTOFP8, label="AutoFP8 (legacy act_scale names)", input_scale="act_scale")
+BLOCK_FP8 = FormatSpec(
+    name="fp8",
+    label="block FP8 (DeepSeek-V3 / Qwen3 / FineGrainedFP8)",
+    scalar_shape=(),
+    name_lists=(NameList("modules_to_not_convert", "substring"), NameList("ignored_layers", "exact")),
+    weight_scale="weight_scale_inv",
+)
 COMPRESSED_TENSORS = FormatSpec(
     name="compressed-tensors",
     label="compressed-tensors float-quantized",
     scalar_shape=(1,),
-    name_lists=("ignore", "config_groups.*.targets"),
+    name_lists=(NameList("ignore", "exact-or-re"), NameList("config_groups.*.targets", "exact-or-re")),
 )
-
-_NOT_YET = {
-    "quark": "AMD Quark",
-    "modelopt": "NVIDIA ModelOpt",
-    "fbgemm_fp8": "FBGEMM FP8",
-}
+QUARK = FormatSpec(
+    name="quark",
+    label="AMD Quark FP8",
+    scalar_shape=(),
+    name_lists=(NameList("exclude", "fnmatch"),),
+)
+MODELOPT = FormatSpec(
+    name="modelopt",
+    label="NVIDIA ModelOpt FP8",
+    scalar_shape=(),
+    name_lists=(
+        NameList("quantization.exclude_modules", "fnmatch", MODELOPT_CONFIG),
+        NameList("ignore", "fnmatch"),
+        NameList("exclude_modules", "fnmatch"),
+    ),
+)
+FBGEMM = FormatSpec(
+    name="fbgemm_fp8",
+    label="FBGEMM FP8 (per-row)",
+    scalar_shape=(),
+    name_lists=(NameList("modules_to_not_convert", "substring"),),
+)
 
 
 def _not_yet(label: str) -> UnsupportedCheckpoint:
     return UnsupportedCheckpoint(
-        f"config.json: {label} checkpoints are not supported yet; fp8fix converts AutoFP8 per-tensor "
-        "and compressed-tensors tensor/channel FP8 checkpoints"
+        f"config.json: {label} checkpoints are not supported yet; fp8fix converts AutoFP8, block FP8, "
+        "compressed-tensors (tensor/channel/block), Quark, ModelOpt and FBGEMM FP8 checkpoints"
     )
 
 
@@ -58,35 +101,53 @@ def quantization_config(config: dict[str, Any]) -> dict[str, Any] | None:
     return qc if isinstance(qc, dict) else None
 
 
-def detect_format(config: dict[str, Any], root: Path) -> FormatSpec:
+def detect_format(config: dict[str, Any], root: Path, tensor_names: set[str] | None = None) -> FormatSpec:
     """The format of the checkpoint in `root`, or an error naming the unsupported one."""
-    if (root / "hf_quant_config.json").exists():
-        raise _not_yet("NVIDIA ModelOpt (hf_quant_config.json)")
     qc = quantization_config(config)
+    modelopt = root / MODELOPT_CONFIG
+    if modelopt.exists() and (qc is None or qc.get("quant_method") in (None, "modelopt")):
+        return _modelopt(modelopt)
     if qc is None:
         raise InvalidCheckpoint(
             "config.json: has no quantization_config; fp8fix needs it to know how the FP8 weights were exported"
         )
     method = qc.get("quant_method")
-    if method in _NOT_YET:
-        raise _not_yet(_NOT_YET[method])
     if method == "fp8":
         if qc.get("weight_block_size"):
-            raise _not_yet(f"block FP8 (weight_block_size {qc['weight_block_size']})")
+            return replace(BLOCK_FP8, block=_block(qc["weight_block_size"], "weight_block_size"))
+        if tensor_names and any(n.endswith(".act_scale") for n in tensor_names):
+            return AUTOFP8_LEGACY
         return AUTOFP8
     if method == "compressed-tensors":
-        _check_compressed_tensors(qc)
-        return COMPRESSED_TENSORS
+        return _compressed_tensors(qc)
+    if method == "quark":
+        return _quark(qc)
+    if method == "modelopt":
+        if qc.get("quant_algo", "FP8") != "FP8":
+            raise _not_yet(f"ModelOpt {qc.get('quant_algo')}")
+        return MODELOPT
+    if method == "fbgemm_fp8":
+        return FBGEMM
     raise UnsupportedCheckpoint(f"config.json: quant_method {method!r} is not an FP8 format fp8fix knows")
 
 
-def _check_compressed_tensors(qc: dict[str, Any]) -> None:
+def _block(value: Any, where: str) -> tuple[int, int]:
+    """[128, 128] or "128x128"."""
+    if isinstance(value, str):
+        value = [int(v) for v in re.split(r"[x,]", value)]
+    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and v > 0 for v in value)):
+        raise InvalidCheckpoint(f"config.json: {where} {value!r} is not a [rows, columns] block size")
+    return value[0], value[1]
+
+
+def _compressed_tensors(qc: dict[str, Any]) -> FormatSpec:
     fmt = qc.get("format")
     if fmt not in ("float-quantized", "naive-quantized"):
         raise _not_yet(f"compressed-tensors format {fmt!r}")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise InvalidCheckpoint("config.json: compressed-tensors quantization_config has no config_groups")
+    blocks = set()
     for name, group in groups.items():
         weights = (group or {}).get("weights") or {}
         if weights.get("type") != "float" or weights.get("num_bits") != 8:
@@ -94,5 +155,30 @@ def _check_compressed_tensors(qc: dict[str, Any]) -> None:
                 f"compressed-tensors group {name} with {weights.get('num_bits')}-bit {weights.get('type')} weights"
             )
         strategy = weights.get("strategy")
-        if strategy not in ("tensor", "channel"):
+        if strategy == "block":
+            blocks.add(_block(weights.get("block_structure"), f"group {name} block_structure"))
+        elif strategy not in ("tensor", "channel"):
             raise _not_yet(f"compressed-tensors weight strategy {strategy!r} (group {name})")
+    if len(blocks) > 1:
+        raise _not_yet(f"compressed-tensors with several block sizes {sorted(blocks)}")
+    return replace(COMPRESSED_TENSORS, block=blocks.pop()) if blocks else COMPRESSED_TENSORS
+
+
+def _quark(qc: dict[str, Any]) -> FormatSpec:
+    weight = ((qc.get("global_quant_config") or {}).get("weight")) or {}
+    if weight.get("dtype") != "fp8_e4m3":
+        raise _not_yet(f"AMD Quark {weight.get('dtype')}")
+    if weight.get("qscheme") not in ("per_tensor", "per_channel"):
+        raise _not_yet(f"AMD Quark qscheme {weight.get('qscheme')!r}")
+    return QUARK
+
+
+def _modelopt(path: Path) -> FormatSpec:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise InvalidCheckpoint(f"{MODELOPT_CONFIG}: cannot read: {e}") from e
+    algo = ((data or {}).get("quantization") or {}).get("quant_algo")
+    if algo != "FP8":
+        raise _not_yet(f"NVIDIA ModelOpt {algo}")
+    return MODELOPT
