@@ -153,13 +153,15 @@ CASES: dict[str, tuple[Callable[[Path], object], list[str]]] = {
         ["quant_method 'gptq'", "not an FP8 format"],
     ),
     "modelopt nvfp4": (
-        lambda s: (
-            edit_json(s / "config.json", lambda c: c.pop("quantization_config")),
-            (s / "hf_quant_config.json").write_text('{"quantization": {"quant_algo": "NVFP4"}}'),
-        ),
+        lambda s: _modelopt(s, "NVFP4"),
         ["ModelOpt NVFP4", "not supported yet"],
     ),
 }
+
+
+def _modelopt(src: Path, algo: str) -> None:
+    edit_json(src / "config.json", lambda c: c.pop("quantization_config"))
+    (src / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": algo}}))
 
 
 def _rename_tensor(src: Path, old: str, new: str) -> None:
