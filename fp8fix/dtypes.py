@@ -55,7 +55,8 @@ SCALE_DTYPES = ("F32", "BF16", "F16", "F64", "F8_E8M0")
 
 
 def is_fp8(dtype: str) -> bool:
-    return dtype.startswith("F8_")
+    """An FP8 value type; F8_E8M0 is excluded: it holds only exponents (block scales)."""
+    return dtype.startswith("F8_") and dtype != "F8_E8M0"
 
 
 def tensor_nbytes(dtype: str, shape: list[int] | tuple[int, ...]) -> int:

@@ -69,19 +69,85 @@ def phi3(hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int 
     )
 
 
-def quantization_config(fmt: str, scale: str, static_input: bool, ignore: list[str]) -> dict[str, Any]:
-    if fmt == "fp8":
+@dataclass(frozen=True)
+class Format:
+    """How one exporter names and shapes things (from the formats' own definitions, not fp8fix's registry)."""
+
+    weight_scale: str = "weight_scale"
+    scale_dtype: torch.dtype = torch.float32
+    scalar_shape: tuple[int, ...] = ()
+    input_scale: str | None = "input_scale"
+    channel_shape: str = "2d"  # per-channel scale as [out, 1] ("2d") or [out] ("1d")
+    block: tuple[int, int] | None = None
+    kv: tuple[str, ...] = ("k_scale", "v_scale")
+
+
+FORMATS = {
+    "fp8": Format(),
+    "fp8-legacy": Format(input_scale="act_scale", kv=("kv_scale",)),
+    "compressed-tensors": Format(scale_dtype=torch.bfloat16, scalar_shape=(1,)),
+    "block-fp8": Format(weight_scale="weight_scale_inv", input_scale=None, block=(32, 32), kv=()),
+    "block-fp8-e8m0": Format(
+        weight_scale="weight_scale_inv", scale_dtype=torch.float8_e8m0fnu, input_scale=None, block=(32, 32), kv=()
+    ),
+    "ct-block": Format(scale_dtype=torch.bfloat16, scalar_shape=(1,), input_scale=None, block=(32, 32)),
+    "quark": Format(channel_shape="1d", kv=()),
+    "modelopt": Format(),
+    "fbgemm": Format(input_scale=None, kv=()),
+}
+
+
+def quantization_config(fmt: str, scale: str, static_input: bool, ignore: list[str]) -> dict[str, Any] | None:
+    """quantization_config as each exporter writes it (ModelOpt writes hf_quant_config.json instead)."""
+    spec = FORMATS[fmt]
+    if fmt in ("fp8", "fp8-legacy"):
         return {
             "quant_method": "fp8",
             "activation_scheme": "static" if static_input else "dynamic",
             "ignored_layers": ignore,
         }
-    strategy = "channel" if scale == "channel" else "tensor"
-    group: dict[str, Any] = {
-        "targets": ["Linear"],
-        "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
+    if fmt.startswith("block-fp8"):
+        assert spec.block
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": list(spec.block),
+            "modules_to_not_convert": ignore,
+        }
+    if fmt == "quark":
+        qscheme = "per_channel" if scale == "channel" else "per_tensor"
+        weight = {
+            "dtype": "fp8_e4m3",
+            "qscheme": qscheme,
+            "is_dynamic": False,
+            "ch_axis": 0 if scale == "channel" else None,
+        }
+        config: dict[str, Any] = {"weight": weight, "input_tensors": None, "output_tensors": None}
+        if static_input:
+            config["input_tensors"] = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False}
+        return {
+            "quant_method": "quark",
+            "export": {"kv_cache_group": []},
+            "global_quant_config": config,
+            "exclude": ignore,
+        }
+    if fmt == "modelopt":
+        return None
+    if fmt == "fbgemm":
+        return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ignore}
+    strategy = "block" if spec.block else "channel" if scale == "channel" else "tensor"
+    weights: dict[str, Any] = {
+        "num_bits": 8,
+        "type": "float",
+        "strategy": strategy,
+        "symmetric": True,
+        "dynamic": False,
     }
-    if static_input:
+    if spec.block:
+        weights["block_structure"] = f"{spec.block[0]}x{spec.block[1]}"
+    group: dict[str, Any] = {"targets": ["Linear"], "weights": weights}
+    if static_input and spec.input_scale:
         group["input_activations"] = {
             "num_bits": 8,
             "type": "float",
@@ -105,29 +171,50 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def scale_tensor(values: torch.Tensor, fmt: str, shape: tuple[int, ...]) -> torch.Tensor:
-    dtype = torch.float32 if fmt == "fp8" else torch.bfloat16
+    dtype = FORMATS[fmt].scale_dtype
+    if dtype == torch.float8_e8m0fnu:  # a power of two: round the scale up so no code clips
+        values = torch.exp2(torch.ceil(torch.log2(values)))
     return values.to(dtype).reshape(shape)
+
+
+def input_scale(values: torch.Tensor, fmt: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Activation and kv scales: the format's float dtype (never E8M0)."""
+    dtype = FORMATS[fmt].scale_dtype
+    return values.to(torch.float32 if dtype == torch.float8_e8m0fnu else dtype).reshape(shape)
 
 
 def quantized_linear(
     gen: torch.Generator, rows: list[int], in_features: int, fmt: str, scale: str, magnitudes: list[float]
 ) -> dict[str, torch.Tensor]:
-    """An FP8 weight and its weight_scale; `scale` is tensor, shard (per fused shard) or channel."""
+    """An FP8 weight and its weight scale; `scale` is tensor, shard (per fused shard), channel or block."""
+    spec = FORMATS[fmt]
     parts = [torch.randn(r, in_features, generator=gen) * m for r, m in zip(rows, magnitudes, strict=True)]
     w = torch.cat(parts)
-    per_tensor_shape = () if fmt == "fp8" else (1,)
+    if spec.block:
+        scale = "block"
     if scale == "tensor":
-        s = scale_tensor(w.abs().max() / FP8_MAX, fmt, per_tensor_shape)
+        s = scale_tensor(w.abs().max() / FP8_MAX, fmt, spec.scalar_shape)
         codes = quantize(w, s.float())
     elif scale == "shard":
         s = scale_tensor(torch.stack([p.abs().max() / FP8_MAX for p in parts]), fmt, (len(parts),))
         codes = torch.cat([quantize(p, s[i].float()) for i, p in enumerate(parts)])
     elif scale == "channel":
-        s = scale_tensor(w.abs().amax(dim=1) / FP8_MAX, fmt, (w.shape[0], 1))
-        codes = quantize(w, s.float())
+        shape = (w.shape[0], 1) if spec.channel_shape == "2d" else (w.shape[0],)
+        s = scale_tensor(w.abs().amax(dim=1) / FP8_MAX, fmt, shape)
+        codes = quantize(w, s.float().reshape(-1, 1))
+    elif scale == "block":
+        assert spec.block
+        b0, b1 = spec.block
+        grid = (-(-w.shape[0] // b0), -(-w.shape[1] // b1))
+        padded = torch.zeros(grid[0] * b0, grid[1] * b1)
+        padded[: w.shape[0], : w.shape[1]] = w.abs()
+        absmax = padded.reshape(grid[0], b0, grid[1], b1).amax(dim=(1, 3)).clamp(min=1e-8)
+        s = scale_tensor(absmax / FP8_MAX, fmt, grid)
+        per_element = s.float().repeat_interleave(b0, 0).repeat_interleave(b1, 1)[: w.shape[0], : w.shape[1]]
+        codes = quantize(w, per_element)
     else:
         raise ValueError(scale)
-    return {"weight": codes, "weight_scale": s}
+    return {"weight": codes, spec.weight_scale: s}
 
 
 def build(
@@ -147,7 +234,8 @@ def build(
 ) -> Path:
     """Write `model` as an FP8 checkpoint into `root`; return `root`."""
     gen = torch.Generator().manual_seed(seed)
-    per_tensor_shape = () if fmt == "fp8" else (1,)
+    spec = FORMATS[fmt]
+    per_tensor_shape = spec.scalar_shape
     ignore = ["lm_head"] if ignore is None else ignore
     layers: list[dict[str, torch.Tensor]] = []
     for i in range(model.layers):
@@ -163,21 +251,21 @@ def build(
                 tensors[f"{module}.{name}"] = t
             if bias:
                 tensors[module + ".bias"] = torch.randn(sum(f.rows), generator=gen).to(torch.bfloat16)
-            if static_input:
+            if static_input and spec.input_scale:
                 if scale == "shard":
                     values = torch.tensor([0.01 * (k + 1) for k in range(len(f.rows))])
-                    tensors[module + ".input_scale"] = scale_tensor(values, fmt, (len(f.rows),))
+                    tensors[f"{module}.{spec.input_scale}"] = input_scale(values, fmt, (len(f.rows),))
                 else:
-                    tensors[module + ".input_scale"] = scale_tensor(torch.tensor(0.0125), fmt, per_tensor_shape)
+                    tensors[f"{module}.{spec.input_scale}"] = input_scale(torch.tensor(0.0125), fmt, per_tensor_shape)
         for suffix, out, inp in model.plain:
             plain_scale = "channel" if scale == "channel" else "tensor"
             for name, t in quantized_linear(gen, [out], inp, fmt, plain_scale, [0.05]).items():
                 tensors[f"{prefix}{suffix}.{name}"] = t
-            if static_input:
-                tensors[f"{prefix}{suffix}.input_scale"] = scale_tensor(torch.tensor(0.02), fmt, per_tensor_shape)
+            if static_input and spec.input_scale:
+                tensors[f"{prefix}{suffix}.{spec.input_scale}"] = input_scale(torch.tensor(0.02), fmt, per_tensor_shape)
         if kv_scales:
-            for kv in ("k_scale", "v_scale"):
-                tensors[f"{prefix}self_attn.{kv}"] = scale_tensor(torch.tensor(0.0625), fmt, per_tensor_shape)
+            for kv in spec.kv:
+                tensors[f"{prefix}self_attn.{kv}"] = input_scale(torch.tensor(0.0625), fmt, per_tensor_shape)
         tensors[prefix + "input_layernorm.weight"] = torch.ones(model.hidden, dtype=torch.bfloat16)
         layers.append(tensors)
     head = {"model.embed_tokens.weight": torch.randn(model.vocab, model.hidden, generator=gen).to(torch.bfloat16)}
@@ -193,7 +281,14 @@ def build(
         if moved in groups[-1] and model.layer_prefix.format(i=model.layers - 1) + model.fused[0].suffix not in ignore:
             groups[0][moved] = groups[-1].pop(moved)
     config = dict(model.config)
-    config["quantization_config"] = quantization_config(fmt, scale, static_input, ignore)
+    qc = quantization_config(fmt, scale, static_input, ignore)
+    if qc is not None:
+        config["quantization_config"] = qc
+    else:  # ModelOpt
+        modelopt = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ignore}
+        (root / "hf_quant_config.json").write_text(
+            json.dumps({"producer": {"name": "modelopt"}, "quantization": modelopt})
+        )
     write_files(root, groups, config)
     if extra_files:
         (root / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
