@@ -43,8 +43,26 @@ def reports_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _load_arch_files(ctx: click.Context, param: click.Parameter, paths: tuple[Path, ...]) -> None:
+    from fp8fix.registry.architectures import load_arch_file
+
+    try:
+        for path in paths:
+            load_arch_file(path)
+    except Fp8fixError as e:
+        raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+
+
 def source_options(func: F) -> F:
-    """SOURCE: a checkpoint folder, or a Hub repo id with --revision."""
+    """SOURCE: a checkpoint folder, or a Hub repo id with --revision; --arch-file for unknown architectures."""
+    func = click.option(
+        "--arch-file",
+        type=click.Path(path_type=Path, dir_okay=False),
+        multiple=True,
+        expose_value=False,
+        callback=_load_arch_files,
+        help="A registry entry (JSON, as in fp8fix/registry/architectures/) for an architecture fp8fix does not know.",
+    )(func)
     func = click.option("--revision", help="Branch, tag or commit of a Hub SOURCE.")(func)
     return click.argument("source")(func)  # type: ignore[return-value]
 

@@ -19,7 +19,7 @@ from fp8fix.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_
 from fp8fix.encoding_plan import KV_SCALE_SUFFIXES
 from fp8fix.errors import Fp8fixError
 from fp8fix.planner import default_layout, find_fused_modules, scale_kind
-from fp8fix.registry.architectures import ArchitectureSpec, builtin_architectures
+from fp8fix.registry.architectures import ArchitectureSpec, known_architectures
 from fp8fix.registry.formats import FormatSpec, detect_format, quantization_config
 from fp8fix.registry.loaders import COMPATIBILITY, LOADERS
 from fp8fix.safetensors_file import TensorInfo, read_range
@@ -134,7 +134,7 @@ def _format(ckpt: Checkpoint) -> tuple[FormatSpec | None, bool, str]:
 def _architecture(config: dict[str, Any]) -> tuple[str | None, ArchitectureSpec | None]:
     names = config.get("architectures")
     name = names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
-    return name, builtin_architectures().get(name or "")
+    return name, known_architectures().get(name or "")
 
 
 def _is_fp8_weight(t: TensorInfo) -> bool:

@@ -28,7 +28,7 @@ from fp8fix.config_edit import rewrite_config, rewrite_side_file
 from fp8fix.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, ITEM_SIZE, REQUANT_CLAMP, decode_floats
 from fp8fix.model_card import CARD
 from fp8fix.planner import FusedModule, find_fused_modules
-from fp8fix.registry.architectures import builtin_architectures
+from fp8fix.registry.architectures import known_architectures
 from fp8fix.registry.formats import FormatSpec, detect_format
 from fp8fix.safetensors_file import TensorInfo, read_range
 from fp8fix.transforms import MANTISSA_BITS, MIN_NORMAL_EXPONENT, value_map
@@ -95,7 +95,7 @@ class VerifyReport:
 def verify(source: Path, output: Path, quiet: bool = False) -> VerifyReport:
     src, out = open_checkpoint(source), open_checkpoint(output)
     fmt = detect_format(src.config, src.root, set(src.tensors))
-    arch = builtin_architectures().get((src.config.get("architectures") or [""])[0])
+    arch = known_architectures().get((src.config.get("architectures") or [""])[0])
     fused = {m.path: m for m in find_fused_modules(src, arch)} if arch else {}
     report = VerifyReport(str(source), str(output))
     mapping = _map_tensors(src, out, fused, report)

@@ -123,3 +123,48 @@ def test_expressions() -> None:
         evaluate("__import__('os')", lookup)
     with pytest.raises(ExpressionError):
         evaluate("a ** 2", lookup)
+
+
+@pytest.fixture
+def forget_arch_files():
+    from fp8fix.registry import architectures
+
+    yield
+    architectures._USER_ENTRIES.clear()
+
+
+def test_arch_file_teaches_an_unknown_architecture(tmp_path: Path, forget_arch_files: None) -> None:
+    config = {"architectures": ["TinyFusedForCausalLM"], "hidden_size": H, "num_attention_heads": 4}
+    model = Model("TinyFusedForCausalLM", config, "model.layers.{i}.", 2, [FusedModule("attn.qkv", [64, 16, 16], H)])
+    src = build(tmp_path / "src", model)
+    refused = run_cli("convert", src, tmp_path / "out")
+    assert refused.exit_code == 3 and "--arch-file" in refused.output
+    entry = {
+        "architectures": ["TinyFusedForCausalLM"],
+        "defaults": {"head_dim": "hidden_size // num_attention_heads"},
+        "fused_modules": [
+            {
+                "module": "attn.qkv",
+                "shards": [
+                    {"shard": "q", "rows": "hidden_size", "unfused": "attn.q"},
+                    {"shard": "k", "rows": "head_dim", "unfused": "attn.k"},
+                    {"shard": "v", "rows": "head_dim", "unfused": "attn.v"},
+                ],
+            }
+        ],
+    }
+    arch_file = tmp_path / "tiny.json"
+    arch_file.write_text(json.dumps(entry))
+    result = run_cli("convert", src, tmp_path / "out", "--arch-file", arch_file, "-q")
+    assert result.exit_code == 0, result.output
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
+    assert raw(o["model.layers.1.attn.k.weight"]) == raw(s["model.layers.1.attn.qkv.weight"][64:80])
+    assert run_cli("inspect", src, "--arch-file", arch_file).exit_code == 0
+
+
+def test_a_bad_arch_file_is_a_usage_error(tmp_path: Path, forget_arch_files: None) -> None:
+    src = build(tmp_path / "src", phi3())
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"architectures": ["X"], "fused_modules": [{"module": "m", "shards": [{"shard": "a"}]}]}')
+    result = run_cli("convert", src, tmp_path / "out", "--arch-file", bad)
+    assert result.exit_code == 2 and "bad.json" in result.output

@@ -8,10 +8,12 @@ config.json, and, where runtimes know them, the per-shard module names.
 
 from __future__ import annotations
 
+import ast
 import json
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
@@ -97,16 +99,49 @@ def builtin_architectures() -> dict[str, ArchitectureSpec]:
     return registry
 
 
+#: Entries loaded with --arch-file: they extend the built-in registry and win over it.
+_USER_ENTRIES: dict[str, ArchitectureSpec] = {}
+
+
+def load_arch_file(path: Path) -> list[str]:
+    """Add a user's registry entry (the format of `architectures/*.json`); return the names it covers."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidCheckpoint(f"{path}: cannot read the architecture file: {e}") from e
+    except json.JSONDecodeError as e:
+        raise InvalidCheckpoint(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+    if not isinstance(data, dict) or not isinstance(data.get("architectures"), list):
+        raise InvalidCheckpoint(f"{path}: an architecture file needs an 'architectures' list and 'fused_modules'")
+    spec = parse_architecture(data, str(path))
+    for module in spec.fused_modules:
+        if len(module.shards) < 2:
+            raise InvalidCheckpoint(f"{path}: fused module {module.module} needs at least two shards")
+        for shard in module.shards:
+            try:
+                ast.parse(shard.rows, mode="eval")
+            except SyntaxError as e:
+                raise InvalidCheckpoint(f"{path}: rows of shard {shard.shard} of {module.module}: {e.msg}") from e
+    for name in spec.architectures:
+        _USER_ENTRIES[name] = spec
+    return list(spec.architectures)
+
+
+def known_architectures() -> dict[str, ArchitectureSpec]:
+    return {**builtin_architectures(), **_USER_ENTRIES}
+
+
 def architecture_for(config: dict[str, Any]) -> tuple[str, ArchitectureSpec]:
     """The registry entry for config.json's `architectures[0]`, or a clear error listing what is known."""
     names = config.get("architectures")
     if not isinstance(names, list) or not names or not isinstance(names[0], str):
         raise InvalidCheckpoint("config.json: has no 'architectures' list naming the model class")
-    registry = builtin_architectures()
+    registry = known_architectures()
     if names[0] not in registry:
         raise UnsupportedCheckpoint(
             f"config.json: architecture {names[0]} is not in fp8fix's registry, so fp8fix cannot tell which "
-            f"modules are fused; supported: {', '.join(sorted(registry))}"
+            f"modules are fused; supported: {', '.join(sorted(registry))}. Describe it in a JSON file "
+            "(the format of fp8fix/registry/architectures/*.json) and pass --arch-file"
         )
     return names[0], registry[names[0]]
 
