@@ -17,7 +17,16 @@ from fp8fix.checkpoint import Checkpoint
 from fp8fix.dtypes import FP8_WEIGHT_DTYPES, ITEM_SIZE, SCALE_DTYPES, decode_floats, is_fp8
 from fp8fix.encoding_plan import plan_encoding
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
-from fp8fix.plan import ConversionPlan, CopyRange, ModuleChange, OutputShard, OutputTensor, RepeatRange, Requantize
+from fp8fix.plan import (
+    ConversionPlan,
+    CopyRange,
+    ModuleChange,
+    OutputShard,
+    OutputTensor,
+    Piece,
+    RepeatRange,
+    Requantize,
+)
 from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, architecture_for
 from fp8fix.registry.formats import FormatSpec, detect_format
 from fp8fix.safetensors_file import TensorInfo, read_range
@@ -34,8 +43,12 @@ class FusedModule:
 
     path: str
     spec: FusedModuleSpec
-    rows: list[int]
+    rows: list[int]  # rows of each shard in total
     params: dict[str, TensorInfo]
+    segments: list[tuple[int, int, int]]  # (shard, first row, end row) in storage order
+
+    def shard_segments(self, shard: int) -> list[tuple[int, int]]:
+        return [(a, b) for i, a, b in self.segments if i == shard]
 
     @property
     def weight(self) -> TensorInfo:
@@ -160,7 +173,7 @@ def find_fused_modules(ckpt: Checkpoint, arch: ArchitectureSpec) -> list[FusedMo
         spec = arch.fused_spec_for(path)
         if spec is None or "weight" not in params:
             continue
-        rows = arch.shard_rows(spec, ckpt.config)
+        rows, segments = arch.row_layout(spec, ckpt.config)
         weight = params["weight"]
         if sum(rows) != weight.shape[0]:
             raise InvalidCheckpoint(
@@ -168,7 +181,7 @@ def find_fused_modules(ckpt: Checkpoint, arch: ArchitectureSpec) -> list[FusedMo
                 f"{' + '.join(f'{s.shard} {r}' for s, r in zip(spec.shards, rows, strict=True))} = {sum(rows)}: "
                 "the config does not match the weights"
             )
-        found.append(FusedModule(path, spec, rows, params))
+        found.append(FusedModule(path, spec, rows, params, segments))
     return found
 
 
@@ -229,9 +242,7 @@ def _keep_reason(kind: str) -> str:
 def _unfuse(
     m: FusedModule, fmt: FormatSpec, kinds: dict[str, str], change: ModuleChange
 ) -> tuple[ModuleChange, dict[str, list[OutputTensor]]]:
-    n = len(m.rows)
     new_paths = [m.spec.unfused_path(m.path, s) for s in m.spec.shards]
-    bounds = [sum(m.rows[:i]) for i in range(n + 1)]
     outputs: dict[str, list[OutputTensor]] = {}
     for param, t in m.params.items():
         kind = kinds.get(param, "rows")
@@ -240,44 +251,49 @@ def _unfuse(
             name = f"{new}.{param}"
             if kind == "tensor":
                 pieces.append(OutputTensor(name, t.dtype, t.shape, [CopyRange(t.path, t.start, t.end)], t.name))
-            elif kind == "block":
-                assert fmt.block is not None
-                pieces.append(_block_rows(t, fmt.block[0], bounds[i], bounds[i + 1], name, m))
             elif kind == "shard":
                 item = ITEM_SIZE[t.dtype]
                 element = CopyRange(t.path, t.start + i * item, t.start + (i + 1) * item)
                 pieces.append(OutputTensor(name, t.dtype, fmt.scalar_shape, [element], t.name))
-            else:  # weight, bias or per-channel scale: a slice of rows, moved as bytes like any untouched tensor
-                pieces.append(_row_slice(t, bounds[i], bounds[i + 1], name))
+            else:  # weight, bias, per-channel or block scale: the shard's rows, moved as bytes
+                block_rows = fmt.block[0] if kind == "block" and fmt.block else 1
+                segments = [_block_segment(m, block_rows, a, b) for a, b in m.shard_segments(i)]
+                pieces.append(_rows_of(t, segments, name))
         outputs[t.name] = pieces
     change.action = "unfuse"
     change.new_modules = new_paths
-    change.reason = "runtimes load per-shard names; each shard gets its rows " + (
+    grouped = f", gathered from its {len(m.segments) // len(m.rows)} groups" if m.spec.groups else ""
+    change.reason = f"runtimes load per-shard names; each shard gets its rows{grouped} " + (
         {"tensor": "and a copy of the single scale", "shard": "and its entry of the scale vector"}.get(
-            change.scale, "and its rows of the per-channel scale" if change.scale == "channel" else "(not quantized)"
+            change.scale,
+            f"and its rows of the {change.scale} scale" if change.scale in ("channel", "block") else "(not quantized)",
         )
     )
     return change, outputs
 
 
-def _block_rows(t: TensorInfo, b0: int, r0: int, r1: int, name: str, m: FusedModule) -> OutputTensor:
-    """The block-scale rows of weight rows [r0, r1): exact only when r0 starts a block and r1 ends one."""
+def _block_segment(m: FusedModule, block_rows: int, r0: int, r1: int) -> tuple[int, int]:
+    """Rows [r0, r1) in units of `block_rows` (1 for weights, biases and per-channel scales).
+
+    Exact only when r0 starts a block and r1 ends one: else the block scales would need requantizing.
+    """
     total = m.weight.shape[0]
-    if r0 % b0 or (r1 % b0 and r1 != total):
+    if r0 % block_rows or (r1 % block_rows and r1 != total):
+        row = r0 if r0 % block_rows else r1
         raise UnsupportedCheckpoint(
-            f"{m.weight.path.name}: fused module '{m.path}' has a shard boundary at row {r0 if r0 % b0 else r1}, "
-            f"not a multiple of the {b0}-row scale block: splitting its block scales would need requantizing, "
+            f"{m.weight.path.name}: fused module '{m.path}' has a shard boundary at row {row}, "
+            f"not a multiple of the {block_rows}-row scale block: splitting its block scales would need requantizing, "
             "which fp8fix does not do silently; use --layout per-shard or --layout fused (they keep the fused weight)"
         )
-    return _row_slice(t, r0 // b0, -(-r1 // b0), name)
+    return r0 // block_rows, -(-r1 // block_rows)
 
 
-def _row_slice(t: TensorInfo, r0: int, r1: int, name: str) -> OutputTensor:
+def _rows_of(t: TensorInfo, segments: list[tuple[int, int]], name: str) -> OutputTensor:
+    """A tensor made of row ranges of `t`, in order."""
     row_bytes = t.nbytes // t.shape[0]
-    shape = (r1 - r0, *t.shape[1:])
-    return OutputTensor(
-        name, t.dtype, shape, [CopyRange(t.path, t.start + r0 * row_bytes, t.start + r1 * row_bytes)], t.name
-    )
+    pieces: list[Piece] = [CopyRange(t.path, t.start + a * row_bytes, t.start + b * row_bytes) for a, b in segments]
+    rows = sum(b - a for a, b in segments)
+    return OutputTensor(name, t.dtype, (rows, *t.shape[1:]), pieces, t.name)
 
 
 def _fuse_scales(
@@ -305,15 +321,13 @@ def _fuse_scales(
             continue
         w = m.weight
         row_bytes = w.nbytes // w.shape[0]
-        pieces: list[CopyRange | Requantize] = []
-        start = w.start
-        for rows, value in zip(m.rows, values, strict=True):
-            end = start + rows * row_bytes
-            if value == values[top]:
+        pieces: list[Piece] = []
+        for shard, a, b in m.segments:  # storage order: grouped modules alternate shards
+            start, end = w.start + a * row_bytes, w.start + b * row_bytes
+            if values[shard] == values[top]:
                 pieces.append(CopyRange(w.path, start, end, nan_check=w.dtype))
             else:
-                pieces.append(Requantize(w.path, start, end, w.dtype, value, values[top], w.dtype))
-            start = end
+                pieces.append(Requantize(w.path, start, end, w.dtype, values[shard], values[top], w.dtype))
         outputs[w.name] = [OutputTensor(w.name, w.dtype, w.shape, list(pieces), w.name)]
         change.action = "requantize"
         change.reason = (

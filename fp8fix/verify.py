@@ -40,12 +40,14 @@ MAX_PROBLEMS = 50
 
 @dataclass
 class Target:
-    """Where rows [start, end) of a source tensor went: `name` in OUTPUT (for scales: entry `index`)."""
+    """Where rows [start, end) of a source tensor went: rows from `out_offset` of `name` in OUTPUT
+    (for a per-tensor or per-shard scale: the whole tensor, entry `index` of the source)."""
 
     name: str
     start: int
     end: int
     index: int | None = None
+    out_offset: int = 0
 
 
 @dataclass
@@ -98,7 +100,7 @@ def verify(source: Path, output: Path, quiet: bool = False) -> VerifyReport:
     arch = known_architectures().get((src.config.get("architectures") or [""])[0])
     fused = {m.path: m for m in find_fused_modules(src, arch)} if arch else {}
     report = VerifyReport(str(source), str(output))
-    mapping = _map_tensors(src, out, fused, report)
+    mapping = _map_tensors(src, out, fmt, fused, report)
     weights = {n for n, t in src.tensors.items() if t.dtype in FP8_WEIGHT_DTYPES and n.endswith(".weight")}
     scale_names = {_sibling(w, fmt.weight_scale) for w in weights}
     input_names = {_sibling(w, fmt.input_scale) for w in weights} & set(src.tensors)
@@ -128,7 +130,7 @@ def _sibling(weight: str, param: str) -> str:
 
 
 def _map_tensors(
-    src: Checkpoint, out: Checkpoint, fused: dict[str, FusedModule], report: VerifyReport
+    src: Checkpoint, out: Checkpoint, fmt: FormatSpec, fused: dict[str, FusedModule], report: VerifyReport
 ) -> dict[str, list[Target]]:
     """Each source tensor -> where it is in OUTPUT: the same name, or the per-shard names of its fused module."""
     mapping: dict[str, list[Target]] = {}
@@ -142,12 +144,18 @@ def _map_tensors(
         if f is not None and f.spec.can_unfuse:
             names = [f"{f.spec.unfused_path(module, s)}.{param}" for s in f.spec.shards]
             if all(n in out.tensors for n in names):
-                bounds = [sum(f.rows[:i]) for i in range(len(f.rows) + 1)]
                 per_shard = t.shape == (len(f.rows),)
-                mapping[name] = [
-                    Target(n, 0, rows, index=i) if t.numel == 1 or per_shard else Target(n, bounds[i], bounds[i + 1])
-                    for i, n in enumerate(names)
-                ]
+                targets: list[Target] = []
+                for i, n in enumerate(names):
+                    if t.numel == 1 or per_shard:
+                        targets.append(Target(n, 0, rows, index=i))
+                        continue
+                    unit = fmt.block[0] if fmt.block and param == fmt.weight_scale and len(t.shape) == 2 else 1
+                    offset = 0
+                    for a, b in f.shard_segments(i):  # grouped modules: one segment per group
+                        targets.append(Target(n, a // unit, -(-b // unit), out_offset=offset))
+                        offset += -(-b // unit) - a // unit
+                mapping[name] = targets
                 continue
         report.problem(f"tensor '{name}' of SOURCE is missing from OUTPUT")
     claimed = {tg.name for targets in mapping.values() for tg in targets}
@@ -164,7 +172,7 @@ def _module_renames(mapping: dict[str, list[Target]], fused: dict[str, FusedModu
             yield module, targets
 
 
-def _scale_rows(scale: TensorInfo | None, weight: TensorInfo, shard_rows: list[int] | None, where: str) -> list[float]:
+def _scale_rows(scale: TensorInfo | None, weight: TensorInfo, row_shards: list[int] | None, where: str) -> list[float]:
     """One scale value per row of `weight`, from a per-tensor, per-shard or per-channel scale."""
     if scale is None:
         raise _Mismatch(f"{where}: FP8 weight '{weight.name}' has no scale")
@@ -172,8 +180,8 @@ def _scale_rows(scale: TensorInfo | None, weight: TensorInfo, shard_rows: list[i
     rows = weight.shape[0]
     if len(values) == 1:
         return values * rows
-    if shard_rows and len(values) == len(shard_rows):
-        return [v for v, n in zip(values, shard_rows, strict=True) for _ in range(n)]
+    if row_shards and len(values) == max(row_shards) + 1 and len(row_shards) == rows:
+        return [values[shard] for shard in row_shards]
     if len(values) == rows:
         return values
     raise _Mismatch(f"{where}: scale '{scale.name}' of shape {list(scale.shape)} does not fit '{weight.name}'")
@@ -212,7 +220,11 @@ def _check_weight(
         src_scales = _scale_rows(src_scale, w, _rows_of(fused, module), "SOURCE")
         for target in targets:
             o = out.tensors[target.name]
-            if o.dtype not in FP8_WEIGHT_DTYPES or o.shape != (target.end - target.start, *w.shape[1:]):
+            if (
+                o.dtype not in FP8_WEIGHT_DTYPES
+                or o.shape[1:] != w.shape[1:]
+                or o.shape[0] < target.out_offset + (target.end - target.start)
+            ):
                 raise _Mismatch(f"'{target.name}' is {o.dtype} {list(o.shape)}, expected FP8 rows of '{name}'")
             out_module = target.name.rsplit(".", 1)[0]
             out_scale = out.tensors.get(f"{out_module}.{fmt.weight_scale}")
@@ -224,8 +236,9 @@ def _check_weight(
 
 
 def _rows_of(fused: dict[str, FusedModule], module: str) -> list[int] | None:
+    """The shard of each row of a fused module (storage order), None for other modules."""
     f = fused.get(module)
-    return f.rows if f else None
+    return [shard for shard, a, b in f.segments for _ in range(b - a)] if f else None
 
 
 def _compare_rows(
@@ -247,20 +260,26 @@ def _compare_rows(
     top_scale = max(src_scales)
     row = target.start
     while row < target.end:
-        ratio = out_scales[row - target.start] / src_scales[row]
+        ratio = out_scales[row - target.start + target.out_offset] / src_scales[row]
         end = row + 1
-        while end < target.end and out_scales[end - target.start] / src_scales[end] == ratio:
+        while end < target.end and out_scales[end - target.start + target.out_offset] / src_scales[end] == ratio:
             end += 1
-        if not _power_of_two(ratio) and not _power_of_two(out_scales[row - target.start] / top_scale):
+        out_row = row - target.start + target.out_offset
+        if not _power_of_two(ratio) and not _power_of_two(out_scales[out_row] / top_scale):
             raise _Mismatch(
-                f"'{o.name}' row {row - target.start}: scale {out_scales[row - target.start]:.6g} is neither the "
-                f"source's ({src_scales[row]:.6g}) nor the largest of its module ({top_scale:.6g}) times a power of two"
+                f"'{o.name}' row {out_row}: scale {out_scales[out_row]:.6g} is neither the source's "
+                f"({src_scales[row]:.6g}) nor the largest of its module ({top_scale:.6g}) times a power of two"
             )
         step_rows = max(1, CHUNK_ELEMENTS // max(cols, 1))
         for r0 in range(row, end, step_rows):
             r1 = min(end, r0 + step_rows)
-            a, b = _read(fds, w, r0, r1, cols), _read(fds, o, r0 - target.start, r1 - target.start, cols)
-            if _power_of_two(ratio) and _same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 - target.start, cols):
+            a, b = (
+                _read(fds, w, r0, r1, cols),
+                _read(fds, o, r0 - target.start + target.out_offset, r1 - target.start + target.out_offset, cols),
+            )
+            if _power_of_two(ratio) and _same_values(
+                a, b, w.dtype, o.dtype, ratio, o.name, r0 - target.start + target.out_offset, cols
+            ):
                 continue
             _compare_values(w, o, target, r0, r1, a, b, src_scales, out_scales, check)
         row = end
@@ -303,7 +322,8 @@ def _compare_values(
     clamp = REQUANT_CLAMP[o.dtype]
     if isinstance(src_scales, list):
         s_src = torch.tensor(src_scales[r0:r1], dtype=torch.float32).reshape(-1, 1)
-        s_out = torch.tensor(out_scales[r0 - target.start : r1 - target.start], dtype=torch.float32).reshape(-1, 1)
+        first = r0 - target.start + target.out_offset
+        s_out = torch.tensor(out_scales[first : first + (r1 - r0)], dtype=torch.float32).reshape(-1, 1)
     else:
         s_src, s_out = src_scales, out_scales
     a = torch.frombuffer(bytearray(a_bytes), dtype=torch.uint8).view(fp8[w.dtype]).float().reshape(r1 - r0, -1)
@@ -326,8 +346,9 @@ def _compare_values(
     if not bool(ok.all()):
         row, col = (~ok).nonzero()[0].tolist()
         out_value = float((b * s_out)[row, col])
+        out_row = r0 - target.start + target.out_offset + row
         raise _Mismatch(
-            f"'{o.name}' (from '{w.name}') row {r0 - target.start + row} column {col}: source value "
+            f"'{o.name}' (from '{w.name}') row {out_row} column {col}: source value "
             f"{float(src_value[row, col]):.6g}, output {out_value:.6g}"
         )
     error = torch.where(both_nan, 0.0, (b * s_out - src_value).abs())
@@ -361,21 +382,29 @@ def _compare_block(
     src_grid = decode_floats(read_range(src_scale.path, src_scale.start, src_scale.end), src_scale.dtype)
     out_grid = decode_floats(read_range(out_scale.path, out_scale.start, out_scale.end), out_scale.dtype)
     first, last = target.start // b0, -(-target.end // b0)
+    out_first = target.out_offset // b0
     expected = src_grid[first * grid_cols : last * grid_cols]
-    if target.start % b0 or len(out_grid) != len(expected) or out_scale.shape[1:] != src_scale.shape[1:]:
-        raise _Mismatch(f"'{out_scale.name}' is not the block rows {first}..{last - 1} of '{src_scale.name}'")
-    ratios = {o_ / s_ for o_, s_ in zip(out_grid, expected, strict=True)}
+    got = out_grid[out_first * grid_cols : (out_first + last - first) * grid_cols]
+    if (
+        target.start % b0
+        or target.out_offset % b0
+        or len(got) != len(expected)
+        or out_scale.shape[1:] != src_scale.shape[1:]
+    ):
+        raise _Mismatch(f"'{out_scale.name}' does not hold the block rows {first}..{last - 1} of '{src_scale.name}'")
+    ratios = {o_ / s_ for o_, s_ in zip(got, expected, strict=True)}
     if len(ratios) != 1 or not _power_of_two(next(iter(ratios))):
         raise _Mismatch(f"'{out_scale.name}': block scales are not '{src_scale.name}' times one power of two")
     ratio = ratios.pop()
     step_rows = max(b0, (CHUNK_ELEMENTS // max(cols, 1)) // b0 * b0)
     for r0 in range(target.start, target.end, step_rows):
         r1 = min(target.end, r0 + step_rows)
-        a, b = _read(fds, w, r0, r1, cols), _read(fds, o, r0 - target.start, r1 - target.start, cols)
-        if _same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 - target.start, cols):
+        o0 = r0 - target.start + target.out_offset
+        a, b = _read(fds, w, r0, r1, cols), _read(fds, o, o0, o0 + (r1 - r0), cols)
+        if _same_values(a, b, w.dtype, o.dtype, ratio, o.name, o0, cols):
             continue
         s_src = _expand_grid(src_grid, grid_cols, r0, r1 - r0, cols, block)
-        s_out = _expand_grid(out_grid, grid_cols, r0 - target.start, r1 - r0, cols, block)
+        s_out = _expand_grid(out_grid, grid_cols, o0, r1 - r0, cols, block)
         _compare_values(w, o, target, r0, r1, a, b, s_src, s_out, check)
 
 
@@ -435,12 +464,14 @@ def _check_bytes(
         o = out.tensors[target.name]
         start = t.start + target.start * row_bytes if t.shape else t.start
         end = t.start + target.end * row_bytes if t.shape else t.end
-        if o.dtype != t.dtype or o.nbytes != end - start:
+        out_start = o.start + target.out_offset * row_bytes
+        whole = len([x for x in targets if x.name == target.name]) == 1
+        if o.dtype != t.dtype or (o.nbytes != end - start if whole else out_start + end - start > o.end):
             report.problem(f"'{target.name}' is {o.dtype} {list(o.shape)}; expected the bytes of '{name}'")
             continue
-        for offset in range(0, o.nbytes, 16 * 1024 * 1024):
-            n = min(16 * 1024 * 1024, o.nbytes - offset)
-            if os.pread(_fd(fds, t.path), n, start + offset) != os.pread(_fd(fds, o.path), n, o.start + offset):
+        for offset in range(0, end - start, 16 * 1024 * 1024):
+            n = min(16 * 1024 * 1024, end - start - offset)
+            if os.pread(_fd(fds, t.path), n, start + offset) != os.pread(_fd(fds, o.path), n, out_start + offset):
                 report.problem(f"'{target.name}' differs from '{name}' of SOURCE (byte range from {offset})")
                 break
         else:

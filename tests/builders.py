@@ -24,8 +24,13 @@ FP8_MAX = 448.0
 @dataclass
 class FusedModule:
     suffix: str  # e.g. "self_attn.qkv_proj"
-    rows: list[int]  # rows of each shard
+    rows: list[int]  # rows of each shard, in total
     in_features: int
+    groups: int = 1  # >1: stored per group (head / kv group), each group holding its share of every shard
+
+    def segments(self) -> list[tuple[int, int]]:
+        """(shard, rows) in storage order, as the architecture's documentation lays them out."""
+        return [(i, r // self.groups) for _ in range(self.groups) for i, r in enumerate(self.rows)]
 
 
 @dataclass
@@ -184,20 +189,34 @@ def input_scale(values: torch.Tensor, fmt: str, shape: tuple[int, ...]) -> torch
 
 
 def quantized_linear(
-    gen: torch.Generator, rows: list[int], in_features: int, fmt: str, scale: str, magnitudes: list[float]
+    gen: torch.Generator,
+    rows: list[int],
+    in_features: int,
+    fmt: str,
+    scale: str,
+    magnitudes: list[float],
+    segments: list[tuple[int, int]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """An FP8 weight and its weight scale; `scale` is tensor, shard (per fused shard), channel or block."""
+    """An FP8 weight and its weight scale; `scale` is tensor, shard (per fused shard), channel or block.
+
+    `segments` gives the storage order as (shard, rows) runs; by default one run per shard.
+    """
     spec = FORMATS[fmt]
-    parts = [torch.randn(r, in_features, generator=gen) * m for r, m in zip(rows, magnitudes, strict=True)]
+    segments = segments or list(enumerate(rows))
+    parts = [torch.randn(n, in_features, generator=gen) * magnitudes[i] for i, n in segments]
     w = torch.cat(parts)
+    if scale == "shard":
+        shard_max = [
+            max(p.abs().max() for (i, _), p in zip(segments, parts, strict=True) if i == k) for k in range(len(rows))
+        ]
+        s = scale_tensor(torch.stack(shard_max) / FP8_MAX, fmt, (len(rows),))
+        codes = torch.cat([quantize(p, s[i].float()) for (i, _), p in zip(segments, parts, strict=True)])
+        return {"weight": codes, spec.weight_scale: s}
     if spec.block:
         scale = "block"
     if scale == "tensor":
         s = scale_tensor(w.abs().max() / FP8_MAX, fmt, spec.scalar_shape)
         codes = quantize(w, s.float())
-    elif scale == "shard":
-        s = scale_tensor(torch.stack([p.abs().max() / FP8_MAX for p in parts]), fmt, (len(parts),))
-        codes = torch.cat([quantize(p, s[i].float()) for i, p in enumerate(parts)])
     elif scale == "channel":
         shape = (w.shape[0], 1) if spec.channel_shape == "2d" else (w.shape[0],)
         s = scale_tensor(w.abs().amax(dim=1) / FP8_MAX, fmt, shape)
@@ -247,7 +266,7 @@ def build(
             if module in ignore:
                 tensors[module + ".weight"] = torch.randn(sum(f.rows), f.in_features, generator=gen).to(torch.bfloat16)
                 continue
-            for name, t in quantized_linear(gen, f.rows, f.in_features, fmt, scale, magnitudes).items():
+            for name, t in quantized_linear(gen, f.rows, f.in_features, fmt, scale, magnitudes, f.segments()).items():
                 tensors[f"{module}.{name}"] = t
             if bias:
                 tensors[module + ".bias"] = torch.randn(sum(f.rows), generator=gen).to(torch.bfloat16)

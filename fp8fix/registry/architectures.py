@@ -31,6 +31,7 @@ class ShardSpec:
 class FusedModuleSpec:
     module: str  # suffix of the module path, e.g. "self_attn.qkv_proj"
     shards: tuple[ShardSpec, ...]
+    groups: str | None = None  # rows repeat per group (attention head / kv group): shard rows are per group
 
     @property
     def can_unfuse(self) -> bool:
@@ -70,6 +71,26 @@ class ArchitectureSpec:
             rows.append(value)
         return rows
 
+    def row_layout(self, spec: FusedModuleSpec, config: dict[str, Any]) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """Rows of each shard in total, and the (shard, first row, end row) segments in storage order.
+
+        Contiguous modules store [q; k; v]; grouped ones (GPT-NeoX, Falcon, InternLM2) store
+        [q; k; v] once per group, so each shard's rows are a segment in every group.
+        """
+        per_group = self.shard_rows(spec, config)
+        groups = 1
+        if spec.groups:
+            try:
+                groups = evaluate(spec.groups, _config_lookup(config, self.defaults))
+            except ExpressionError as e:
+                raise InvalidCheckpoint(f"config.json: cannot count the groups of {spec.module}: {e}") from e
+        segments, position = [], 0
+        for _ in range(groups):
+            for shard, rows in enumerate(per_group):
+                segments.append((shard, position, position + rows))
+                position += rows
+        return [rows * groups for rows in per_group], segments
+
 
 def parse_architecture(data: dict[str, Any], source: str) -> ArchitectureSpec:
     """Build a spec from one registry entry (the JSON format of `architectures/*.json`)."""
@@ -78,6 +99,7 @@ def parse_architecture(data: dict[str, Any], source: str) -> ArchitectureSpec:
             FusedModuleSpec(
                 module=m["module"],
                 shards=tuple(ShardSpec(s["shard"], s["rows"], s.get("unfused")) for s in m["shards"]),
+                groups=m.get("groups"),
             )
             for m in data.get("fused_modules", [])
         )
