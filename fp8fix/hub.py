@@ -14,9 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fp8fix.checkpoint import Checkpoint
-from fp8fix.errors import Fp8fixError
-
-EXIT_HUB = 4
+from fp8fix.errors import EXIT_HUB, Fp8fixError
 
 #: `org/name`: what a repo id looks like (a local folder of that spelling always wins).
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
