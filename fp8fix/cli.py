@@ -85,7 +85,7 @@ def main() -> None:
     """Fix FP8 checkpoints that runtimes load wrongly or not at all."""
 
 
-CONVERT_EPILOG = """\\b
+CONVERT_EPILOG = """\b
 Examples:
   fp8fix convert ./Phi-3-mini-fp8 ./Phi-3-mini-fp8-fixed
   fp8fix convert ./model ./out --layout fused --dry-run
@@ -93,14 +93,14 @@ Examples:
   fp8fix convert ./model ./model-mi300 --to e4m3fnuz --layout fused --verify
   fp8fix convert org/model-FP8 ./out --revision main --push-to-hub me/model-FP8-fixed --create-pr
 
-\\b
+\b
 Layouts (how fused modules such as qkv_proj carry their scales):
   unfused    q_proj/k_proj/v_proj, gate_proj/up_proj, one scale each
              (default where runtimes know per-shard names, e.g. Phi-3)
   per-shard  fused weight, one scale per shard (vLLM <= 0.5.0; default elsewhere)
   fused      fused weight, one scale (current vLLM, transformers)
 
-\\b
+\b
 Exit codes: 0 done, 1 --verify found a mismatch or OUTPUT could not be
 written, 2 usage error, 3 invalid or unsupported checkpoint, 4 Hub error.
 """
@@ -173,12 +173,12 @@ def convert(source: str, revision: str | None, output: Path, push_to_hub: str | 
         click.echo(json.dumps(payload, indent=2))
 
 
-PUSH_EPILOG = """\\b
+PUSH_EPILOG = """\b
 Examples:
   fp8fix push ./Phi-3-mini-fp8-fixed me/Phi-3-mini-fp8-fixed
   fp8fix push ./out org/model-FP8 --create-pr      # propose the fix to the model's owner
 
-\\b
+\b
 Exit codes: 0 pushed, 2 usage error, 3 OUTPUT is not a checkpoint folder, 4 Hub error.
 """
 
@@ -200,14 +200,14 @@ def push(output: Path, repo_id: str, private: bool, create_pr: bool, commit_mess
     )
 
 
-INSPECT_EPILOG = """\\b
+INSPECT_EPILOG = """\b
 Examples:
   fp8fix inspect ./Phi-3-mini-fp8
   fp8fix inspect org/model-FP8 --revision main     # headers only, no weights downloaded
   fp8fix inspect ./model --scan-data --json > report.json
   fp8fix inspect ./model --strict      # CI gate: exit 1 if convert would fix something
 
-\\b
+\b
 Exit codes: 0 inspected (no --strict finding), 1 --strict and a finding convert
 fixes, 3 invalid checkpoint, 4 Hub error.
 """
@@ -240,12 +240,12 @@ def inspect(source: str, revision: str | None, as_json: bool, strict: bool, scan
         sys.exit(1)
 
 
-VERIFY_EPILOG = """\\b
+VERIFY_EPILOG = """\b
 Examples:
   fp8fix verify ./Phi-3-mini-fp8 ./Phi-3-mini-fp8-fixed
   fp8fix verify org/model-FP8 ./model-mi300 --json > verify.json
 
-\\b
+\b
 Exit codes: 0 faithful, 1 mismatch (the tensors are named), 3 invalid input, 4 Hub error.
 """
 

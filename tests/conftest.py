@@ -23,7 +23,8 @@ def run_cli(*args: str | Path, check_output: bool = True) -> Result:
     Every successful conversion the suite makes is then checked by `fp8fix verify`.
     """
     result = _invoke(*args)
-    if check_output and args[0] == "convert" and result.exit_code == 0 and "--dry-run" not in args:
+    converted = args[0] == "convert" and len(args) >= 3 and not {"--dry-run", "--help"} & set(map(str, args))
+    if check_output and converted and result.exit_code == 0:
         checked = _invoke("verify", args[1], args[2], "-q")
         assert checked.exit_code == 0, f"fp8fix verify rejects this conversion:\n{checked.output}"
     return result

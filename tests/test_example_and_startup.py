@@ -45,3 +45,10 @@ def test_byte_moving_layouts_do_not_import_torch(tmp_path: Path, layout: str) ->
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "ok"
     assert (tmp_path / "out" / "config.json").exists()
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "verify", "push"])
+def test_help_shows_examples_and_exit_codes(command: str) -> None:
+    text = run_cli(command, "--help").output
+    assert "Examples:\n    fp8fix " + command in text
+    assert "Exit codes:" in text and "\\b" not in text
