@@ -18,7 +18,7 @@ from fp8fix.checkpoint import Checkpoint, open_checkpoint
 from fp8fix.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_DTYPES, decode_floats, is_fp8
 from fp8fix.encoding_plan import KV_SCALE_SUFFIXES
 from fp8fix.errors import Fp8fixError
-from fp8fix.planner import default_layout, find_fused_modules, scale_kind
+from fp8fix.planner import default_layout, find_fused_modules, is_fused_experts, scale_kind
 from fp8fix.registry.architectures import ArchitectureSpec, known_architectures
 from fp8fix.registry.formats import FormatSpec, detect_format, quantization_config
 from fp8fix.registry.loaders import COMPATIBILITY, LOADERS
@@ -224,6 +224,15 @@ def _findings(
                 module,
                 "weight scales below float16's normal range: vLLM >= 0.20 requantizes through float16 and loses "
                 "some of these weights",
+                None,
+            )
+    for t in ckpt.tensors.values():
+        if is_fp8(t.dtype) and is_fused_experts(t):
+            add(
+                "fused-moe-experts",
+                t.name,
+                "FP8 MoE experts stored fused as one 3-D tensor (gate and up on the last dimension): runtimes "
+                "expect per-expert scales for each of gate and up; fp8fix cannot convert fused experts yet",
                 None,
             )
     if scan:

@@ -114,6 +114,11 @@ def _check_fp8_weights(ckpt: Checkpoint, fmt: FormatSpec, fused_shards: dict[str
     for t in fp8:
         if t.dtype not in FP8_WEIGHT_DTYPES:
             raise UnsupportedCheckpoint(f"{t.path.name}: tensor '{t.name}' is {t.dtype}; fp8fix handles e4m3 weights")
+        if is_fused_experts(t):
+            raise UnsupportedCheckpoint(
+                f"{t.path.name}: tensor '{t.name}' {list(t.shape)} holds fused MoE experts (3-D, gate and up on the "
+                "last dimension); fp8fix cannot convert fused experts yet"
+            )
         if not t.name.endswith(".weight") or len(t.shape) != 2:
             raise UnsupportedCheckpoint(
                 f"{t.path.name}: tensor '{t.name}' is FP8 but not a 2-D linear weight {t.shape}; not supported yet"
@@ -127,6 +132,11 @@ def _check_fp8_weights(ckpt: Checkpoint, fmt: FormatSpec, fused_shards: dict[str
             )
         module = t.name.rsplit(".", 1)[0]
         scale_kind(scale, t.shape, fused_shards.get(module), allow_channel=True, block=fmt.block)
+
+
+def is_fused_experts(t: TensorInfo) -> bool:
+    """Llama-4 / Qwen3-VL-MoE style experts stored as one [experts, in, 2 * intermediate] tensor."""
+    return len(t.shape) == 3 and "experts" in t.name
 
 
 def _sibling(weight_name: str, param: str) -> str:
