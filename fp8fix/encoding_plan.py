@@ -15,6 +15,8 @@ round by half an fn step; the count is reported.
 
 from __future__ import annotations
 
+import os
+
 from fp8fix.checkpoint import Checkpoint
 from fp8fix.dtypes import ENCODINGS, FP8_WEIGHT_DTYPES
 from fp8fix.errors import UnsupportedCheckpoint
@@ -68,8 +70,6 @@ def _recoding_for(ckpt: Checkpoint, name: str) -> Recoding:
     t = ckpt.tensors[name]
     if t.dtype == FN_TO_FNUZ.source:
         return FN_TO_FNUZ
-    import os
-
     fd = os.open(t.path, os.O_RDONLY)
     try:
         holds_240 = range_contains(fd, t.start, t.end, (0x7F, 0xFF))
