@@ -31,9 +31,6 @@ class Checkpoint:
     tensors: dict[str, TensorInfo]  # every tensor of the model, shard by shard in data order
     has_data: bool = True  # False when only the headers are known (read from the Hub)
 
-    def shard_of(self, tensor: str) -> str:
-        return self.tensors[tensor].path.relative_to(self.root).as_posix()
-
     def other_files(self) -> list[str]:
         """Every other file of the folder (tokenizer, generation config, license, card...), hidden ones excepted."""
         found = []

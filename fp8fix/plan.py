@@ -191,11 +191,3 @@ class ConversionPlan:
     @property
     def total_bytes(self) -> int:
         return sum(s.nbytes for s in self.shards)
-
-    @property
-    def needs_float_math(self) -> bool:
-        return any(isinstance(p, Requantize) for s in self.shards for t in s.tensors for p in t.pieces)
-
-    @property
-    def changed_modules(self) -> list[ModuleChange]:
-        return [m for m in self.modules if m.action != "keep"]

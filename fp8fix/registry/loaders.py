@@ -30,7 +30,3 @@ COMPATIBILITY: dict[str, dict[str, tuple[bool, str]]] = {
         "transformers": (True, "one scale per module, fused names"),
     },
 }
-
-
-def loaders_taking(layout: str) -> list[str]:
-    return [loader for loader in LOADERS if COMPATIBILITY[layout][loader][0]]
