@@ -145,3 +145,21 @@ def test_block_scales_need_block_aligned_heads(tmp_path: Path, forget_arch_files
     result = run_cli("convert", src, tmp_path / "out", "--layout", "unfused", "--arch-file", neox_arch_file(tmp_path))
     assert result.exit_code == 3 and "not a multiple of the 32-row scale block" in result.output
     assert run_cli("convert", src, tmp_path / "kept", "--layout", "per-shard", "-q").exit_code == 0
+
+
+def test_block_scales_split_per_head_when_heads_are_whole_blocks(tmp_path: Path, forget_arch_files: None) -> None:
+    heads, head_dim, hidden = 4, 32, 128  # 32-row heads, 32-row scale blocks
+    config = {"architectures": ["GPTNeoXForCausalLM"], "hidden_size": hidden, "num_attention_heads": heads}
+    f = FusedModule("attention.query_key_value", [heads * head_dim] * 3, hidden, groups=heads)
+    model = Model("GPTNeoXForCausalLM", config, "gpt_neox.layers.{i}.", 1, [f], hidden=hidden)
+    src = build(tmp_path / "src", model, fmt="block-fp8", files=1)
+    args = ("--layout", "unfused", "--arch-file", neox_arch_file(tmp_path), "-q")
+    assert run_cli("convert", src, tmp_path / "out", *args).exit_code == 0
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
+    module = "gpt_neox.layers.0.attention"
+    grid = s[f"{module}.query_key_value.weight_scale_inv"]  # [3 * heads, hidden / 32]: one block row per head and shard
+    for shard, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        idx = torch.tensor(shard_rows_by_hand(f, shard))
+        assert raw(o[f"{module}.{name}.weight"]) == raw(s[f"{module}.query_key_value.weight"][idx])
+        block_rows = torch.tensor([h * 3 + shard for h in range(heads)])
+        assert raw(o[f"{module}.{name}.weight_scale_inv"]) == raw(grid[block_rows])
