@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fp8fix.checkpoint import CONFIG
 from fp8fix.registry.formats import NameList, quantization_config
 
 
@@ -33,31 +34,30 @@ def matches(entry: str, name: str, grammar: str) -> bool:
     raise ValueError(f"unknown name-list grammar {grammar!r}")
 
 
-def rewrite_config(
-    config: dict[str, Any], name_lists: tuple[NameList, ...], renames: dict[str, list[str]]
-) -> tuple[dict[str, Any] | None, list[str]]:
-    """The new config.json (None when nothing changes) and one line per edit made."""
-    new = copy.deepcopy(config)
-    qc = quantization_config(new)
-    if not renames or qc is None:
-        return None, []
-    edits = _rewrite(qc, [n for n in name_lists if n.file == "config.json"], renames, "quantization_config")
-    return (new if edits else None), edits
-
-
-def rewrite_side_file(
-    root: Path, name_lists: tuple[NameList, ...], renames: dict[str, list[str]]
+def rewrite_name_lists(
+    config: dict[str, Any], root: Path, name_lists: tuple[NameList, ...], renames: dict[str, list[str]]
 ) -> dict[str, tuple[dict[str, Any], list[str]]]:
-    """Other config files holding name lists (ModelOpt's hf_quant_config.json): file -> (new content, edits)."""
+    """Every config file whose name lists a rename touches: file -> (new content, one line per edit).
+
+    config.json's lists live under its quantization_config; other files (ModelOpt's
+    hf_quant_config.json) hold theirs from the top. Files nothing touches are absent.
+    """
     out: dict[str, tuple[dict[str, Any], list[str]]] = {}
-    for file in sorted({n.file for n in name_lists} - {"config.json"}):
-        path = root / file
-        if not renames or not path.is_file():
+    if not renames:
+        return out
+    for file in sorted({n.file for n in name_lists}):
+        lists = [n for n in name_lists if n.file == file]
+        if file == CONFIG:
+            content = copy.deepcopy(config)
+            holder, label = quantization_config(content), "quantization_config"
+        elif (root / file).is_file():
+            content = json.loads((root / file).read_text(encoding="utf-8"))
+            holder, label = content, file
+        else:
             continue
-        data = json.loads(path.read_text(encoding="utf-8"))
-        edits = _rewrite(data, [n for n in name_lists if n.file == file], renames, file)
+        edits = _rewrite(holder, lists, renames, label) if holder is not None else []
         if edits:
-            out[file] = (data, edits)
+            out[file] = (content, edits)
     return out
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix.checkpoint import CONFIG, INDEX, Checkpoint, open_checkpoint
-from fp8fix.config_edit import rewrite_config, rewrite_side_file
+from fp8fix.config_edit import rewrite_name_lists
 from fp8fix.errors import OutputError, VerificationFailed
 from fp8fix.model_card import CARD, write_card
 from fp8fix.plan import ConversionPlan
@@ -61,10 +61,9 @@ def convert(source: Path, output: Path, options: ConvertOptions) -> ConvertResul
     check_output(source, output, options.overwrite)
     ckpt = open_checkpoint(source)
     plan = plan_conversion(ckpt, options.layout, options.to)
-    new_config, edits = rewrite_config(ckpt.config, plan.format.name_lists, plan.renames)
-    side_files = rewrite_side_file(ckpt.root, plan.format.name_lists, plan.renames)
-    edits += [edit for _, file_edits in side_files.values() for edit in file_edits]
-    copies = [f for f in ckpt.other_files() if f != CARD and f not in side_files]
+    rewritten = rewrite_name_lists(ckpt.config, ckpt.root, plan.format.name_lists, plan.renames)
+    edits = [edit for _, file_edits in rewritten.values() for edit in file_edits]
+    copies = [f for f in ckpt.other_files() if f != CARD and f not in rewritten]
     result = ConvertResult(plan, output, written=False, config_edits=edits, copied_files=copies)
     if options.dry_run:
         return result
@@ -78,11 +77,9 @@ def convert(source: Path, output: Path, options: ConvertOptions) -> ConvertResul
             plan.encoding.inexact_codes = stats.inexact_codes
         if plan.has_index:
             write_json(staging / INDEX, new_index(ckpt, plan))
-        if new_config is None:
-            shutil.copyfile(source / CONFIG, staging / CONFIG)
-        else:
-            write_json(staging / CONFIG, new_config)
-        for file, (content, _) in side_files.items():
+        if CONFIG not in rewritten:
+            shutil.copyfile(source / CONFIG, staging / CONFIG)  # byte for byte when nothing changes
+        for file, (content, _) in rewritten.items():
             write_json(staging / file, content)
         for name in copies:
             (staging / name).parent.mkdir(parents=True, exist_ok=True)

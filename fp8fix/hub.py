@@ -77,9 +77,7 @@ def hub_errors(repo_id: str, revision: str | None = None, action: str = "read") 
         if status in (401, 403):
             raise HubError(f"{where}: no permission to {action} this repo (HTTP {status}); check your token") from None
         raise HubError(_scrub(f"{where}: the Hub answered HTTP {status}: {e}").splitlines()[0]) from None
-    except (ConnectionError, TimeoutError, OSError) as e:
-        if isinstance(e, Fp8fixError):
-            raise
+    except OSError as e:  # ConnectionError, TimeoutError and the rest
         raise HubError(_scrub(f"{where}: network error reaching the Hub: {e}").splitlines()[0]) from None
     except Fp8fixError:
         raise

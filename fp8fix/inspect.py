@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix.checkpoint import Checkpoint, open_checkpoint
-from fp8fix.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_DTYPES, decode_floats, is_fp8
+from fp8fix.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_DTYPES, is_fp8
 from fp8fix.encoding_plan import KV_SCALE_SUFFIXES
 from fp8fix.errors import Fp8fixError
 from fp8fix.planner import default_layout, find_fused_modules, is_fused_experts, scale_kind
 from fp8fix.registry.architectures import ArchitectureSpec, known_architectures
 from fp8fix.registry.formats import FormatSpec, detect_format, quantization_config
 from fp8fix.registry.loaders import COMPATIBILITY, LOADERS
-from fp8fix.safetensors_file import TensorInfo, read_range
+from fp8fix.safetensors_file import TensorInfo, read_values
 from fp8fix.scan import range_contains
 from fp8fix.summary import name_pattern
 
@@ -213,7 +213,7 @@ def _findings(
             continue
         if t.numel > 1_000_000:
             continue
-        values = decode_floats(read_range(t.path, t.start, t.end), t.dtype)
+        values = read_values(t)
         module = name.rsplit(".", 1)[0]
         if any(not (v > 0) or math.isinf(v) for v in values):
             bad = next(v for v in values if not (v > 0) or math.isinf(v))

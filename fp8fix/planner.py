@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fp8fix.checkpoint import Checkpoint
-from fp8fix.dtypes import FP8_WEIGHT_DTYPES, ITEM_SIZE, SCALE_DTYPES, decode_floats, is_fp8
+from fp8fix.dtypes import FP8_WEIGHT_DTYPES, ITEM_SIZE, SCALE_DTYPES, is_fp8
 from fp8fix.encoding_plan import plan_encoding
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.plan import (
@@ -29,7 +29,7 @@ from fp8fix.plan import (
 )
 from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, architecture_for
 from fp8fix.registry.formats import FormatSpec, detect_format
-from fp8fix.safetensors_file import TensorInfo, read_range
+from fp8fix.safetensors_file import TensorInfo, read_values
 
 Block = tuple[int, int] | None
 
@@ -352,7 +352,7 @@ def _fuse_scales(
 
 
 def _scale_values(t: TensorInfo) -> list[float]:
-    values = decode_floats(read_range(t.path, t.start, t.end), t.dtype)
+    values = read_values(t)
     for v in values:
         if not (v > 0 and v != float("inf")):
             raise InvalidCheckpoint(f"{t.path.name}: scale '{t.name}' holds {v}; scales must be finite and positive")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp8fix.dtypes import ITEM_SIZE, tensor_nbytes
+from fp8fix.dtypes import ITEM_SIZE, decode_floats, tensor_nbytes
 from fp8fix.errors import InvalidCheckpoint
 
 #: The safetensors readers refuse headers larger than this.
@@ -146,10 +146,10 @@ def encode_header(
     return struct.pack("<Q", len(body)) + body
 
 
-def read_range(path: Path, start: int, end: int) -> bytes:
-    """A small read (scales) by absolute offset; big ranges are streamed by the writer instead."""
-    fd = os.open(path, os.O_RDONLY)
+def read_values(t: TensorInfo) -> list[float]:
+    """A small float tensor's values (scales), read by absolute offset; big tensors are streamed instead."""
+    fd = os.open(t.path, os.O_RDONLY)
     try:
-        return os.pread(fd, end - start, start)
+        return decode_floats(os.pread(fd, t.end - t.start, t.start), t.dtype)
     finally:
         os.close(fd)

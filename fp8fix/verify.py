@@ -23,14 +23,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8fix.checkpoint import INDEX, Checkpoint, open_checkpoint
-from fp8fix.config_edit import rewrite_config, rewrite_side_file
-from fp8fix.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, ITEM_SIZE, REQUANT_CLAMP, decode_floats
+from fp8fix.checkpoint import CONFIG, INDEX, Checkpoint, open_checkpoint
+from fp8fix.config_edit import rewrite_name_lists
+from fp8fix.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, ITEM_SIZE, REQUANT_CLAMP
 from fp8fix.model_card import CARD
 from fp8fix.planner import FusedModule, find_fused_modules
 from fp8fix.registry.architectures import known_architectures
 from fp8fix.registry.formats import FormatSpec, detect_format
-from fp8fix.safetensors_file import TensorInfo, read_range
+from fp8fix.safetensors_file import TensorInfo, read_values
 from fp8fix.transforms import MANTISSA_BITS, MIN_NORMAL_EXPONENT, value_map
 from fp8fix.writer import progress_bar
 
@@ -104,19 +104,19 @@ def verify(source: Path, output: Path, quiet: bool = False) -> VerifyReport:
     weights = {n for n, t in src.tensors.items() if t.dtype in FP8_WEIGHT_DTYPES and n.endswith(".weight")}
     scale_names = {_sibling(w, fmt.weight_scale) for w in weights}
     input_names = {_sibling(w, fmt.input_scale) for w in weights} & set(src.tensors)
-    total = sum(src.tensors[n].nbytes for n in mapping if n not in scale_names | input_names)
+    scales = scale_names | input_names  # checked through the weights' values, not streamed
+    total = sum(src.tensors[n].nbytes for n in mapping if n not in scales)
     fds: dict[Path, int] = {}
     try:
         with progress_bar(total, "fp8fix verify", quiet) as bar:
             for name, targets in mapping.items():
-                t = src.tensors[name]
                 if name in weights:
                     report.weights.append(_check_weight(src, out, fmt, fused, name, targets, fds, report))
                 elif name in input_names:
                     _check_input_scale(src, out, fmt, name, targets, report)
                 elif name not in scale_names:
                     _check_bytes(src, out, name, targets, fds, report)
-                bar.update(t.nbytes if name not in scale_names | input_names else 0)
+                bar.update(0 if name in scales else src.tensors[name].nbytes)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -176,7 +176,7 @@ def _scale_rows(scale: TensorInfo | None, weight: TensorInfo, row_shards: list[i
     """One scale value per row of `weight`, from a per-tensor, per-shard or per-channel scale."""
     if scale is None:
         raise _Mismatch(f"{where}: FP8 weight '{weight.name}' has no scale")
-    values = decode_floats(read_range(scale.path, scale.start, scale.end), scale.dtype)
+    values = read_values(scale)
     rows = weight.shape[0]
     if len(values) == 1:
         return values * rows
@@ -379,8 +379,8 @@ def _compare_block(
     if out_scale is None:
         raise _Mismatch(f"'{o.name}' has no block scale")
     grid_cols = src_scale.shape[1]
-    src_grid = decode_floats(read_range(src_scale.path, src_scale.start, src_scale.end), src_scale.dtype)
-    out_grid = decode_floats(read_range(out_scale.path, out_scale.start, out_scale.end), out_scale.dtype)
+    src_grid = read_values(src_scale)
+    out_grid = read_values(out_scale)
     first, last = target.start // b0, -(-target.end // b0)
     out_first = target.out_offset // b0
     expected = src_grid[first * grid_cols : last * grid_cols]
@@ -434,10 +434,10 @@ def _check_input_scale(
     src: Checkpoint, out: Checkpoint, fmt: FormatSpec, name: str, targets: list[Target], report: VerifyReport
 ) -> None:
     s = src.tensors[name]
-    values = decode_floats(read_range(s.path, s.start, s.end), s.dtype)
+    values = read_values(s)
     for target in targets:
         o = out.tensors[target.name]
-        got = decode_floats(read_range(o.path, o.start, o.end), o.dtype)
+        got = read_values(o)
         weight = _sibling(name, "weight")
         f = _encoding_factor(src, out, weight, _sibling(target.name, "weight"))
         if target.index is not None and len(values) > 1:
@@ -495,15 +495,14 @@ def _check_repo(
     for name, header in out.shards.items():
         if header.metadata.get("format") != "pt":
             report.problem(f"{name}: __metadata__ has no format: pt")
-    expected, _ = rewrite_config(src.config, fmt.name_lists, renames)
-    if out.config != (expected or src.config):
+    rewritten = rewrite_name_lists(src.config, src.root, fmt.name_lists, renames)
+    if out.config != rewritten.get(CONFIG, (src.config, []))[0]:
         report.problem("config.json: differs from SOURCE's beyond the renamed quantization_config entries")
-    side_files = rewrite_side_file(src.root, fmt.name_lists, renames)
-    for file, (content, _) in side_files.items():
-        if not (out.root / file).is_file() or json.loads((out.root / file).read_text()) != content:
+    for file, (content, _) in rewritten.items():
+        if file != CONFIG and (not (out.root / file).is_file() or json.loads((out.root / file).read_text()) != content):
             report.problem(f"{file}: not SOURCE's with the renamed module entries")
     for rel in src.other_files():
-        if rel == CARD or rel in side_files:
+        if rel == CARD or rel in rewritten:
             continue
         copied = out.root / rel
         if not copied.is_file() or copied.read_bytes() != (src.root / rel).read_bytes():
