@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -143,19 +145,44 @@ def write_json(path: Path, data: Any) -> None:
 
 @contextmanager
 def staging_folder(output: Path) -> Iterator[Path]:
-    """A fresh folder beside OUTPUT, renamed to OUTPUT on success and removed on any failure."""
+    """A fresh folder beside OUTPUT, renamed to OUTPUT on success and removed on any failure.
+
+    The folder is created inside the guarded block, so an interrupt arriving just after
+    it exists still removes it; the final swap runs with SIGINT/SIGTERM held back, so an
+    interrupt cannot fall between moving an old OUTPUT aside and moving the new one in.
+    """
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.fp8fix-", dir=output.parent))
+    staging = output.parent / f".{output.name}.fp8fix-{secrets.token_hex(6)}"
     try:
+        staging.mkdir(mode=0o700)
         yield staging
         os.chmod(staging, 0o755)
-        if output.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.fp8fix-old-", dir=output.parent))
-            os.rename(output, old / "previous")
-            os.rename(staging, output)
-            shutil.rmtree(old)
-        else:
-            os.rename(staging, output)
+        with _signals_held():
+            _move_into_place(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _move_into_place(staging: Path, output: Path) -> None:
+    if not output.exists():
+        os.rename(staging, output)
+        return
+    old = output.parent / f".{output.name}.fp8fix-old-{secrets.token_hex(6)}"
+    os.rename(output, old)
+    os.rename(staging, output)
+    shutil.rmtree(old)
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back (delivered right after) where the platform allows it."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
