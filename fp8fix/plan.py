@@ -21,28 +21,32 @@ LAYOUTS: tuple[str, ...] = ("unfused", "per-shard", "fused")
 
 
 @dataclass(frozen=True)
-class CopyRange:
-    """Bytes copied unchanged from the source. `nan_check` names the FP8 dtype whose NaN
-    codes must be refused: set for the untouched shard of a weight whose other shards
-    are requantized, so a module is refused or converted as a whole."""
+class SourceRange:
+    """The byte range [start, end) of a source file that an output piece is made from."""
 
     path: Path
     start: int
     end: int
-    nan_check: str | None = None
 
     @property
     def nbytes(self) -> int:
+        """Bytes the piece writes."""
         return self.end - self.start
 
 
 @dataclass(frozen=True)
-class RepeatRange:
+class CopyRange(SourceRange):
+    """Bytes copied unchanged from the source. `nan_check` names the FP8 dtype whose NaN
+    codes must be refused: set for the untouched shard of a weight whose other shards
+    are requantized, so a module is refused or converted as a whole."""
+
+    nan_check: str | None = None
+
+
+@dataclass(frozen=True)
+class RepeatRange(SourceRange):
     """One source scalar's bytes written `times` times: a single scale spread over shards."""
 
-    path: Path
-    start: int
-    end: int
     times: int
 
     @property
@@ -51,48 +55,31 @@ class RepeatRange:
 
 
 @dataclass(frozen=True)
-class Requantize:
+class Requantize(SourceRange):
     """FP8 codes re-expressed at `target_scale`: dequantize in float32, divide, clamp, round to nearest even.
 
     `normalize` names a recoding applied to the bytes first (fn->fnuz): the codes are
     then read as `dtype` at `scale`, both already in the new encoding's terms.
     """
 
-    path: Path
-    start: int
-    end: int
     dtype: str
     scale: float
     target_scale: float
     out_dtype: str
     normalize: str | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
 
 @dataclass(frozen=True)
-class Recode:
+class Recode(SourceRange):
     """FP8 codes mapped byte by byte to another encoding (see `transforms.RECODINGS`)."""
 
-    path: Path
-    start: int
-    end: int
     recoding: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)
-class Rescale:
+class Rescale(SourceRange):
     """Float scales multiplied by a power of two (exact), the result written `times` times."""
 
-    path: Path
-    start: int
-    end: int
     dtype: str
     factor: float
     times: int = 1
