@@ -42,6 +42,16 @@ class Checkpoint:
                 found.append(rel.as_posix())
         return found
 
+    def scale_of(self, weight: TensorInfo, scale_name: str) -> TensorInfo:
+        """The scale tensor of FP8 weight `weight`; a clear error when the export left it out."""
+        scale = self.tensors.get(scale_name)
+        if scale is None:
+            raise InvalidCheckpoint(
+                f"{weight.path.name}: FP8 weight '{weight.name}' has no scale '{scale_name}' in any shard; "
+                "its values cannot be recovered (incomplete export?)"
+            )
+        return scale
+
     @property
     def model_files(self) -> set[str]:
         """Files the conversion rewrites; every other file of the folder is copied."""

@@ -44,10 +44,9 @@ def plan_encoding(ckpt: Checkpoint, fmt: FormatSpec, shards: list[OutputShard], 
     recodings: dict[str, Recoding] = {name: _recoding_for(ckpt, name) for name in fp8}
     factors: dict[str, float] = {}
     for name, recoding in recodings.items():
-        module = name.rsplit(".", 1)[0]
-        factors[f"{module}.{fmt.weight_scale}"] = recoding.scale_factor
-        if f"{module}.{fmt.input_scale}" in ckpt.tensors:
-            factors[f"{module}.{fmt.input_scale}"] = activation_factor
+        factors[fmt.weight_scale_of(name)] = recoding.scale_factor
+        if fmt.input_scale_of(name) in ckpt.tensors:
+            factors[fmt.input_scale_of(name)] = activation_factor
     for shard in shards:
         shard.metadata["fp8fix_encoding"] = target
         for t in shard.tensors:

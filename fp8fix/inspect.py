@@ -18,9 +18,10 @@ from fp8fix.checkpoint import Checkpoint, open_checkpoint
 from fp8fix.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_DTYPES, is_fp8
 from fp8fix.encoding_plan import KV_SCALE_SUFFIXES
 from fp8fix.errors import Fp8fixError
-from fp8fix.planner import default_layout, find_fused_modules, is_fused_experts, scale_kind
+from fp8fix.experts import experts_scale_kind, is_stacked_experts
+from fp8fix.planner import default_layout, find_fused_modules, scale_kind
 from fp8fix.registry.architectures import ArchitectureSpec, known_architectures
-from fp8fix.registry.formats import FormatSpec, detect_format, quantization_config
+from fp8fix.registry.formats import AUTOFP8, FormatSpec, detect_format, quantization_config
 from fp8fix.registry.loaders import COMPATIBILITY, LOADERS
 from fp8fix.safetensors_file import TensorInfo, read_values
 from fp8fix.scan import range_contains
@@ -88,7 +89,11 @@ def inspect_checkpoint(root: Path | Checkpoint, scan_data: bool = False) -> Repo
     fmt, supported, note = _format(ckpt)
     arch_name, arch = _architecture(ckpt.config)
     fused = {m.path: m for m in find_fused_modules(ckpt, arch)} if arch else {}
-    modules = [_module_info(ckpt, fmt, t, fused) for t in ckpt.tensors.values() if _is_fp8_weight(t)]
+    modules = [
+        _module_info(ckpt, fmt, t, fused, arch)
+        for t in ckpt.tensors.values()
+        if is_fp8(t.dtype) and (t.name.endswith(".weight") or is_stacked_experts(t, arch))
+    ]
     encodings = sorted({FP8_WEIGHT_DTYPES.get(m.weight_dtype, m.weight_dtype) for m in modules})
     report = Report(
         source=str(root),
@@ -137,32 +142,36 @@ def _architecture(config: dict[str, Any]) -> tuple[str | None, ArchitectureSpec 
     return name, known_architectures().get(name or "")
 
 
-def _is_fp8_weight(t: TensorInfo) -> bool:
-    return is_fp8(t.dtype) and t.name.endswith(".weight")
-
-
-def _module_info(ckpt: Checkpoint, fmt: FormatSpec | None, weight: TensorInfo, fused: dict[str, Any]) -> ModuleInfo:
-    module = weight.name.rsplit(".", 1)[0]
-    f = fused.get(module)
-    n = len(f.rows) if f else 1
-    scale = ckpt.tensors.get(f"{module}.{fmt.weight_scale if fmt else 'weight_scale'}")
+def _module_info(
+    ckpt: Checkpoint, fmt: FormatSpec | None, weight: TensorInfo, fused: dict[str, Any], arch: ArchitectureSpec | None
+) -> ModuleInfo:
+    """One FP8 weight: a module's `.weight`, or a stacked-experts tensor (reported under its own name)."""
+    stacked = arch.experts if arch and is_stacked_experts(weight, arch) else None
+    module = weight.name if stacked else weight.name.rsplit(".", 1)[0]
+    f = None if stacked else fused.get(module)
+    experts_shards = len(stacked.fused.get(weight.name.rpartition(".")[2], ())) if stacked else 0
+    n = len(f.rows) if f else max(experts_shards, 1)
+    scale = ckpt.tensors.get((fmt or AUTOFP8).weight_scale_of(weight.name))
     block = ckpt.tensors.get(f"{module}.{BLOCK_SCALE}")
     if scale is None and block is not None:
         scale, kind = block, "block"
     elif scale is None:
         kind = "missing"
     else:
+        block_shape = fmt.block if fmt else None
         try:
-            kind = scale_kind(
-                scale, weight.shape, n if f else None, allow_channel=True, block=fmt.block if fmt else None
-            )
+            if stacked:
+                kind = experts_scale_kind(scale, weight.shape, n, block_shape)
+            else:
+                kind = scale_kind(scale, weight.shape, n if f else None, allow_channel=True, block=block_shape)
         except Fp8fixError:
             kind = "unknown"
-    inp = ckpt.tensors.get(f"{module}.input_scale")
+    inp = ckpt.tensors.get((fmt or AUTOFP8).input_scale_of(weight.name))
     input_kind = "dynamic" if inp is None else ("static-per-shard" if f and inp.shape == (n,) else "static")
+    fused_kind = f"experts.{weight.name.rpartition('.')[2]}" if experts_shards > 1 else None
     return ModuleInfo(
         module=module,
-        fused=f.spec.module if f else None,
+        fused=f.spec.module if f else fused_kind,
         shards=n,
         weight_dtype=weight.dtype,
         scale=kind,
@@ -170,6 +179,11 @@ def _module_info(ckpt: Checkpoint, fmt: FormatSpec | None, weight: TensorInfo, f
         scale_shape=list(scale.shape) if scale else None,
         input_scale=input_kind,
     )
+
+
+def _linear_fused(m: ModuleInfo) -> bool:
+    """A fused linear module (the loader table's subject), not stacked experts."""
+    return m.fused is not None and not m.fused.startswith("experts.")
 
 
 def _findings(
@@ -182,14 +196,14 @@ def _findings(
 
     unfused_ok = arch is not None and default_layout(arch) == "unfused"
     for m in modules:
-        if m.fused and m.scale == "tensor":
+        if _linear_fused(m) and m.scale == "tensor":
             add(
                 "single-scale-fused",
                 m.module,
                 "a fused module with one scale: vLLM <= 0.5.0 expects one scale per shard",
                 "--layout unfused" if unfused_ok else "--layout per-shard",
             )
-        if m.fused and m.scale == "shard":
+        if _linear_fused(m) and m.scale == "shard":
             add(
                 "per-shard-scales-on-fused",
                 m.module,
@@ -226,14 +240,14 @@ def _findings(
                 "some of these weights",
                 None,
             )
-    for t in ckpt.tensors.values():
-        if is_fp8(t.dtype) and is_fused_experts(t):
+    for m in modules:
+        if m.fused and not _linear_fused(m) and m.scale in ("tensor", "expert"):
             add(
                 "fused-moe-experts",
-                t.name,
-                "FP8 MoE experts stored fused as one 3-D tensor (gate and up on the last dimension): runtimes "
-                "expect per-expert scales for each of gate and up; fp8fix cannot convert fused experts yet",
-                None,
+                m.module,
+                "stacked MoE experts with gate and up fused on the last dimension under one scale per expert "
+                "(or tensor): fused-MoE loaders (vLLM's w13_weight_scale) hold one scale per expert and shard",
+                "--layout per-shard",
             )
     if scan:
         _scan_findings(ckpt, modules, add)
@@ -245,7 +259,7 @@ def _findings(
 
 def _scan_findings(ckpt: Checkpoint, modules: list[ModuleInfo], add: Any) -> None:
     for m in modules:
-        t = ckpt.tensors[m.module + ".weight"]
+        t = ckpt.tensors.get(m.module + ".weight") or ckpt.tensors[m.module]
         fd = os.open(t.path, os.O_RDONLY)
         try:
             nan = range_contains(fd, t.start, t.end, NAN_CODES.get(t.dtype, ()))
@@ -269,9 +283,9 @@ def _loaders(ckpt: Checkpoint, arch: ArchitectureSpec | None, modules: list[Modu
     """Loads/fails per loader, from the layout the checkpoint's fused modules are in."""
     layouts = set()
     for m in modules:
-        if m.fused:
+        if _linear_fused(m):
             layouts.add("per-shard" if m.scale == "shard" else "fused")
-    if arch is not None and not any(m.fused for m in modules):
+    if arch is not None and not any(_linear_fused(m) for m in modules):
         unfused_names = {s.unfused for spec in arch.fused_modules for s in spec.shards if s.unfused}
         if any(m.module.endswith(tuple(unfused_names)) for m in modules if unfused_names):
             layouts.add("unfused")

@@ -14,7 +14,7 @@ from typing import Any
 
 from fp8fix import __version__
 from fp8fix.plan import ConversionPlan
-from fp8fix.summary import VLLM_FNUZ_NOTE, encoding_line, loader_table, module_groups
+from fp8fix.summary import VLLM_FNUZ_NOTE, encoding_line, module_groups, plan_loaders
 
 CARD = "README.md"
 TAGS = ["fp8", "fp8fix"]
@@ -68,7 +68,7 @@ def conversion_section(
     if verified:
         lines += [f"Verified with `fp8fix verify`: {verified}.", ""]
     lines += ["Loaders for this layout:", "", "| loader | loads | why |", "|---|---|---|"]
-    for name, row in loader_table(plan.layout).items():
+    for name, row in plan_loaders(plan).items():
         lines.append(f"| {name} | {'yes' if row['loads'] else 'no'} | {row['reason']} |")
     lines.append("")
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from fp8fix.checkpoint import Checkpoint
 from fp8fix.dtypes import FP8_WEIGHT_DTYPES, ITEM_SIZE, SCALE_DTYPES, is_fp8
 from fp8fix.encoding_plan import plan_encoding
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
+from fp8fix.experts import find_stacked_experts, is_stacked_experts, plan_experts
 from fp8fix.plan import (
     ConversionPlan,
     CopyRange,
@@ -27,7 +28,7 @@ from fp8fix.plan import (
     RepeatRange,
     Requantize,
 )
-from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, architecture_for
+from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, architecture_for, known_architectures
 from fp8fix.registry.formats import FormatSpec, detect_format
 from fp8fix.safetensors_file import TensorInfo, read_values
 
@@ -66,11 +67,12 @@ def plan_conversion(ckpt: Checkpoint, layout: str | None, to: str | None = None)
     arch_name, arch = architecture_for(ckpt.config)
     chosen = layout or default_layout(arch)
     fused = find_fused_modules(ckpt, arch)
-    _check_fp8_weights(ckpt, fmt, {m.path: len(m.rows) for m in fused})
+    _check_fp8_weights(ckpt, fmt, arch, {m.path: len(m.rows) for m in fused})
+    experts = [x for x in find_stacked_experts(ckpt, arch, fmt) if x.fused]
     replacements: dict[str, list[OutputTensor]] = {}
     changes: list[ModuleChange] = []
     renames: dict[str, list[str]] = {}
-    blocked = sorted({m.spec.module for m in fused if not m.spec.can_unfuse})
+    blocked = sorted({m.spec.module for m in fused if not m.spec.can_unfuse} | {f"experts.{x.param}" for x in experts})
     if chosen == "unfused" and blocked:
         raise UnsupportedCheckpoint(
             f"{arch_name}: runtimes know no per-shard names for {', '.join(blocked)}, so there is no unfused "
@@ -82,6 +84,10 @@ def plan_conversion(ckpt: Checkpoint, layout: str | None, to: str | None = None)
         replacements.update(outputs)
         if change.new_modules:
             renames[module.path] = change.new_modules
+    for x in experts:
+        change, outputs = plan_experts(x, fmt, chosen)
+        changes.append(change)
+        replacements.update(outputs)
     shards = [_plan_shard(name, header.metadata, header.tensors, replacements) for name, header in ckpt.shards.items()]
     _check_unique_names(shards)
     encoding = plan_encoding(ckpt, fmt, shards, to) if to else None
@@ -100,11 +106,12 @@ def plan_conversion(ckpt: Checkpoint, layout: str | None, to: str | None = None)
     )
 
 
-def _check_fp8_weights(ckpt: Checkpoint, fmt: FormatSpec, fused_shards: dict[str, int]) -> None:
+def _check_fp8_weights(ckpt: Checkpoint, fmt: FormatSpec, arch: ArchitectureSpec, fused_shards: dict[str, int]) -> None:
     """Every FP8 weight is an encoding fp8fix handles and has a scale of a known shape.
 
     `fused_shards` gives the shard count of each fused module, the only modules
-    where a scale vector of that length is a known convention.
+    where a scale vector of that length is a known convention. Stacked experts are
+    checked by `find_stacked_experts`.
     """
     fp8 = [t for t in ckpt.tensors.values() if is_fp8(t.dtype)]
     if not fp8:
@@ -114,33 +121,21 @@ def _check_fp8_weights(ckpt: Checkpoint, fmt: FormatSpec, fused_shards: dict[str
     for t in fp8:
         if t.dtype not in FP8_WEIGHT_DTYPES:
             raise UnsupportedCheckpoint(f"{t.path.name}: tensor '{t.name}' is {t.dtype}; fp8fix handles e4m3 weights")
-        if is_fused_experts(t):
+        if is_stacked_experts(t, arch):
+            continue
+        if len(t.shape) == 3 and "experts" in t.name:
+            known = sorted(name for name, a in known_architectures().items() if a.experts)
             raise UnsupportedCheckpoint(
-                f"{t.path.name}: tensor '{t.name}' {list(t.shape)} holds fused MoE experts (3-D, gate and up on the "
-                "last dimension); fp8fix cannot convert fused experts yet"
+                f"{t.path.name}: tensor '{t.name}' {list(t.shape)} holds stacked MoE experts, which fp8fix knows "
+                f"for {', '.join(known)}; describe this architecture's experts in an --arch-file entry (see README)"
             )
         if not t.name.endswith(".weight") or len(t.shape) != 2:
             raise UnsupportedCheckpoint(
                 f"{t.path.name}: tensor '{t.name}' is FP8 but not a 2-D linear weight {t.shape}; not supported yet"
             )
-        scale_name = _sibling(t.name, fmt.weight_scale)
-        scale = ckpt.tensors.get(scale_name)
-        if scale is None:
-            raise InvalidCheckpoint(
-                f"{t.path.name}: FP8 weight '{t.name}' has no scale '{scale_name}' in any shard; "
-                "its values cannot be recovered (incomplete export?)"
-            )
+        scale = ckpt.scale_of(t, fmt.weight_scale_of(t.name))
         module = t.name.rsplit(".", 1)[0]
         scale_kind(scale, t.shape, fused_shards.get(module), allow_channel=True, block=fmt.block)
-
-
-def is_fused_experts(t: TensorInfo) -> bool:
-    """Llama-4 / Qwen3-VL-MoE style experts stored as one [experts, in, 2 * intermediate] tensor."""
-    return len(t.shape) == 3 and "experts" in t.name
-
-
-def _sibling(weight_name: str, param: str) -> str:
-    return weight_name.rsplit(".", 1)[0] + "." + param
 
 
 def scale_kind(

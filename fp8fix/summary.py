@@ -99,6 +99,14 @@ def loader_table(layout: str) -> dict[str, dict[str, Any]]:
     }
 
 
+def plan_loaders(plan: ConversionPlan) -> dict[str, dict[str, Any]]:
+    """The loader table of the plan's layout; the layout only matters where fused linear modules exist
+    (stacked experts are outside the table)."""
+    if any(not m.kind.startswith("experts.") for m in plan.modules):
+        return loader_table(plan.layout)
+    return {name: {"loads": True, "reason": "no fused modules"} for name in LOADERS}
+
+
 def human_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -133,9 +141,9 @@ def plan_lines(plan: ConversionPlan) -> list[str]:
     return lines
 
 
-def loader_lines(layout: str) -> list[str]:
-    table = loader_table(layout)
-    lines = [f"loaders for the {layout} layout:"]
+def loader_lines(plan: ConversionPlan) -> list[str]:
+    table = plan_loaders(plan)
+    lines = [f"loaders for the {plan.layout} layout:"]
     for name, row in table.items():
         lines.append(f"  {'loads' if row['loads'] else 'fails':<5}  {name}: {row['reason']}")
     return lines
@@ -173,7 +181,7 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
             for s in plan.shards
         ],
         "encoding": None if plan.encoding is None else dataclasses.asdict(plan.encoding),
-        "loaders": loader_table(plan.layout),
+        "loaders": plan_loaders(plan),
     }
 
 
@@ -184,7 +192,7 @@ def result_lines(result: Any) -> list[str]:
     lines += [f"  config.json: {edit}" for edit in result.config_edits]
     if result.copied_files:
         lines.append(f"  copied: {', '.join(result.copied_files)}")
-    lines += loader_lines(plan.layout)
+    lines += loader_lines(plan)
     if plan.encoding and plan.encoding.target == "e4m3fnuz":
         lines.append(VLLM_FNUZ_NOTE)
     if result.verification:

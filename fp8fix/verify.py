@@ -26,9 +26,10 @@ from typing import Any
 from fp8fix.checkpoint import CONFIG, INDEX, Checkpoint, open_checkpoint
 from fp8fix.config_edit import rewrite_name_lists
 from fp8fix.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, ITEM_SIZE, REQUANT_CLAMP
+from fp8fix.experts import is_stacked_experts
 from fp8fix.model_card import CARD
 from fp8fix.planner import FusedModule, find_fused_modules
-from fp8fix.registry.architectures import known_architectures
+from fp8fix.registry.architectures import ArchitectureSpec, known_architectures
 from fp8fix.registry.formats import FormatSpec, detect_format
 from fp8fix.safetensors_file import TensorInfo, read_values
 from fp8fix.transforms import MANTISSA_BITS, MIN_NORMAL_EXPONENT, value_map
@@ -101,19 +102,22 @@ def verify(source: Path, output: Path, quiet: bool = False) -> VerifyReport:
     fused = {m.path: m for m in find_fused_modules(src, arch)} if arch else {}
     report = VerifyReport(str(source), str(output))
     mapping = _map_tensors(src, out, fmt, fused, report)
-    weights = {n for n, t in src.tensors.items() if t.dtype in FP8_WEIGHT_DTYPES and n.endswith(".weight")}
-    scale_names = {_sibling(w, fmt.weight_scale) for w in weights}
-    input_names = {_sibling(w, fmt.input_scale) for w in weights} & set(src.tensors)
-    scales = scale_names | input_names  # checked through the weights' values, not streamed
+    stacked = {n for n, t in src.tensors.items() if t.dtype in FP8_WEIGHT_DTYPES and is_stacked_experts(t, arch)}
+    weights = {n for n, t in src.tensors.items() if t.dtype in FP8_WEIGHT_DTYPES and n.endswith(".weight")} | stacked
+    scale_names = {fmt.weight_scale_of(w) for w in weights}
+    input_of = {fmt.input_scale_of(w): w for w in weights if fmt.input_scale_of(w) in src.tensors}
+    scales = scale_names | set(input_of)  # checked through the weights' values, not streamed
     total = sum(src.tensors[n].nbytes for n in mapping if n not in scales)
     fds: dict[Path, int] = {}
     try:
         with progress_bar(total, "fp8fix verify", quiet) as bar:
             for name, targets in mapping.items():
-                if name in weights:
+                if name in stacked and arch is not None:
+                    report.weights.append(check_stacked_experts(src, out, fmt, arch, name, fds, report))
+                elif name in weights:
                     report.weights.append(_check_weight(src, out, fmt, fused, name, targets, fds, report))
-                elif name in input_names:
-                    _check_input_scale(src, out, fmt, name, targets, report)
+                elif name in input_of:
+                    _check_input_scale(src, out, name, input_of[name], targets, report)
                 elif name not in scale_names:
                     _check_bytes(src, out, name, targets, fds, report)
                 bar.update(0 if name in scales else src.tensors[name].nbytes)
@@ -123,10 +127,6 @@ def verify(source: Path, output: Path, quiet: bool = False) -> VerifyReport:
     renames = {m: [tg.name.rsplit(".", 1)[0] for tg in targets] for m, targets in _module_renames(mapping, fused)}
     _check_repo(src, out, fmt, renames, report)
     return report
-
-
-def _sibling(weight: str, param: str) -> str:
-    return weight.rsplit(".", 1)[0] + "." + param
 
 
 def _map_tensors(
@@ -211,7 +211,7 @@ def _check_weight(
     module = name.rsplit(".", 1)[0]
     check = WeightCheck(name, [t.name for t in targets], "exact")
     try:
-        src_scale = src.tensors.get(f"{module}.{fmt.weight_scale}")
+        src_scale = src.tensors.get(fmt.weight_scale_of(name))
         if fmt.block and src_scale is not None and src_scale.numel > 1 and len(src_scale.shape) == 2:
             for target in targets:
                 out_scale = out.tensors.get(f"{target.name.rsplit('.', 1)[0]}.{fmt.weight_scale}")
@@ -233,6 +233,70 @@ def _check_weight(
     except _Mismatch as e:
         report.problem(str(e))
     return check
+
+
+def check_stacked_experts(
+    src: Checkpoint,
+    out: Checkpoint,
+    fmt: FormatSpec,
+    arch: ArchitectureSpec,
+    name: str,
+    fds: dict[Path, int],
+    report: VerifyReport,
+) -> WeightCheck:
+    """Stacked experts [E, in, out]: same shape; every (expert, column) scale is the source's times one
+    power of two (fp8fix never requantizes experts); codes are the source values at the new scales."""
+    import torch
+
+    w, o = src.tensors[name], out.tensors[name]
+    check = WeightCheck(name, [name], "exact")
+    try:
+        if o.dtype not in FP8_WEIGHT_DTYPES or o.shape != w.shape:
+            raise _Mismatch(f"'{name}' is {o.dtype} {list(o.shape)}, expected FP8 {list(w.shape)}")
+        src_grid = _expert_column_scales(src, fmt, arch, w, "SOURCE")
+        out_grid = _expert_column_scales(out, fmt, arch, w, "OUTPUT")
+        ratios = torch.unique(out_grid / src_grid).tolist()
+        if len(ratios) != 1 or not _power_of_two(ratios[0]):
+            raise _Mismatch(
+                f"'{fmt.weight_scale_of(name)}': the scales are not SOURCE's times one power of two "
+                f"(ratios {ratios[:4]})"
+            )
+        experts, inner, cols = w.shape
+        rows = experts * inner  # the tensor as [E * in, out] rows, expert e owning rows [e * in, (e + 1) * in)
+        step_rows = max(1, CHUNK_ELEMENTS // cols)
+        target = Target(name, 0, rows)
+        for r0 in range(0, rows, step_rows):
+            r1 = min(rows, r0 + step_rows)
+            a, b = _read(fds, w, r0, r1, cols), _read(fds, o, r0, r1, cols)
+            if not _same_values(a, b, w.dtype, o.dtype, ratios[0], name, r0, cols):
+                experts_of_rows = torch.arange(r0, r1) // inner
+                s_src, s_out = src_grid[experts_of_rows].float(), out_grid[experts_of_rows].float()
+                _compare_values(w, o, target, r0, r1, a, b, s_src, s_out, check)
+    except _Mismatch as e:
+        report.problem(str(e))
+    return check
+
+
+def _expert_column_scales(ckpt: Checkpoint, fmt: FormatSpec, arch: ArchitectureSpec, w: TensorInfo, where: str) -> Any:
+    """The scale of every (expert, output column) of stacked experts `w`, as a float64 [E, out] tensor."""
+    import torch
+
+    experts, _, cols = w.shape
+    scale = ckpt.tensors.get(fmt.weight_scale_of(w.name))
+    if scale is None:
+        raise _Mismatch(f"{where}: FP8 experts '{w.name}' have no scale")
+    values = torch.tensor(read_values(scale), dtype=torch.float64)
+    if values.numel() == 1:
+        return values.reshape(1, 1).expand(experts, cols)
+    if values.numel() == experts:
+        return values.reshape(experts, 1).expand(experts, cols)
+    if values.numel() == experts * cols:
+        return values.reshape(experts, cols)
+    shards = arch.experts.fused.get(w.name.rpartition(".")[2], ()) if arch.experts else ()
+    widths = [arch.size(s.rows, f"shard '{s.shard}'", ckpt.config) for s in shards]
+    if widths and scale.shape == (experts, len(widths)) and sum(widths) == cols:
+        return values.reshape(experts, -1).repeat_interleave(torch.tensor(widths), dim=1)
+    raise _Mismatch(f"{where}: scale '{scale.name}' of shape {list(scale.shape)} does not fit '{w.name}'")
 
 
 def _rows_of(fused: dict[str, FusedModule], module: str) -> list[int] | None:
@@ -431,15 +495,15 @@ def _encoding_factor(src: Checkpoint, out: Checkpoint, weight: str, out_weight: 
 
 
 def _check_input_scale(
-    src: Checkpoint, out: Checkpoint, fmt: FormatSpec, name: str, targets: list[Target], report: VerifyReport
+    src: Checkpoint, out: Checkpoint, name: str, weight: str, targets: list[Target], report: VerifyReport
 ) -> None:
     s = src.tensors[name]
     values = read_values(s)
     for target in targets:
         o = out.tensors[target.name]
         got = read_values(o)
-        weight = _sibling(name, "weight")
-        f = _encoding_factor(src, out, weight, _sibling(target.name, "weight"))
+        out_weight = target.name.rsplit(".", 1)[0] + ".weight" if weight.endswith(".weight") else weight
+        f = _encoding_factor(src, out, weight, out_weight)
         if target.index is not None and len(values) > 1:
             expected = [[values[target.index] * f]]
         elif len(values) == 1:

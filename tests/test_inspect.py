@@ -154,22 +154,3 @@ def test_unsupported_formats_are_described_not_refused(tmp_path: Path) -> None:
 def test_inspect_bad_input_is_exit_3(tmp_path: Path) -> None:
     result = run_cli("inspect", tmp_path / "nothing")
     assert result.exit_code == 3 and "not a folder" in result.output
-
-
-def test_fused_moe_experts_are_reported(tmp_path: Path) -> None:
-    """Llama-4 style experts: one [experts, hidden, 2 * intermediate] FP8 tensor; reported, not converted yet."""
-    import torch
-    from safetensors.torch import save_file
-
-    src = build(tmp_path / "src", phi3(), files=1)
-    from tests.conftest import load_tensors
-
-    tensors = load_tensors(src)
-    tensors["model.layers.0.feed_forward.experts.gate_up_proj"] = torch.zeros(4, 64, 256).to(torch.float8_e4m3fn)
-    tensors["model.layers.0.feed_forward.experts.gate_up_proj_scale"] = torch.ones(4, 1, 256)
-    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
-    report = inspect(src)
-    finding = next(f for f in report["findings"] if f["code"] == "fused-moe-experts")
-    assert finding["modules"] == ["model.layers.0.feed_forward.experts.gate_up_proj"] and finding["fix"] is None
-    result = run_cli("convert", src, tmp_path / "out")
-    assert result.exit_code == 3 and "fused MoE experts" in result.output

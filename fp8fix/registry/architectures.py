@@ -46,30 +46,44 @@ class FusedModuleSpec:
 
 
 @dataclass(frozen=True)
+class ExpertsSpec:
+    """MoE experts stored stacked, one 3-D tensor per parameter: [experts, in, out] (Llama-4,
+    Qwen3-VL-MoE). `fused` names the parameters that hold several shards side by side on the
+    LAST dimension (gate_up_proj: [gate | up]), each shard's width an expression over config.json."""
+
+    module: str  # suffix of the experts module path, e.g. "feed_forward.experts"
+    experts: str  # expression: number of experts
+    fused: dict[str, tuple[ShardSpec, ...]]  # parameter -> shards (ShardSpec.rows holds the width)
+
+    def matches(self, tensor_name: str) -> bool:
+        module = tensor_name.rpartition(".")[0]
+        return module == self.module or module.endswith("." + self.module)
+
+
+@dataclass(frozen=True)
 class ArchitectureSpec:
     architectures: tuple[str, ...]
     fused_modules: tuple[FusedModuleSpec, ...]
     defaults: dict[str, str]
     source: str  # the file the entry came from, for messages
+    experts: ExpertsSpec | None = None
 
     def fused_spec_for(self, module_path: str) -> FusedModuleSpec | None:
         return next((spec for spec in self.fused_modules if spec.matches(module_path)), None)
 
+    def size(self, expression: str, what: str, config: dict[str, Any]) -> int:
+        """A positive integer computed from config.json, or a clear error naming `what` it sizes."""
+        try:
+            value = evaluate(expression, _config_lookup(config, self.defaults))
+        except ExpressionError as e:
+            raise InvalidCheckpoint(f"config.json: cannot size {what}: {e}") from e
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise InvalidCheckpoint(f"config.json: {what} gets {value!r} from '{expression}'")
+        return value
+
     def shard_rows(self, spec: FusedModuleSpec, config: dict[str, Any]) -> list[int]:
         """Rows of each shard of `spec`, computed from config.json."""
-        lookup = _config_lookup(config, self.defaults)
-        rows = []
-        for shard in spec.shards:
-            try:
-                value = evaluate(shard.rows, lookup)
-            except ExpressionError as e:
-                raise InvalidCheckpoint(f"config.json: cannot size shard '{shard.shard}' of {spec.module}: {e}") from e
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidCheckpoint(
-                    f"config.json: shard '{shard.shard}' of {spec.module} gets {value!r} rows from '{shard.rows}'"
-                )
-            rows.append(value)
-        return rows
+        return [self.size(s.rows, f"shard '{s.shard}' of {spec.module}", config) for s in spec.shards]
 
     def row_layout(self, spec: FusedModuleSpec, config: dict[str, Any]) -> tuple[list[int], list[tuple[int, int, int]]]:
         """Rows of each shard in total, and the (shard, first row, end row) segments in storage order.
@@ -103,7 +117,17 @@ def parse_architecture(data: dict[str, Any], source: str) -> ArchitectureSpec:
             )
             for m in data.get("fused_modules", [])
         )
-        return ArchitectureSpec(tuple(data["architectures"]), fused, dict(data.get("defaults", {})), source)
+        experts = data.get("experts")
+        if experts is not None:
+            experts = ExpertsSpec(
+                module=experts["module"],
+                experts=experts["count"],
+                fused={
+                    param: tuple(ShardSpec(s["shard"], s["columns"], None) for s in shards)
+                    for param, shards in experts.get("fused", {}).items()
+                },
+            )
+        return ArchitectureSpec(tuple(data["architectures"]), fused, dict(data.get("defaults", {})), source, experts)
     except (KeyError, TypeError) as e:
         raise UnsupportedCheckpoint(f"{source}: malformed architecture entry ({e!r})") from e
 

@@ -43,6 +43,21 @@ class FormatSpec:
     input_scale: str = "input_scale"
     block: tuple[int, int] | None = None  # block scales: rows x columns per scale
 
+    def weight_scale_of(self, weight: str) -> str:
+        """The scale tensor of FP8 weight `weight`: a sibling of `x.weight` (`x.weight_scale`), or, for a
+        stacked-experts parameter without `.weight` (`experts.gate_up_proj`), the name with a suffix
+        (`experts.gate_up_proj_scale`, as transformers' FBGEMM and FineGrainedFP8 experts name it)."""
+        return _scale_name(weight, self.weight_scale)
+
+    def input_scale_of(self, weight: str) -> str:
+        return _scale_name(weight, self.input_scale)
+
+
+def _scale_name(weight: str, param: str) -> str:
+    if weight.endswith(".weight"):
+        return weight[: -len("weight")] + param
+    return f"{weight}_{param.removeprefix('weight_')}"
+
 
 AUTOFP8 = FormatSpec(
     name="fp8",
