@@ -9,13 +9,14 @@ reported here with the file it concerns.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint
-from fp8fix.safetensors_file import SafetensorsHeader, TensorInfo, read_header
+from fp8fix.safetensors_file import SafetensorsHeader, TensorInfo, read_header, read_values
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -59,6 +60,18 @@ class Checkpoint:
         if self.index is not None:
             files.add(INDEX)
         return files
+
+
+def check_scale_values(scale: TensorInfo) -> list[float]:
+    """The scale's values, each finite and positive, or a clear error naming the first that is not."""
+    values = read_values(scale)
+    bad = next((v for v in values if not 0 < v < math.inf), None)
+    if bad is not None:
+        raise InvalidCheckpoint(
+            f"{scale.path.name}: scale '{scale.name}' holds {bad}; scales must be finite and positive "
+            "(fp8fix inspect lists every such scale)"
+        )
+    return values
 
 
 def read_json(path: Path, what: str) -> Any:

@@ -223,12 +223,14 @@ def _findings(
                 "--to e4m3fn",
             )
     for name, t in ckpt.tensors.items() if ckpt.has_data else ():
-        if not name.endswith((".weight_scale", ".input_scale", f".{BLOCK_SCALE}")) or t.dtype not in SCALE_DTYPES:
+        if not name.endswith(("_scale", "_scale_inv")) or t.dtype not in SCALE_DTYPES:
             continue
         if t.numel > 1_000_000:
             continue
         values = read_values(t)
-        module = name.rsplit(".", 1)[0]
+        stacked = name.rsplit("_scale", 1)[0]  # experts.gate_up_proj_scale belongs to experts.gate_up_proj
+        is_stacked = stacked in ckpt.tensors and len(ckpt.tensors[stacked].shape) == 3
+        module = stacked if is_stacked else name.rsplit(".", 1)[0]
         if any(not (v > 0) or math.isinf(v) for v in values):
             bad = next(v for v in values if not (v > 0) or math.isinf(v))
             add("bad-scale-value", module, f"a scale that is zero, negative, inf or NaN (e.g. {bad})", None)

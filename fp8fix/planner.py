@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fp8fix.checkpoint import Checkpoint
+from fp8fix.checkpoint import Checkpoint, check_scale_values
 from fp8fix.dtypes import FP8_WEIGHT_DTYPES, ITEM_SIZE, SCALE_DTYPES, is_fp8
 from fp8fix.encoding_plan import plan_encoding
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
@@ -30,7 +30,7 @@ from fp8fix.plan import (
 )
 from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, architecture_for, known_architectures
 from fp8fix.registry.formats import FormatSpec, detect_format
-from fp8fix.safetensors_file import TensorInfo, read_values
+from fp8fix.safetensors_file import TensorInfo
 
 Block = tuple[int, int] | None
 
@@ -134,8 +134,11 @@ def _check_fp8_weights(ckpt: Checkpoint, fmt: FormatSpec, arch: ArchitectureSpec
                 f"{t.path.name}: tensor '{t.name}' is FP8 but not a 2-D linear weight {t.shape}; not supported yet"
             )
         scale = ckpt.scale_of(t, fmt.weight_scale_of(t.name))
+        if fmt.input_scale_of(t.name) in ckpt.tensors:
+            check_scale_values(ckpt.tensors[fmt.input_scale_of(t.name)])
         module = t.name.rsplit(".", 1)[0]
         scale_kind(scale, t.shape, fused_shards.get(module), allow_channel=True, block=fmt.block)
+        check_scale_values(scale)
 
 
 def scale_kind(
@@ -313,7 +316,7 @@ def _fuse_scales(
     for param, t in scales.items():
         if kinds[param] != "shard":
             continue
-        values = _scale_values(t)
+        values = check_scale_values(t)
         top = max(range(len(values)), key=lambda i: values[i])
         item = ITEM_SIZE[t.dtype]
         element = CopyRange(t.path, t.start + top * item, t.start + (top + 1) * item)
@@ -344,14 +347,6 @@ def _fuse_scales(
         change.reason = "per-shard input scales become their largest, as runtimes do for a fused module"
     elif change.action == "keep":
         change.reason = _keep_reason(change.scale)
-
-
-def _scale_values(t: TensorInfo) -> list[float]:
-    values = read_values(t)
-    for v in values:
-        if not (v > 0 and v != float("inf")):
-            raise InvalidCheckpoint(f"{t.path.name}: scale '{t.name}' holds {v}; scales must be finite and positive")
-    return values
 
 
 def _plan_shard(

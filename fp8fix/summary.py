@@ -104,7 +104,8 @@ def plan_loaders(plan: ConversionPlan) -> dict[str, dict[str, Any]]:
     (stacked experts are outside the table)."""
     if any(not m.kind.startswith("experts.") for m in plan.modules):
         return loader_table(plan.layout)
-    return {name: {"loads": True, "reason": "no fused modules"} for name in LOADERS}
+    reason = "no fused linear modules (stacked experts are outside this table)" if plan.modules else "no fused modules"
+    return {name: {"loads": True, "reason": reason} for name in LOADERS}
 
 
 def human_size(n: float) -> str:

@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8fix.checkpoint import CONFIG, INDEX, Checkpoint, open_checkpoint
+from fp8fix.checkpoint import CONFIG, INDEX, Checkpoint, check_scale_values, open_checkpoint
 from fp8fix.config_edit import rewrite_name_lists
 from fp8fix.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, ITEM_SIZE, REQUANT_CLAMP
+from fp8fix.errors import InvalidCheckpoint
 from fp8fix.experts import is_stacked_experts
 from fp8fix.model_card import CARD
 from fp8fix.planner import FusedModule, find_fused_modules
@@ -176,7 +177,7 @@ def _scale_rows(scale: TensorInfo | None, weight: TensorInfo, row_shards: list[i
     """One scale value per row of `weight`, from a per-tensor, per-shard or per-channel scale."""
     if scale is None:
         raise _Mismatch(f"{where}: FP8 weight '{weight.name}' has no scale")
-    values = read_values(scale)
+    values = _scale_values(scale, where)
     rows = weight.shape[0]
     if len(values) == 1:
         return values * rows
@@ -189,6 +190,13 @@ def _scale_rows(scale: TensorInfo | None, weight: TensorInfo, row_shards: list[i
 
 class _Mismatch(Exception):
     pass
+
+
+def _scale_values(scale: TensorInfo, where: str) -> list[float]:
+    try:
+        return check_scale_values(scale)
+    except InvalidCheckpoint as e:
+        raise _Mismatch(f"{where}: {e}") from e
 
 
 def _fd(fds: dict[Path, int], path: Path) -> int:
@@ -285,7 +293,7 @@ def _expert_column_scales(ckpt: Checkpoint, fmt: FormatSpec, arch: ArchitectureS
     scale = ckpt.tensors.get(fmt.weight_scale_of(w.name))
     if scale is None:
         raise _Mismatch(f"{where}: FP8 experts '{w.name}' have no scale")
-    values = torch.tensor(read_values(scale), dtype=torch.float64)
+    values = torch.tensor(_scale_values(scale, where), dtype=torch.float64)
     if values.numel() == 1:
         return values.reshape(1, 1).expand(experts, cols)
     if values.numel() == experts:
@@ -443,8 +451,8 @@ def _compare_block(
     if out_scale is None:
         raise _Mismatch(f"'{o.name}' has no block scale")
     grid_cols = src_scale.shape[1]
-    src_grid = read_values(src_scale)
-    out_grid = read_values(out_scale)
+    src_grid = _scale_values(src_scale, "SOURCE")
+    out_grid = _scale_values(out_scale, "OUTPUT")
     first, last = target.start // b0, -(-target.end // b0)
     out_first = target.out_offset // b0
     expected = src_grid[first * grid_cols : last * grid_cols]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 from collections.abc import Callable
@@ -98,6 +99,14 @@ CASES: dict[str, tuple[Callable[[Path], object], list[str]]] = {
         lambda s: _reshape_scale(s),
         ["model.layers.0.mlp.down_proj.weight_scale", "[2, 2]", "no known convention"],
     ),
+    "zero weight scale": (
+        lambda s: _set_scale(s, "model.layers.0.mlp.down_proj.weight_scale", 0.0),
+        ["model.layers.0.mlp.down_proj.weight_scale", "holds 0.0", "finite and positive"],
+    ),
+    "NaN input scale": (
+        lambda s: _set_scale(s, "model.layers.0.self_attn.o_proj.input_scale", float("nan")),
+        ["model.layers.0.self_attn.o_proj.input_scale", "holds nan"],
+    ),
     "header past end of file": (
         lambda s: (s / SHARD1).write_bytes((10**6).to_bytes(8, "little") + b"{}"),
         [SHARD1, "past the end"],
@@ -181,6 +190,15 @@ def _reshape_scale(src: Path) -> None:
             v["data_offsets"] = [v["data_offsets"][0] + grow, v["data_offsets"][1] + grow]
     header[name]["data_offsets"] = [begin, end + grow]
     write_raw(path, header, data[:end] + b"\x00" * grow + data[end:])
+
+
+def _set_scale(src: Path, name: str, value: float) -> None:
+    """Overwrite a float32 scale's bytes in place (the header stays as the exporter wrote it)."""
+    path = src / SHARD1
+    header, data = read_raw_header(path)
+    begin, end = header[name]["data_offsets"]
+    assert header[name]["dtype"] == "F32" and end - begin == 4
+    write_raw(path, header, data[:begin] + struct.pack("<f", value) + data[end:])
 
 
 def _truncate(path: Path) -> None:

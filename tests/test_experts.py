@@ -218,3 +218,16 @@ def test_block_scales_on_experts_are_refused(tmp_path: Path) -> None:
     result = run_cli("convert", src, tmp_path / "out")
     assert result.exit_code == 3 and "block scales" in result.output and "stacked experts" in result.output
     assert FP8 == torch.float8_e4m3fn  # the fixture's encoding, for the reader
+
+
+def test_inspect_flags_a_zero_expert_scale(tmp_path: Path) -> None:
+    src = build_llama4(tmp_path / "src", "expert", layers=1)
+    tensors = load_tensors(src)
+    tensors[GATE_UP + "_scale"][1] = 0.0
+    save_file(tensors, str(src / "model.safetensors"), {"format": "pt"})
+    report = json.loads(run_cli("inspect", src, "--json").output)
+    finding = next(f for f in report["findings"] if f["code"] == "bad-scale-value")
+    assert finding["modules"] == [GATE_UP]
+    result = run_cli("convert", src, tmp_path / "out", "--to", "e4m3fnuz")
+    assert result.exit_code == 3 and f"'{GATE_UP}_scale' holds 0.0" in result.output
+    assert not (tmp_path / "out").exists()
