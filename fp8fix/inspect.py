@@ -251,6 +251,15 @@ def _findings(
                 "(or tensor): fused-MoE loaders (vLLM's w13_weight_scale) hold one scale per expert and shard",
                 "--layout per-shard",
             )
+    for t in ckpt.tensors.values():
+        if is_fp8(t.dtype) and len(t.shape) == 3 and "experts" in t.name and not is_stacked_experts(t, arch):
+            add(
+                "fused-moe-experts",
+                t.name,
+                "3-D FP8 MoE experts that the architecture's registry entry does not describe: convert refuses "
+                "them until an --arch-file entry gives their 'experts' layout",
+                None,
+            )
     if scan:
         _scan_findings(ckpt, modules, add)
     return [

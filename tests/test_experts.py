@@ -181,6 +181,9 @@ def test_experts_of_an_unknown_architecture_need_an_arch_file(tmp_path: Path) ->
     no_arch.write_text(json.dumps({"architectures": ["MyMoeForCausalLM"], "fused_modules": []}))
     result = run_cli("convert", src, tmp_path / "out", "--arch-file", no_arch)
     assert result.exit_code == 3 and "stacked MoE experts" in result.output and "--arch-file" in result.output
+    report = json.loads(run_cli("inspect", src, "--json", "--arch-file", no_arch).output)
+    finding = next(f for f in report["findings"] if f["code"] == "fused-moe-experts")
+    assert GATE_UP in finding["modules"] and finding["fix"] is None and "--arch-file" in finding["reason"]
     entry = {
         "architectures": ["MyMoeForCausalLM"],
         "fused_modules": [],
