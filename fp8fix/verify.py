@@ -113,8 +113,8 @@ def verify(source: Path, output: Path, quiet: bool = False) -> VerifyReport:
     try:
         with progress_bar(total, "fp8fix verify", quiet) as bar:
             for name, targets in mapping.items():
-                if name in stacked and arch is not None:
-                    report.weights.append(check_stacked_experts(src, out, fmt, arch, name, fds, report))
+                if arch is not None and name in stacked:
+                    report.weights.append(_check_stacked_experts(src, out, fmt, arch, name, fds, report))
                 elif name in weights:
                     report.weights.append(_check_weight(src, out, fmt, fused, name, targets, fds, report))
                 elif name in input_of:
@@ -243,7 +243,7 @@ def _check_weight(
     return check
 
 
-def check_stacked_experts(
+def _check_stacked_experts(
     src: Checkpoint,
     out: Checkpoint,
     fmt: FormatSpec,
