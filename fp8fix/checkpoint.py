@@ -53,6 +53,12 @@ class Checkpoint:
             )
         return scale
 
+    def check_scales(self, scale: TensorInfo, input_scale_name: str) -> None:
+        """A weight's scale and its static input scale, if it has one, hold only finite positive values."""
+        check_scale_values(scale)
+        if input_scale_name in self.tensors:
+            check_scale_values(self.tensors[input_scale_name])
+
     @property
     def model_files(self) -> set[str]:
         """Files the conversion rewrites; every other file of the folder is copied."""
@@ -62,10 +68,15 @@ class Checkpoint:
         return files
 
 
+def first_invalid_scale(values: list[float]) -> float | None:
+    """The first value no weight can be recovered from (zero, negative, inf, NaN), or None."""
+    return next((v for v in values if not 0 < v < math.inf), None)
+
+
 def check_scale_values(scale: TensorInfo) -> list[float]:
     """The scale's values, each finite and positive, or a clear error naming the first that is not."""
     values = read_values(scale)
-    bad = next((v for v in values if not 0 < v < math.inf), None)
+    bad = first_invalid_scale(values)
     if bad is not None:
         raise InvalidCheckpoint(
             f"{scale.path.name}: scale '{scale.name}' holds {bad}; scales must be finite and positive "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fp8fix.checkpoint import Checkpoint, check_scale_values
+from fp8fix.checkpoint import Checkpoint
 from fp8fix.dtypes import ITEM_SIZE, SCALE_DTYPES, is_fp8
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.plan import CopyRange, ModuleChange, OutputTensor, Piece, RepeatRange
@@ -70,9 +70,7 @@ def find_stacked_experts(ckpt: Checkpoint, arch: ArchitectureSpec, fmt: FormatSp
             )
         scale = ckpt.scale_of(t, fmt.weight_scale_of(t.name))
         kind = experts_scale_kind(scale, t.shape, len(widths), block=fmt.block)
-        check_scale_values(scale)
-        if fmt.input_scale_of(t.name) in ckpt.tensors:
-            check_scale_values(ckpt.tensors[fmt.input_scale_of(t.name)])
+        ckpt.check_scales(scale, fmt.input_scale_of(t.name))
         found.append(StackedExperts(t, scale, kind, count, param, [s.shard for s in shards], widths))
     return found
 

@@ -7,14 +7,13 @@ a sliding memory map) to find NaN codes and e4m3fnuz data under an e4m3fn label.
 
 from __future__ import annotations
 
-import math
 import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8fix.checkpoint import Checkpoint, open_checkpoint
+from fp8fix.checkpoint import Checkpoint, first_invalid_scale, open_checkpoint
 from fp8fix.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_DTYPES, is_fp8
 from fp8fix.encoding_plan import KV_SCALE_SUFFIXES
 from fp8fix.errors import Fp8fixError
@@ -231,8 +230,8 @@ def _findings(
         stacked = name.rsplit("_scale", 1)[0]  # experts.gate_up_proj_scale belongs to experts.gate_up_proj
         is_stacked = stacked in ckpt.tensors and len(ckpt.tensors[stacked].shape) == 3
         module = stacked if is_stacked else name.rsplit(".", 1)[0]
-        if any(not (v > 0) or math.isinf(v) for v in values):
-            bad = next(v for v in values if not (v > 0) or math.isinf(v))
+        bad = first_invalid_scale(values)
+        if bad is not None:
             add("bad-scale-value", module, f"a scale that is zero, negative, inf or NaN (e.g. {bad})", None)
         elif name.endswith(".weight_scale") and min(values) < FLOAT16_MIN_NORMAL:
             add(

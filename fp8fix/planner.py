@@ -134,11 +134,9 @@ def _check_fp8_weights(ckpt: Checkpoint, fmt: FormatSpec, arch: ArchitectureSpec
                 f"{t.path.name}: tensor '{t.name}' is FP8 but not a 2-D linear weight {t.shape}; not supported yet"
             )
         scale = ckpt.scale_of(t, fmt.weight_scale_of(t.name))
-        if fmt.input_scale_of(t.name) in ckpt.tensors:
-            check_scale_values(ckpt.tensors[fmt.input_scale_of(t.name)])
         module = t.name.rsplit(".", 1)[0]
         scale_kind(scale, t.shape, fused_shards.get(module), allow_channel=True, block=fmt.block)
-        check_scale_values(scale)
+        ckpt.check_scales(scale, fmt.input_scale_of(t.name))
 
 
 def scale_kind(
