@@ -92,12 +92,7 @@ class ArchitectureSpec:
         [q; k; v] once per group, so each shard's rows are a segment in every group.
         """
         per_group = self.shard_rows(spec, config)
-        groups = 1
-        if spec.groups:
-            try:
-                groups = evaluate(spec.groups, _config_lookup(config, self.defaults))
-            except ExpressionError as e:
-                raise InvalidCheckpoint(f"config.json: cannot count the groups of {spec.module}: {e}") from e
+        groups = self.size(spec.groups, f"the groups of {spec.module}", config) if spec.groups else 1
         segments, position = [], 0
         for _ in range(groups):
             for shard, rows in enumerate(per_group):
