@@ -1,7 +1,8 @@
 """The `fp8fix` command line: parse options, call the library, print the result.
 
 Kept thin on purpose: every decision lives in the library modules. User mistakes
-(`Fp8fixError`) become one line on stderr and their exit code, never a traceback.
+become one line on stderr and their exit code, never a traceback; which error exits
+how is `errors.ERROR_TABLE`'s call, not this module's.
 """
 
 from __future__ import annotations
@@ -11,45 +12,45 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from fp8fix import __version__
-from fp8fix.errors import Fp8fixError
-from fp8fix.plan import LAYOUTS
+from fp8fix.errors import RegistryEntryError, user_error
+from fp8fix.vocab import ENCODING_NAMES, LAYOUTS
+
+if TYPE_CHECKING:
+    from fp8fix.registry.architectures import Registry
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def reports_errors(func: F) -> F:
-    """Turn fp8fix's errors and Ctrl-C into a one-line message and an exit code."""
+    """Turn the errors of `errors.ERROR_TABLE` (fp8fix's own, Ctrl-C, OS errors) into one line and an exit code."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except Fp8fixError as e:
-            click.echo(f"Error: {e}", err=True)
-            sys.exit(e.exit_code)
-        except KeyboardInterrupt:
-            click.echo("Interrupted: nothing was written.", err=True)
-            sys.exit(130)
-        except OSError as e:
-            where = f"{e.filename}: " if e.filename else ""
-            click.echo(f"Error: {where}{e.strerror or e}", err=True)
-            sys.exit(1)
+        except (Exception, KeyboardInterrupt) as e:
+            known = user_error(e)
+            if known is None:
+                raise
+            code, line = known
+            click.echo(line, err=True)
+            sys.exit(code)
 
     return wrapper  # type: ignore[return-value]
 
 
-def _load_arch_files(ctx: click.Context, param: click.Parameter, paths: tuple[Path, ...]) -> None:
-    from fp8fix.registry.architectures import load_arch_file
+def _registry(ctx: click.Context, param: click.Parameter, paths: tuple[Path, ...]) -> Registry:
+    """The built-in registry extended by every --arch-file entry (validated: a bad one is a usage error)."""
+    from fp8fix.registry.architectures import Registry
 
     try:
-        for path in paths:
-            load_arch_file(path)
-    except Fp8fixError as e:
+        return Registry.builtin().with_arch_files(paths)
+    except RegistryEntryError as e:
         raise click.BadParameter(str(e), ctx=ctx, param=param) from None
 
 
@@ -57,10 +58,10 @@ def source_options(func: F) -> F:
     """SOURCE: a checkpoint folder, or a Hub repo id with --revision; --arch-file for unknown architectures."""
     func = click.option(
         "--arch-file",
+        "registry",
         type=click.Path(path_type=Path, dir_okay=False),
         multiple=True,
-        expose_value=False,
-        callback=_load_arch_files,
+        callback=_registry,
         help="A registry entry (JSON, as in fp8fix/registry/architectures/) for an architecture fp8fix does not know.",
     )(func)
     func = click.option("--revision", help="Branch, tag or commit of a Hub SOURCE.")(func)
@@ -102,7 +103,8 @@ Layouts (how fused modules such as qkv_proj carry their scales):
 
 \b
 Exit codes: 0 done, 1 --verify found a mismatch or OUTPUT could not be
-written, 2 usage error, 3 invalid or unsupported checkpoint, 4 Hub error.
+written, 2 usage error (options, OUTPUT not empty or inside SOURCE), 3 invalid
+or unsupported checkpoint, 4 Hub error.
 """
 
 
@@ -114,7 +116,7 @@ written, 2 usage error, 3 invalid or unsupported checkpoint, 4 Hub error.
 )
 @click.option(
     "--to",
-    type=click.Choice(["e4m3fnuz", "e4m3fn"]),
+    type=click.Choice(sorted(ENCODING_NAMES, reverse=True)),
     help="Change the FP8 encoding: e4m3fnuz for AMD MI300-class GPUs, e4m3fn (OCP) back.",
 )
 @click.option("--verify", "run_verify", is_flag=True, help="Verify OUTPUT against SOURCE before it appears.")
@@ -125,7 +127,9 @@ written, 2 usage error, 3 invalid or unsupported checkpoint, 4 Hub error.
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (for CI).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def convert(source: str, revision: str | None, output: Path, push_to_hub: str | None, **options: Any) -> None:
+def convert(
+    source: str, registry: Registry, revision: str | None, output: Path, push_to_hub: str | None, **options: Any
+) -> None:
     """Convert the FP8 checkpoint SOURCE (folder or Hub repo id) into a fixed copy in OUTPUT.
 
     SOURCE is never modified. OUTPUT appears only once complete: an error or an
@@ -133,8 +137,10 @@ def convert(source: str, revision: str | None, output: Path, push_to_hub: str | 
     """
     from fp8fix.convert import ConvertOptions
     from fp8fix.convert import convert as run_convert
-    from fp8fix.hub import HubError, push_folder, resolve_source
-    from fp8fix.summary import result_json, result_lines
+    from fp8fix.errors import HubError
+    from fp8fix.io.hub import push_folder, resolve_source
+    from fp8fix.report.convert_report import result_json, result_lines
+    from fp8fix.report.model_card import commit_message
 
     as_json = options["as_json"]
     folder, repo_id = resolve_source(source, revision)
@@ -148,7 +154,7 @@ def convert(source: str, revision: str | None, output: Path, push_to_hub: str | 
         source_repo=repo_id,
         revision=revision,
     )
-    result = run_convert(folder, output, settings)
+    result = run_convert(folder, output, settings, registry)
     if as_json:
         payload = result_json(result)
     else:
@@ -161,7 +167,7 @@ def convert(source: str, revision: str | None, output: Path, push_to_hub: str | 
                 push_to_hub,
                 private=options["private"],
                 create_pr=options["create_pr"],
-                commit_message=options["commit_message"],
+                commit_message=options["commit_message"] or commit_message(output),
             )
         except HubError as e:
             raise HubError(f"{e}. {output} is intact: retry with `fp8fix push {output} {push_to_hub}`") from None
@@ -191,13 +197,13 @@ Exit codes: 0 pushed, 2 usage error, 3 OUTPUT is not a checkpoint folder, 4 Hub 
 def push(output: Path, repo_id: str, private: bool, create_pr: bool, commit_message: str | None) -> None:
     """Upload the converted checkpoint folder OUTPUT to the Hub repo REPO_ID in one commit (or pull request)."""
     from fp8fix.errors import InvalidCheckpoint
-    from fp8fix.hub import push_folder
+    from fp8fix.io.hub import push_folder
+    from fp8fix.report.model_card import commit_message as default_message
 
     if not (output / "config.json").is_file():
         raise InvalidCheckpoint(f"{output}: not a checkpoint folder (no config.json)")
-    click.echo(
-        f"pushed: {push_folder(output, repo_id, private=private, create_pr=create_pr, commit_message=commit_message)}"
-    )
+    message = commit_message or default_message(output)
+    click.echo(f"pushed: {push_folder(output, repo_id, private=private, create_pr=create_pr, commit_message=message)}")
 
 
 INSPECT_EPILOG = """\b
@@ -209,7 +215,7 @@ Examples:
 
 \b
 Exit codes: 0 inspected (no --strict finding), 1 --strict and a finding convert
-fixes, 3 invalid checkpoint, 4 Hub error.
+fixes, 2 usage error, 3 invalid checkpoint, 4 Hub error.
 """
 
 
@@ -219,17 +225,20 @@ fixes, 3 invalid checkpoint, 4 Hub error.
 @click.option("--strict", is_flag=True, help="Exit 1 when there is a finding that `fp8fix convert` would fix.")
 @click.option("--scan-data", is_flag=True, help="Also read the FP8 weights: NaN codes, fnuz data under an fn label.")
 @reports_errors
-def inspect(source: str, revision: str | None, as_json: bool, strict: bool, scan_data: bool) -> None:
+def inspect(
+    source: str, registry: Registry, revision: str | None, as_json: bool, strict: bool, scan_data: bool
+) -> None:
     """Report what the checkpoint SOURCE is, its problems, and which loaders take it.
 
     Reads config.json, the safetensors headers and the scales; the weights only
     with --scan-data. A Hub SOURCE is read from the Hub's header API when it can be.
     """
-    from fp8fix.hub import is_repo_id, remote_headers, resolve_source
-    from fp8fix.inspect import inspect_checkpoint, report_lines
+    from fp8fix.inspect import inspect_checkpoint
+    from fp8fix.io.hub import is_repo_id, remote_headers, resolve_source
+    from fp8fix.report.inspect_report import report_lines
 
     remote = remote_headers(source, revision) if is_repo_id(source) and not scan_data else None
-    report = inspect_checkpoint(remote or resolve_source(source, revision)[0], scan_data=scan_data)
+    report = inspect_checkpoint(remote or resolve_source(source, revision)[0], scan_data=scan_data, registry=registry)
     report.source = source
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
@@ -246,7 +255,8 @@ Examples:
   fp8fix verify org/model-FP8 ./model-mi300 --json > verify.json
 
 \b
-Exit codes: 0 faithful, 1 mismatch (the tensors are named), 3 invalid input, 4 Hub error.
+Exit codes: 0 faithful, 1 mismatch (the tensors are named), 2 usage error,
+3 invalid input, 4 Hub error.
 """
 
 
@@ -256,17 +266,20 @@ Exit codes: 0 faithful, 1 mismatch (the tensors are named), 3 invalid input, 4 H
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
-def verify_command(source: str, revision: str | None, output: Path, as_json: bool, quiet: bool) -> None:
+def verify_command(
+    source: str, registry: Registry, revision: str | None, output: Path, as_json: bool, quiet: bool
+) -> None:
     """Prove OUTPUT a faithful conversion of SOURCE, tensor by tensor.
 
     Splits and fn <-> fnuz changes must be exact in value, requantized modules
     within half an fp8 step; every other tensor byte-identical; index, config and
     copied files as they should be. Streams with bounded memory.
     """
-    from fp8fix.hub import resolve_source
-    from fp8fix.verify import verify, verify_lines
+    from fp8fix.io.hub import resolve_source
+    from fp8fix.report.verify_report import verify_lines
+    from fp8fix.verify import verify
 
-    report = verify(resolve_source(source, revision)[0], output, quiet=quiet or as_json)
+    report = verify(resolve_source(source, revision)[0], output, quiet=quiet or as_json, registry=registry)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:

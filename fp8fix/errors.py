@@ -1,20 +1,36 @@
-"""Errors a user can act on, each with the exit code the CLI returns for it.
+"""Errors a user can act on, and the one table that turns each into a line and an exit code.
 
-Anything raised as an `Fp8fixError` is printed as one line, without a traceback:
-it describes a problem with the user's input or environment, not a bug in fp8fix.
+Commands raise typed errors and never format messages or choose exit codes
+themselves (the shape of huggingface_hub's CLI `_errors.py`): `ERROR_TABLE` below is
+the only place that says which error exits how. Anything in it is printed as one line
+without a traceback: it describes the user's input or environment, not a bug.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 EXIT_MISMATCH = 1
+EXIT_USAGE = 2
 EXIT_INVALID_INPUT = 3
 EXIT_HUB = 4
+EXIT_INTERRUPTED = 130
 
 
 class Fp8fixError(Exception):
-    """A problem the user can fix; `exit_code` is what the CLI exits with."""
+    """A problem the user can fix."""
 
-    exit_code = EXIT_INVALID_INPUT
+
+class UsageError(Fp8fixError):
+    """The command was asked for something it cannot do as given (options, paths)."""
+
+
+class OutputError(UsageError):
+    """The destination cannot be written as asked (exists, overlaps the source, ...)."""
+
+
+class RegistryEntryError(UsageError):
+    """An architecture entry (built in or `--arch-file`) that does not follow the registry's schema."""
 
 
 class InvalidCheckpoint(Fp8fixError):
@@ -25,11 +41,45 @@ class UnsupportedCheckpoint(Fp8fixError):
     """A well-formed checkpoint in a format or architecture fp8fix cannot convert yet."""
 
 
-class OutputError(Fp8fixError):
-    """The destination cannot be written as asked (exists, overlaps the source, ...)."""
-
-
 class VerificationFailed(Fp8fixError):
     """`convert --verify` found the output unfaithful; nothing was written."""
 
-    exit_code = EXIT_MISMATCH
+
+class HubError(Fp8fixError):
+    """The Hub could not be read or written: not found, no permission, gated, offline, network."""
+
+
+@dataclass(frozen=True)
+class ErrorForm:
+    """How one type of error reaches the user: its exit code and its one line."""
+
+    exit_code: int
+    template: str  # formatted with `message`
+
+
+#: Error type -> what the user sees; the first entry the error is an instance of wins.
+ERROR_TABLE: tuple[tuple[type[BaseException], ErrorForm], ...] = (
+    (VerificationFailed, ErrorForm(EXIT_MISMATCH, "Error: {message}")),
+    (UsageError, ErrorForm(EXIT_USAGE, "Error: {message}")),
+    (HubError, ErrorForm(EXIT_HUB, "Error: {message}")),
+    (InvalidCheckpoint, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
+    (UnsupportedCheckpoint, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
+    (Fp8fixError, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
+    (KeyboardInterrupt, ErrorForm(EXIT_INTERRUPTED, "Interrupted: nothing was written.")),
+    (OSError, ErrorForm(EXIT_MISMATCH, "Error: {message}")),  # disk full, permissions: OUTPUT not written
+)
+
+
+def user_error(error: BaseException) -> tuple[int, str] | None:
+    """(exit code, line) for an error the user can act on; None for a bug (let it raise)."""
+    for kind, form in ERROR_TABLE:
+        if isinstance(error, kind):
+            return form.exit_code, form.template.format(message=_message(error))
+    return None
+
+
+def _message(error: BaseException) -> str:
+    if isinstance(error, OSError) and not isinstance(error, Fp8fixError):
+        where = f"{error.filename}: " if error.filename else ""
+        return f"{where}{error.strerror or error}"
+    return str(error)

@@ -7,29 +7,25 @@ a sliding memory map) to find NaN codes and e4m3fnuz data under an e4m3fn label.
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8fix.checkpoint import Checkpoint, first_invalid_scale, open_checkpoint
-from fp8fix.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_DTYPES, is_fp8
-from fp8fix.encoding_plan import KV_SCALE_SUFFIXES
-from fp8fix.errors import Fp8fixError
-from fp8fix.experts import experts_scale_kind, is_stacked_experts
-from fp8fix.planner import default_layout, find_fused_modules, scale_kind
-from fp8fix.registry.architectures import ArchitectureSpec, known_architectures
-from fp8fix.registry.formats import AUTOFP8, FormatSpec, detect_format, quantization_config
+from fp8fix.io.checkpoint import Checkpoint, first_invalid_scale, open_checkpoint
+from fp8fix.io.safetensors_file import read_values
+from fp8fix.io.source_files import SourceFiles
+from fp8fix.model import CheckpointModel, Fp8Weight, describe_checkpoint
+from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_DTYPES
+from fp8fix.registry.architectures import Registry
+from fp8fix.registry.formats import quantization_config
 from fp8fix.registry.loaders import COMPATIBILITY, LOADERS
-from fp8fix.safetensors_file import TensorInfo, read_values
-from fp8fix.scan import range_contains
-from fp8fix.summary import name_pattern
+from fp8fix.vocab import InputScaleKind, Layout, ScaleReport
 
 SCHEMA_VERSION = 1
 #: float16's smallest normal: vLLM >= 0.20 requantizes through float16, which loses weights below it.
 FLOAT16_MIN_NORMAL = 2.0**-14
-BLOCK_SCALE = "weight_scale_inv"
 
 
 @dataclass
@@ -38,10 +34,10 @@ class ModuleInfo:
     fused: str | None  # registry suffix when fused
     shards: int
     weight_dtype: str
-    scale: str  # tensor | shard | channel | block | missing | unknown
+    scale: ScaleReport
     scale_dtype: str | None
     scale_shape: list[int] | None
-    input_scale: str  # static | static-per-shard | dynamic
+    input_scale: InputScaleKind
 
 
 @dataclass
@@ -80,102 +76,66 @@ class Report:
         return asdict(self)
 
 
-def inspect_checkpoint(root: Path | Checkpoint, scan_data: bool = False) -> Report:
+def inspect_checkpoint(root: Path | Checkpoint, scan_data: bool = False, registry: Registry | None = None) -> Report:
     """Inspect a local folder, or a checkpoint whose headers came from the Hub (no data: scale values unread)."""
     ckpt = root if isinstance(root, Checkpoint) else open_checkpoint(root)
-    root = ckpt.root
+    model = describe_checkpoint(ckpt, registry or Registry.builtin())
     qc = quantization_config(ckpt.config) or {}
-    fmt, supported, note = _format(ckpt)
-    arch_name, arch = _architecture(ckpt.config)
-    fused = {m.path: m for m in find_fused_modules(ckpt, arch)} if arch else {}
-    modules = [
-        _module_info(ckpt, fmt, t, fused, arch)
-        for t in ckpt.tensors.values()
-        if is_fp8(t.dtype) and (t.name.endswith(".weight") or is_stacked_experts(t, arch))
-    ]
+    fmt = model.format
+    note = str(model.format_error).removeprefix("config.json: ") if model.format_error else ""
+    modules = [_module_info(w) for w in model.weights.values() if w.is_module_weight]
     encodings = sorted({FP8_WEIGHT_DTYPES.get(m.weight_dtype, m.weight_dtype) for m in modules})
     report = Report(
-        source=str(root),
+        source=str(ckpt.root),
         format=str(qc.get("quant_method") or "none"),
         format_label=fmt.label if fmt else note,
         format_hints={k: qc[k] for k in ("version", "format", "activation_scheme", "quantization_status") if k in qc},
-        convert_supported=supported,
-        architecture=arch_name,
-        architecture_known=arch is not None,
+        convert_supported=fmt is not None,
+        architecture=model.architecture,
+        architecture_known=model.spec is not None,
         encoding=", ".join(encodings) or None,
         files=[
             {"name": n, "bytes": sum(t.nbytes for t in h.tensors.values()), "tensors": len(h.tensors)}
             for n, h in ckpt.shards.items()
         ],
         modules=modules,
-        kv_cache_scales=[
-            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
-            for t in ckpt.tensors.values()
-            if t.name.endswith(KV_SCALE_SUFFIXES)
-        ],
+        kv_cache_scales=[{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in model.kv_cache_scales],
         findings=[],
         loaders={},
         data_scanned=scan_data,
     )
-    if not supported:
+    if fmt is None:
         report.notes.append(note)
-    if arch is None:
-        report.notes.append(f"architecture {arch_name} is not in the registry: fused modules cannot be identified")
+    if model.spec is None:
+        report.notes.append(
+            f"architecture {model.architecture} is not in the registry: fused modules cannot be identified"
+        )
     if not ckpt.has_data:
         report.notes.append("headers read from the Hub: scale values and weights were not read")
-    report.findings = _findings(ckpt, fmt, arch, modules, scan_data and ckpt.has_data)
-    report.loaders = _loaders(ckpt, arch, modules)
+    report.findings = _findings(model, modules, scan_data and ckpt.has_data)
+    report.loaders = _loaders(model, modules)
     return report
 
 
-def _format(ckpt: Checkpoint) -> tuple[FormatSpec | None, bool, str]:
-    try:
-        return detect_format(ckpt.config, ckpt.root, set(ckpt.tensors)), True, ""
-    except Fp8fixError as e:
-        return None, False, str(e).removeprefix("config.json: ")
-
-
-def _architecture(config: dict[str, Any]) -> tuple[str | None, ArchitectureSpec | None]:
-    names = config.get("architectures")
-    name = names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
-    return name, known_architectures().get(name or "")
-
-
-def _module_info(
-    ckpt: Checkpoint, fmt: FormatSpec | None, weight: TensorInfo, fused: dict[str, Any], arch: ArchitectureSpec | None
-) -> ModuleInfo:
+def _module_info(w: Fp8Weight) -> ModuleInfo:
     """One FP8 weight: a module's `.weight`, or a stacked-experts tensor (reported under its own name)."""
-    stacked = arch.experts if arch and is_stacked_experts(weight, arch) else None
-    module = weight.name if stacked else weight.name.rsplit(".", 1)[0]
-    f = None if stacked else fused.get(module)
-    experts_shards = len(stacked.fused.get(weight.name.rpartition(".")[2], ())) if stacked else 0
-    n = len(f.rows) if f else max(experts_shards, 1)
-    scale = ckpt.tensors.get((fmt or AUTOFP8).weight_scale_of(weight.name))
-    block = ckpt.tensors.get(f"{module}.{BLOCK_SCALE}")
-    if scale is None and block is not None:
-        scale, kind = block, "block"
-    elif scale is None:
-        kind = "missing"
+    scale: ScaleReport
+    if w.scale_kind is not None:
+        scale = w.scale_kind
     else:
-        block_shape = fmt.block if fmt else None
-        try:
-            if stacked:
-                kind = experts_scale_kind(scale, weight.shape, n, block_shape)
-            else:
-                kind = scale_kind(scale, weight.shape, n if f else None, allow_channel=True, block=block_shape)
-        except Fp8fixError:
-            kind = "unknown"
-    inp = ckpt.tensors.get((fmt or AUTOFP8).input_scale_of(weight.name))
-    input_kind = "dynamic" if inp is None else ("static-per-shard" if f and inp.shape == (n,) else "static")
-    fused_kind = f"experts.{weight.name.rpartition('.')[2]}" if experts_shards > 1 else None
+        scale = "missing" if w.scale is None else "unknown"
+    input_kind: InputScaleKind = "dynamic"
+    if w.input_scale is not None:
+        input_kind = "static-per-shard" if w.fused and w.input_scale.shape == (w.n_shards,) else "static"
+    fused_experts = f"experts.{w.name.rpartition('.')[2]}" if w.stacked and w.n_shards > 1 else None
     return ModuleInfo(
-        module=module,
-        fused=f.spec.module if f else fused_kind,
-        shards=n,
-        weight_dtype=weight.dtype,
-        scale=kind,
-        scale_dtype=scale.dtype if scale else None,
-        scale_shape=list(scale.shape) if scale else None,
+        module=w.module,
+        fused=w.fused.spec.module if w.fused else fused_experts,
+        shards=w.n_shards,
+        weight_dtype=w.tensor.dtype,
+        scale=scale,
+        scale_dtype=w.scale.dtype if w.scale else None,
+        scale_shape=list(w.scale.shape) if w.scale else None,
         input_scale=input_kind,
     )
 
@@ -185,15 +145,17 @@ def _linear_fused(m: ModuleInfo) -> bool:
     return m.fused is not None and not m.fused.startswith("experts.")
 
 
-def _findings(
-    ckpt: Checkpoint, fmt: FormatSpec | None, arch: ArchitectureSpec | None, modules: list[ModuleInfo], scan: bool
-) -> list[Finding]:
+AddFinding = Callable[..., None]
+
+
+def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> list[Finding]:
+    ckpt = model.checkpoint
     found: dict[tuple[str, str, str | None, bool], list[str]] = defaultdict(list)
 
     def add(code: str, module: str, reason: str, fix: str | None, heuristic: bool = False) -> None:
         found[(code, reason, fix, heuristic)].append(module)
 
-    unfused_ok = arch is not None and default_layout(arch) == "unfused"
+    unfused_ok = model.spec is not None and model.spec.default_layout == "unfused"
     for m in modules:
         if _linear_fused(m) and m.scale == "tensor":
             add(
@@ -250,48 +212,48 @@ def _findings(
                 "(or tensor): fused-MoE loaders (vLLM's w13_weight_scale) hold one scale per expert and shard",
                 "--layout per-shard",
             )
-    for t in ckpt.tensors.values():
-        if is_fp8(t.dtype) and len(t.shape) == 3 and "experts" in t.name and not is_stacked_experts(t, arch):
+    for w in model.weights.values():
+        if w.unknown_experts:
             add(
                 "fused-moe-experts",
-                t.name,
+                w.name,
                 "3-D FP8 MoE experts that the architecture's registry entry does not describe: convert refuses "
                 "them until an --arch-file entry gives their 'experts' layout",
                 None,
             )
     if scan:
-        _scan_findings(ckpt, modules, add)
+        _scan_findings(model, add)
     return [
         Finding(code, modules=ms, reason=reason, fix=fix, heuristic=heuristic)
         for (code, reason, fix, heuristic), ms in found.items()
     ]
 
 
-def _scan_findings(ckpt: Checkpoint, modules: list[ModuleInfo], add: Any) -> None:
-    for m in modules:
-        t = ckpt.tensors.get(m.module + ".weight") or ckpt.tensors[m.module]
-        fd = os.open(t.path, os.O_RDONLY)
-        try:
-            nan = range_contains(fd, t.start, t.end, NAN_CODES.get(t.dtype, ()))
-            negative_zero = t.dtype == E4M3FN and range_contains(fd, t.start, t.end, (0x80,))
-        finally:
-            os.close(fd)
-        if nan and t.dtype == E4M3FN and not negative_zero:
-            add(
-                "fnuz-data-under-fn-label",
-                m.module,
-                "e4m3fn NaN codes (0x7F/0xFF) and no -0 (0x80): this looks like e4m3fnuz data (where 0x7F is 240) "
-                "labelled e4m3fn",
-                None,
-                True,
-            )
-        elif nan:
-            add("nan-codes", m.module, f"NaN codes in {FP8_WEIGHT_DTYPES.get(t.dtype, t.dtype)} weights", None)
+def _scan_findings(model: CheckpointModel, add: AddFinding) -> None:
+    with SourceFiles() as files:
+        for w in model.weights.values():
+            if not w.is_module_weight:
+                continue
+            t = w.tensor
+            nan = files.contains(t.path, t.start, t.end, NAN_CODES.get(t.dtype, ()))
+            negative_zero = t.dtype == E4M3FN and files.contains(t.path, t.start, t.end, (0x80,))
+            if nan and t.dtype == E4M3FN and not negative_zero:
+                add(
+                    "fnuz-data-under-fn-label",
+                    w.module,
+                    "e4m3fn NaN codes (0x7F/0xFF) and no -0 (0x80): this looks like e4m3fnuz data (where 0x7F is "
+                    "240) labelled e4m3fn",
+                    None,
+                    True,
+                )
+            elif nan:
+                add("nan-codes", w.module, f"NaN codes in {FP8_WEIGHT_DTYPES.get(t.dtype, t.dtype)} weights", None)
 
 
-def _loaders(ckpt: Checkpoint, arch: ArchitectureSpec | None, modules: list[ModuleInfo]) -> dict[str, dict[str, Any]]:
+def _loaders(model: CheckpointModel, modules: list[ModuleInfo]) -> dict[str, dict[str, Any]]:
     """Loads/fails per loader, from the layout the checkpoint's fused modules are in."""
-    layouts = set()
+    arch = model.spec
+    layouts: set[Layout] = set()
     for m in modules:
         if _linear_fused(m):
             layouts.add("per-shard" if m.scale == "shard" else "fused")
@@ -313,50 +275,3 @@ def _loaders(ckpt: Checkpoint, arch: ArchitectureSpec | None, modules: list[Modu
         for row in table.values():
             row.update(loads=False, reason="FP8 weights without a usable scale")
     return table
-
-
-def report_lines(report: Report) -> list[str]:
-    """The report for people: a few header lines, one row per kind of module, findings, loaders."""
-    from fp8fix.summary import human_size
-
-    hints = ", ".join(f"{k} {v}" for k, v in report.format_hints.items())
-    supported = "" if report.convert_supported else " [convert: not supported yet]"
-    arch = report.architecture or "unknown"
-    if not report.architecture_known:
-        arch += " (not in the registry)"
-    total = sum(f["bytes"] for f in report.files)
-    lines = [
-        f"checkpoint:   {report.source}",
-        f"format:       {report.format_label}" + (f" ({hints})" if hints else "") + supported,
-        f"architecture: {arch}",
-        f"encoding:     {report.encoding or 'no FP8 weights'}",
-        f"files:        {len(report.files)} safetensors, {human_size(total)}",
-    ]
-    groups: dict[tuple[Any, ...], list[str]] = defaultdict(list)
-    for m in report.modules:
-        shape = "-" if m.scale_shape is None else "[" + ", ".join(map(str, m.scale_shape)) + "]"
-        key = (m.fused is not None, m.shards, m.scale, m.scale_dtype or "-", shape, m.input_scale)
-        groups[key].append(m.module)
-    lines.append(f"FP8 modules:  {len(report.modules)}")
-    lines.append(f"  {'modules':<48} {'count':>5}  {'fused':<8} {'weight scale':<24} input scale")
-    for (is_fused, shards, kind, dtype, shape, inp), names in groups.items():
-        fused = f"{shards} shards" if is_fused else "-"
-        lines.append(f"  {name_pattern(names):<48} {len(names):>5}  {fused:<8} {f'{kind} {dtype} {shape}':<24} {inp}")
-    if report.kv_cache_scales:
-        kinds = sorted({s["name"].rsplit(".", 1)[-1] for s in report.kv_cache_scales})
-        lines.append(f"kv-cache scales: {len(report.kv_cache_scales)} ({', '.join(kinds)})")
-    lines.append(
-        f"findings:     {len(report.findings) or 'none'}"
-        + ("" if report.data_scanned else " (weights not scanned: --scan-data)")
-    )
-    for f in report.findings:
-        fix = f"fix: fp8fix convert SOURCE OUTPUT {f.fix}" if f.fix else "convert cannot fix this"
-        guess = " [heuristic]" if f.heuristic else ""
-        where = f"{len(f.modules)} module(s) {name_pattern(f.modules)}"
-        lines.append(f"  {f.code}{guess}: {where}: {f.reason}; {fix}")
-    for note in report.notes:
-        lines.append(f"  note: {note}")
-    lines.append("loaders:")
-    for loader, row in report.loaders.items():
-        lines.append(f"  {'loads' if row['loads'] else 'fails':<5}  {loader}: {row['reason']}")
-    return lines

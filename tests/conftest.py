@@ -25,7 +25,9 @@ def run_cli(*args: str | Path, check_output: bool = True) -> Result:
     result = _invoke(*args)
     converted = args[0] == "convert" and len(args) >= 3 and not {"--dry-run", "--help"} & set(map(str, args))
     if check_output and converted and result.exit_code == 0:
-        checked = _invoke("verify", args[1], args[2], "-q")
+        strings = [str(a) for a in args]
+        arch_files = [x for i, a in enumerate(strings) if a == "--arch-file" for x in (a, strings[i + 1])]
+        checked = _invoke("verify", args[1], args[2], "-q", *arch_files)
         assert checked.exit_code == 0, f"fp8fix verify rejects this conversion:\n{checked.output}"
     return result
 

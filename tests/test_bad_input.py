@@ -257,7 +257,7 @@ def test_existing_output_is_refused_without_overwrite(tmp_path: Path) -> None:
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     result = run_cli("convert", src, out, "-q")
-    assert result.exit_code == 3 and "--overwrite" in result.output
+    assert result.exit_code == 2 and "--overwrite" in result.output  # a usage error
     assert (out / "keep.txt").read_text() == "mine"
     result = run_cli("convert", src, out, "-q", "--overwrite")
     assert result.exit_code == 0
@@ -277,7 +277,7 @@ def test_output_never_inside_source(tmp_path: Path, where: str) -> None:
     before = folder_digest(src)
     out = src / "converted" if where == "inside" else src
     result = run_cli("convert", src, out, "--overwrite")
-    assert result.exit_code == 3 and "SOURCE" in result.output
+    assert result.exit_code == 2 and "SOURCE" in result.output  # a usage error
     assert folder_digest(src) == before
 
 

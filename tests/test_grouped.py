@@ -109,16 +109,8 @@ def neox_arch_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def forget_arch_files():
-    from fp8fix.registry import architectures
-
-    yield
-    architectures._USER_ENTRIES.clear()
-
-
 @pytest.mark.parametrize("fmt,scale", [("fp8", "tensor"), ("compressed-tensors", "channel")])
-def test_unfused_permutes_rows_per_head(tmp_path: Path, fmt: str, scale: str, forget_arch_files: None) -> None:
+def test_unfused_permutes_rows_per_head(tmp_path: Path, fmt: str, scale: str) -> None:
     model = neox()
     src = build(tmp_path / "src", model, fmt=fmt, scale=scale, bias=True)
     refused = run_cli("convert", src, tmp_path / "refused", "--layout", "unfused")
@@ -140,14 +132,14 @@ def test_unfused_permutes_rows_per_head(tmp_path: Path, fmt: str, scale: str, fo
             assert raw(o[f"{module}.{name}.weight_scale"]) == raw(expected)
 
 
-def test_block_scales_need_block_aligned_heads(tmp_path: Path, forget_arch_files: None) -> None:
+def test_block_scales_need_block_aligned_heads(tmp_path: Path) -> None:
     src = build(tmp_path / "src", neox(), fmt="block-fp8")  # 32-row blocks, 16-row heads
     result = run_cli("convert", src, tmp_path / "out", "--layout", "unfused", "--arch-file", neox_arch_file(tmp_path))
     assert result.exit_code == 3 and "not a multiple of the 32-row scale block" in result.output
     assert run_cli("convert", src, tmp_path / "kept", "--layout", "per-shard", "-q").exit_code == 0
 
 
-def test_block_scales_split_per_head_when_heads_are_whole_blocks(tmp_path: Path, forget_arch_files: None) -> None:
+def test_block_scales_split_per_head_when_heads_are_whole_blocks(tmp_path: Path) -> None:
     heads, head_dim, hidden = 4, 32, 128  # 32-row heads, 32-row scale blocks
     config = {"architectures": ["GPTNeoXForCausalLM"], "hidden_size": hidden, "num_attention_heads": heads}
     f = FusedModule("attention.query_key_value", [heads * head_dim] * 3, hidden, groups=heads)

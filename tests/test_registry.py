@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8fix.registry.architectures import builtin_architectures
+from fp8fix.registry.architectures import Registry
 from fp8fix.registry.expressions import ExpressionError, evaluate
 from tests.builders import FusedModule, Model, build, phi3
 from tests.conftest import load_tensors, raw, run_cli
@@ -101,11 +101,11 @@ def test_unfused_is_refused_where_runtimes_have_no_shard_names(tmp_path: Path) -
 
 
 def test_every_registry_entry_is_well_formed() -> None:
-    registry = builtin_architectures()
+    registry = Registry.builtin().entries
     assert "Phi3ForCausalLM" in registry and "LlamaForCausalLM" in registry
     for spec in registry.values():
         for module in spec.fused_modules:
-            assert len(module.shards) >= 2 and all(s.rows for s in module.shards)
+            assert len(module.shards) >= 2 and all(s.size for s in module.shards)
 
 
 def test_expressions() -> None:
@@ -125,15 +125,7 @@ def test_expressions() -> None:
         evaluate("a ** 2", lookup)
 
 
-@pytest.fixture
-def forget_arch_files():
-    from fp8fix.registry import architectures
-
-    yield
-    architectures._USER_ENTRIES.clear()
-
-
-def test_arch_file_teaches_an_unknown_architecture(tmp_path: Path, forget_arch_files: None) -> None:
+def test_arch_file_teaches_an_unknown_architecture(tmp_path: Path) -> None:
     config = {"architectures": ["TinyFusedForCausalLM"], "hidden_size": H, "num_attention_heads": 4}
     model = Model("TinyFusedForCausalLM", config, "model.layers.{i}.", 2, [FusedModule("attn.qkv", [64, 16, 16], H)])
     src = build(tmp_path / "src", model)
@@ -162,7 +154,7 @@ def test_arch_file_teaches_an_unknown_architecture(tmp_path: Path, forget_arch_f
     assert run_cli("inspect", src, "--arch-file", arch_file).exit_code == 0
 
 
-def test_a_bad_arch_file_is_a_usage_error(tmp_path: Path, forget_arch_files: None) -> None:
+def test_a_bad_arch_file_is_a_usage_error(tmp_path: Path) -> None:
     src = build(tmp_path / "src", phi3())
     bad = tmp_path / "bad.json"
     bad.write_text('{"architectures": ["X"], "fused_modules": [{"module": "m", "shards": [{"shard": "a"}]}]}')

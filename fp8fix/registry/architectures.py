@@ -4,27 +4,35 @@ One JSON file per family in `architectures/` (the folder beside this module) is 
 single place to teach fp8fix a model: its `config.architectures[0]` names, each fused
 module's shards in row order, the row count of each shard as an expression over
 config.json, and, where runtimes know them, the per-shard module names.
+
+Entries are validated when they are loaded, built-in or `--arch-file` alike (the way
+mergekit parses its JSON architectures into typed models): an unknown key, a value
+of the wrong type or an expression that cannot be evaluated is an error naming the
+file and the key, not a silent default later. The registry is a value passed to
+whoever needs it, never a module global that one command changes for the next.
 """
 
 from __future__ import annotations
 
-import ast
 import json
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
-from fp8fix.registry.expressions import ExpressionError, evaluate
+from fp8fix.errors import InvalidCheckpoint, RegistryEntryError, UnsupportedCheckpoint
+from fp8fix.registry.entry_schema import parse_entry
+from fp8fix.registry.expressions import ExpressionError, config_lookup, evaluate
+from fp8fix.vocab import Layout
 
 
 @dataclass(frozen=True)
 class ShardSpec:
     shard: str  # logical name: q, k, v, gate, up
-    rows: str  # expression over config.json
-    unfused: str | None  # module suffix replacing the fused one in the unfused layout
+    size: str  # expression over config.json: rows (fused modules) or columns (stacked experts)
+    unfused: str | None = None  # module suffix replacing the fused one in the unfused layout
 
 
 @dataclass(frozen=True)
@@ -52,8 +60,8 @@ class ExpertsSpec:
     LAST dimension (gate_up_proj: [gate | up]), each shard's width an expression over config.json."""
 
     module: str  # suffix of the experts module path, e.g. "feed_forward.experts"
-    experts: str  # expression: number of experts
-    fused: dict[str, tuple[ShardSpec, ...]]  # parameter -> shards (ShardSpec.rows holds the width)
+    count: str  # expression: number of experts
+    fused: dict[str, tuple[ShardSpec, ...]]  # parameter -> shards (ShardSpec.size: columns)
 
     def matches(self, tensor_name: str) -> bool:
         module = tensor_name.rpartition(".")[0]
@@ -71,19 +79,20 @@ class ArchitectureSpec:
     def fused_spec_for(self, module_path: str) -> FusedModuleSpec | None:
         return next((spec for spec in self.fused_modules if spec.matches(module_path)), None)
 
+    @property
+    def default_layout(self) -> Layout:
+        """unfused where the runtimes know per-shard names for every fused module, else per-shard."""
+        return "unfused" if self.fused_modules and all(m.can_unfuse for m in self.fused_modules) else "per-shard"
+
     def size(self, expression: str, what: str, config: dict[str, Any]) -> int:
         """A positive integer computed from config.json, or a clear error naming `what` it sizes."""
         try:
-            value = evaluate(expression, _config_lookup(config, self.defaults))
+            value = evaluate(expression, config_lookup(config, self.defaults))
         except ExpressionError as e:
             raise InvalidCheckpoint(f"config.json: cannot size {what}: {e}") from e
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise InvalidCheckpoint(f"config.json: {what} gets {value!r} from '{expression}'")
         return value
-
-    def shard_rows(self, spec: FusedModuleSpec, config: dict[str, Any]) -> list[int]:
-        """Rows of each shard of `spec`, computed from config.json."""
-        return [self.size(s.rows, f"shard '{s.shard}' of {spec.module}", config) for s in spec.shards]
 
     def row_layout(self, spec: FusedModuleSpec, config: dict[str, Any]) -> tuple[list[int], list[tuple[int, int, int]]]:
         """Rows of each shard in total, and the (shard, first row, end row) segments in storage order.
@@ -91,7 +100,7 @@ class ArchitectureSpec:
         Contiguous modules store [q; k; v]; grouped ones (GPT-NeoX, Falcon, InternLM2) store
         [q; k; v] once per group, so each shard's rows are a segment in every group.
         """
-        per_group = self.shard_rows(spec, config)
+        per_group = [self.size(s.size, f"shard '{s.shard}' of {spec.module}", config) for s in spec.shards]
         groups = self.size(spec.groups, f"the groups of {spec.module}", config) if spec.groups else 1
         segments, position = [], 0
         for _ in range(groups):
@@ -101,101 +110,132 @@ class ArchitectureSpec:
         return [rows * groups for rows in per_group], segments
 
 
-def parse_architecture(data: dict[str, Any], source: str) -> ArchitectureSpec:
-    """Build a spec from one registry entry (the JSON format of `architectures/*.json`)."""
-    try:
-        fused = tuple(
+def parse_architecture(data: Any, source: str) -> ArchitectureSpec:
+    """Build a spec from one registry entry (the JSON format of `architectures/*.json`), validated."""
+    entry = parse_entry(data, source)
+    experts = entry.get("experts")
+    spec = ArchitectureSpec(
+        architectures=tuple(entry["architectures"]),
+        fused_modules=tuple(
             FusedModuleSpec(
                 module=m["module"],
                 shards=tuple(ShardSpec(s["shard"], s["rows"], s.get("unfused")) for s in m["shards"]),
                 groups=m.get("groups"),
             )
-            for m in data.get("fused_modules", [])
-        )
-        experts = data.get("experts")
-        if experts is not None:
-            experts = ExpertsSpec(
-                module=experts["module"],
-                experts=experts["count"],
-                fused={
-                    param: tuple(ShardSpec(s["shard"], s["columns"], None) for s in shards)
-                    for param, shards in experts.get("fused", {}).items()
-                },
-            )
-        return ArchitectureSpec(tuple(data["architectures"]), fused, dict(data.get("defaults", {})), source, experts)
-    except (KeyError, TypeError) as e:
-        raise UnsupportedCheckpoint(f"{source}: malformed architecture entry ({e!r})") from e
+            for m in entry.get("fused_modules", [])
+        ),
+        defaults=dict(entry.get("defaults", {})),
+        source=source,
+        experts=None
+        if experts is None
+        else ExpertsSpec(
+            module=experts["module"],
+            count=experts["count"],
+            fused={
+                param: tuple(ShardSpec(s["shard"], s["columns"]) for s in shards)
+                for param, shards in experts.get("fused", {}).items()
+            },
+        ),
+    )
+    _check_expressions(spec)
+    return spec
+
+
+#: Every config name an expression reads is taken as this when an entry is checked on load.
+SAMPLE_VALUE = 64
+
+
+def _check_expressions(spec: ArchitectureSpec) -> None:
+    """Evaluate every expression against a sample config (each name SAMPLE_VALUE, defaults applied),
+    so a malformed, cyclic or dividing-by-zero expression is refused when the entry is loaded."""
+
+    def sample(name: str) -> Any:
+        return SAMPLE_VALUE
+
+    lookup = config_lookup({}, spec.defaults, missing=sample)
+    expressions: list[tuple[str, str]] = [(f"defaults.{k}", v) for k, v in spec.defaults.items()]
+    for m in spec.fused_modules:
+        expressions += [(f"rows of shard {s.shard} of {m.module}", s.size) for s in m.shards]
+        expressions += [(f"groups of {m.module}", m.groups)] if m.groups else []
+    if spec.experts:
+        x = spec.experts
+        expressions.append((f"count of {x.module}", x.count))
+        expressions += [(f"columns of shard {s.shard} of {p}", s.size) for p, ss in x.fused.items() for s in ss]
+    for where, text in expressions:
+        try:
+            value = evaluate(text, lookup)
+        except ExpressionError as e:
+            raise RegistryEntryError(f"{spec.source}: {where}: {e}") from e
+        if not where.startswith("defaults.") and (not isinstance(value, int) or isinstance(value, bool)):
+            raise RegistryEntryError(f"{spec.source}: {where}: '{text}' is not a whole number ({value!r})")
 
 
 @cache
-def builtin_architectures() -> dict[str, ArchitectureSpec]:
-    """Every built-in entry, by architecture name."""
-    registry: dict[str, ArchitectureSpec] = {}
+def _builtin_entries() -> dict[str, ArchitectureSpec]:
+    entries: dict[str, ArchitectureSpec] = {}
     folder = resources.files("fp8fix.registry") / "architectures"
     for entry in sorted(folder.iterdir(), key=lambda p: p.name):
         if entry.name.endswith(".json"):
             spec = parse_architecture(json.loads(entry.read_text(encoding="utf-8")), entry.name)
-            for name in spec.architectures:
-                registry[name] = spec
-    return registry
+            entries.update(dict.fromkeys(spec.architectures, spec))
+    return entries
 
 
-#: Entries loaded with --arch-file: they extend the built-in registry and win over it.
-_USER_ENTRIES: dict[str, ArchitectureSpec] = {}
-
-
-def load_arch_file(path: Path) -> list[str]:
-    """Add a user's registry entry (the format of `architectures/*.json`); return the names it covers."""
+def read_arch_file(path: Path) -> ArchitectureSpec:
+    """A user's registry entry (the format of `architectures/*.json`), validated."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
-        raise InvalidCheckpoint(f"{path}: cannot read the architecture file: {e}") from e
+        raise RegistryEntryError(f"{path}: cannot read the architecture file: {e}") from e
     except json.JSONDecodeError as e:
-        raise InvalidCheckpoint(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
-    if not isinstance(data, dict) or not isinstance(data.get("architectures"), list):
-        raise InvalidCheckpoint(f"{path}: an architecture file needs an 'architectures' list and 'fused_modules'")
-    spec = parse_architecture(data, str(path))
-    for module in spec.fused_modules:
-        if len(module.shards) < 2:
-            raise InvalidCheckpoint(f"{path}: fused module {module.module} needs at least two shards")
-        for shard in module.shards:
-            try:
-                ast.parse(shard.rows, mode="eval")
-            except SyntaxError as e:
-                raise InvalidCheckpoint(f"{path}: rows of shard {shard.shard} of {module.module}: {e.msg}") from e
-    for name in spec.architectures:
-        _USER_ENTRIES[name] = spec
-    return list(spec.architectures)
+        raise RegistryEntryError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+    except RecursionError as e:
+        raise RegistryEntryError(f"{path}: JSON nested too deeply") from e
+    return parse_architecture(data, str(path))
 
 
-def known_architectures() -> dict[str, ArchitectureSpec]:
-    return {**builtin_architectures(), **_USER_ENTRIES}
-
-
-def architecture_for(config: dict[str, Any]) -> tuple[str, ArchitectureSpec]:
-    """The registry entry for config.json's `architectures[0]`, or a clear error listing what is known."""
+def architecture_name(config: dict[str, Any]) -> str | None:
+    """config.json's `architectures[0]`, the model class the registry is keyed by; None if absent."""
     names = config.get("architectures")
-    if not isinstance(names, list) or not names or not isinstance(names[0], str):
-        raise InvalidCheckpoint("config.json: has no 'architectures' list naming the model class")
-    registry = known_architectures()
-    if names[0] not in registry:
-        raise UnsupportedCheckpoint(
-            f"config.json: architecture {names[0]} is not in fp8fix's registry, so fp8fix cannot tell which "
-            f"modules are fused; supported: {', '.join(sorted(registry))}. Describe it in a JSON file "
-            "(the format of fp8fix/registry/architectures/*.json) and pass --arch-file"
-        )
-    return names[0], registry[names[0]]
+    return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
 
 
-def _config_lookup(config: dict[str, Any], defaults: dict[str, str]):  # type: ignore[no-untyped-def]
-    def lookup(name: str) -> Any:
-        value: Any = config
-        for part in name.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        if value is None:
-            if name in defaults:
-                return evaluate(defaults[name], lookup)
-            raise ExpressionError(f"config.json has no '{name}'")
-        return value
+@dataclass(frozen=True)
+class Registry:
+    """Architecture name -> entry: the built-in entries, overridden by any `--arch-file` entries."""
 
-    return lookup
+    entries: Mapping[str, ArchitectureSpec] = field(default_factory=dict)
+
+    @classmethod
+    def builtin(cls) -> Registry:
+        return cls(_builtin_entries())
+
+    def extended(self, specs: Iterable[ArchitectureSpec]) -> Registry:
+        """A registry whose entries for each of `specs`' architectures are those specs."""
+        entries = dict(self.entries)
+        for spec in specs:
+            entries.update(dict.fromkeys(spec.architectures, spec))
+        return Registry(entries)
+
+    def with_arch_files(self, paths: Iterable[Path]) -> Registry:
+        return self.extended(read_arch_file(p) for p in paths)
+
+    def get(self, name: str | None) -> ArchitectureSpec | None:
+        return self.entries.get(name) if name else None
+
+    def with_experts(self) -> list[str]:
+        return sorted(name for name, spec in self.entries.items() if spec.experts)
+
+    def lookup(self, config: dict[str, Any]) -> tuple[str, ArchitectureSpec]:
+        """The entry for config.json's `architectures[0]`, or a clear error listing what is known."""
+        name = architecture_name(config)
+        if name is None:
+            raise InvalidCheckpoint("config.json: has no 'architectures' list naming the model class")
+        spec = self.get(name)
+        if spec is None:
+            raise UnsupportedCheckpoint(
+                f"config.json: architecture {name} is not in fp8fix's registry, so fp8fix cannot tell which "
+                f"modules are fused; supported: {', '.join(sorted(self.entries))}. Describe it in a JSON file "
+                "(the format of fp8fix/registry/architectures/*.json) and pass --arch-file"
+            )
+        return name, spec

@@ -1,8 +1,10 @@
-"""A tiny, safe evaluator for the row-count expressions of architecture entries.
+"""A tiny, safe evaluator for the size expressions of architecture entries.
 
 Entries say `"rows": "num_key_value_heads * head_dim"`; this evaluates such text
 against config.json without `eval`: integers, config names (dotted for nested
 objects, as in `attn_config.kv_n_heads`), + - * //, parentheses and `a if c else b`.
+Expressions are small by nature, so their size and nesting are capped: a hostile
+`--arch-file` cannot make fp8fix recurse or compute for long.
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable
 from typing import Any
+
+#: Limits on one expression: characters of text and nodes of its syntax tree.
+MAX_TEXT = 500
+MAX_NODES = 100
 
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: lambda a, b: a + b,
@@ -25,11 +31,18 @@ class ExpressionError(ValueError):
 
 def evaluate(text: str, lookup: Callable[[str], Any]) -> Any:
     """Evaluate `text`, resolving each (dotted) name with `lookup`."""
+    if not isinstance(text, str) or len(text) > MAX_TEXT:
+        raise ExpressionError(f"an expression must be text of at most {MAX_TEXT} characters")
     try:
         tree = ast.parse(text, mode="eval")
-    except SyntaxError as e:
+    except (SyntaxError, RecursionError, MemoryError) as e:
         raise ExpressionError(f"invalid expression {text!r}") from e
-    return _eval(tree.body, lookup, text)
+    if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
+        raise ExpressionError(f"expression {text[:40]!r}... has more than {MAX_NODES} terms")
+    try:
+        return _eval(tree.body, lookup, text)
+    except ZeroDivisionError as e:
+        raise ExpressionError(f"{text!r} divides by zero") from e
 
 
 def _eval(node: ast.AST, lookup: Callable[[str], Any], text: str) -> Any:
@@ -38,11 +51,14 @@ def _eval(node: ast.AST, lookup: Callable[[str], Any], text: str) -> Any:
     if isinstance(node, (ast.Name, ast.Attribute)):
         return lookup(_dotted(node, text))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        return _BINARY[type(node.op)](_eval(node.left, lookup, text), _eval(node.right, lookup, text))
+        left, right = _eval(node.left, lookup, text), _eval(node.right, lookup, text)
+        if not all(isinstance(v, (int, bool)) for v in (left, right)):
+            raise ExpressionError(f"{text!r}: arithmetic on a value that is not a whole number ({left!r}, {right!r})")
+        return _BINARY[type(node.op)](left, right)
     if isinstance(node, ast.IfExp):
         branch = node.body if _eval(node.test, lookup, text) else node.orelse
         return _eval(branch, lookup, text)
-    raise ExpressionError(f"unsupported syntax in {text!r}: {ast.dump(node)}")
+    raise ExpressionError(f"unsupported syntax in {text!r}: {ast.dump(node)[:80]}")
 
 
 def _dotted(node: ast.AST, text: str) -> str:
@@ -51,3 +67,31 @@ def _dotted(node: ast.AST, text: str) -> str:
     if isinstance(node, ast.Attribute):
         return f"{_dotted(node.value, text)}.{node.attr}"
     raise ExpressionError(f"unsupported name in {text!r}")
+
+
+def config_lookup(
+    config: dict[str, Any], defaults: dict[str, str], missing: Callable[[str], Any] | None = None
+) -> Callable[[str], Any]:
+    """Resolve a dotted name in `config`; absent names through their `defaults` expression, then
+    `missing` (else an error). A default that needs itself, directly or not, is an error."""
+    resolving: list[str] = []
+
+    def lookup(name: str) -> Any:
+        value: Any = config
+        for part in name.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            return value
+        if name in defaults:
+            if name in resolving:
+                raise ExpressionError(f"defaults are cyclic: {' -> '.join([*resolving, name])}")
+            resolving.append(name)
+            try:
+                return evaluate(defaults[name], lookup)
+            finally:
+                resolving.pop()
+        if missing is not None:
+            return missing(name)
+        raise ExpressionError(f"config.json has no '{name}'")
+
+    return lookup

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
+from fp8fix.vocab import Grammar
 
 MODELOPT_CONFIG = "hf_quant_config.json"
 
@@ -29,7 +30,7 @@ class NameList:
     """
 
     path: str  # dotted path inside the quantization config; '*' = every key
-    grammar: str
+    grammar: Grammar
     file: str = "config.json"  # or hf_quant_config.json (ModelOpt)
 
 

@@ -1,16 +1,18 @@
 """Which runtimes load which layout of a fused module, from the team's reference notes.
 
-Kept as data so `convert`, the model card and (later) `inspect` give the same answer.
+Kept as data so `convert`, the model card and `inspect` give the same answer.
 Sources: ../shared/reference/fp8-checkpoints.md section 2a (vLLM 0.5.x shape assert,
 vLLM 0.32 `PerTensorScaleParameter._load_into_shard_id`, transformers' fused names).
 """
 
 from __future__ import annotations
 
+from fp8fix.vocab import Layout
+
 LOADERS = ("vLLM <= 0.5.0", "vLLM 0.5.1 - 0.19", "vLLM >= 0.20", "transformers")
 
 #: layout -> loader -> (loads?, why)
-COMPATIBILITY: dict[str, dict[str, tuple[bool, str]]] = {
+COMPATIBILITY: dict[Layout, dict[str, tuple[bool, str]]] = {
     "unfused": {
         "vLLM <= 0.5.0": (True, "Llama-style q/k/v and gate/up names, one scalar scale each"),
         "vLLM 0.5.1 - 0.19": (True, "Llama-style names map onto the fused parameter's shards"),

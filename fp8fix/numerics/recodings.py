@@ -1,8 +1,7 @@
-"""Pure FP8 numerics: bytes in, bytes out, no files.
+"""e4m3fn <-> e4m3fnuz as byte maps, and exact power-of-two scale changes: bytes in, bytes out.
 
-Only requantization needs float math, and it is the only place torch is imported,
-so conversions that just move bytes (splits, e4m3fn <-> e4m3fnuz) start fast and
-stay small. Encoding changes are 256-entry byte maps built here in plain Python.
+Encoding changes are 256-entry byte maps built here in plain Python, so conversions
+that just move or remap bytes never import torch and start fast.
 """
 
 from __future__ import annotations
@@ -10,80 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
 
-from fp8fix.dtypes import E4M3FN, E4M3FNUZ, REQUANT_CLAMP, decode_floats, encode_floats
-
-#: Exponent of the smallest normal value: below it the fp8 step stops shrinking.
-MIN_NORMAL_EXPONENT = {E4M3FN: -6, E4M3FNUZ: -7}
-MANTISSA_BITS = 3
-
-
-@dataclass
-class RequantizeError:
-    """The worst error of a requantization, in value and in fp8 steps at the target scale."""
-
-    max_abs: float = 0.0
-    max_steps: float = 0.0
-
-    def update(self, other: RequantizeError) -> None:
-        self.max_abs = max(self.max_abs, other.max_abs)
-        self.max_steps = max(self.max_steps, other.max_steps)
-
-
-def _torch_fp8(dtype: str) -> Any:
-    import torch
-
-    return {E4M3FN: torch.float8_e4m3fn, E4M3FNUZ: torch.float8_e4m3fnuz}[dtype]
-
-
-def requantize(
-    codes: bytes, dtype: str, scale: float, target_scale: float, out_dtype: str | None = None
-) -> tuple[bytes, RequantizeError]:
-    """Re-express FP8 `codes` (`dtype`, at `scale`) in `out_dtype` at `target_scale`.
-
-    Dequantize in float32, divide by the target scale, clamp (to +-448 for e4m3fn,
-    +-224 for e4m3fnuz, as vLLM's ROCm kernels do; torch's cast does not saturate),
-    round to nearest even. Returns the new codes and the worst error against the
-    float32 source value.
-    """
-    import torch
-
-    out_dtype = out_dtype or dtype
-    fp8 = _torch_fp8(out_dtype)
-    limit = REQUANT_CLAMP[out_dtype]
-    src = torch.frombuffer(bytearray(codes), dtype=torch.uint8).view(_torch_fp8(dtype)).to(torch.float32)
-    value = src * torch.tensor(scale, dtype=torch.float32)
-    target = torch.tensor(target_scale, dtype=torch.float32)
-    exact = (value / target).clamp(-limit, limit)
-    out = exact.to(fp8)
-    error = (out.to(torch.float32) * target - value).abs()
-    _, exponent = torch.frexp(exact)
-    step = torch.exp2((exponent - 1).clamp(min=MIN_NORMAL_EXPONENT[out_dtype]).to(torch.float32) - MANTISSA_BITS)
-    steps = (out.to(torch.float32) - exact).abs() / step
-    stats = RequantizeError(
-        max_abs=float(error.max()) if error.numel() else 0.0,
-        max_steps=float(steps.max()) if steps.numel() else 0.0,
-    )
-    return bytes(out.view(torch.uint8).untyped_storage()), stats
-
-
-def e4m3_value(code: int, dtype: str) -> float:
-    """The value of one e4m3 code in e4m3fn (bias 7) or e4m3fnuz (bias 8); NaN codes give NaN."""
-    if (dtype == E4M3FN and code & 0x7F == 0x7F) or (dtype == E4M3FNUZ and code == 0x80):
-        return math.nan
-    bias = 7 if dtype == E4M3FN else 8
-    sign = -1.0 if code & 0x80 else 1.0
-    exponent, mantissa = (code >> 3) & 0xF, code & 0x7
-    if exponent == 0:
-        return sign * mantissa * 2.0 ** (1 - bias - MANTISSA_BITS)
-    return sign * (1 + mantissa / 8) * 2.0 ** (exponent - bias)
-
-
-def nearest_code(value: float, dtype: str) -> int:
-    """The finite code of `dtype` nearest to `value`, ties to the even code (round to nearest even)."""
-    finite = [c for c in range(256) if not math.isnan(e4m3_value(c, dtype))]
-    return min(finite, key=lambda c: (abs(e4m3_value(c, dtype) - value), c & 1, c))
+from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ, decode_floats, encode_floats
+from fp8fix.numerics.fp8 import e4m3_value, nearest_code
 
 
 @dataclass(frozen=True)
@@ -111,6 +39,15 @@ FNUZ_TO_FN = Recoding(
 #: Exact except fnuz codes below 2^-6 with an odd mantissa, which round by half an fn step (2^-10 * scale).
 FNUZ_TO_FN_SAME_SCALE = Recoding("fnuz->fn@same-scale", E4M3FNUZ, E4M3FN, 1.0, (0x80,), "0x80 (NaN in e4m3fnuz)")
 RECODINGS = {r.name: r for r in (FN_TO_FNUZ, FNUZ_TO_FN, FNUZ_TO_FN_SAME_SCALE)}
+
+
+def scale_factor(source: str, target: str) -> float:
+    """What every scale of FP8 codes is multiplied by when the codes go from `source` to `target`
+    bit for bit: 2 for e4m3fn -> e4m3fnuz, 1/2 back, 1 within one encoding."""
+    for recoding in (FN_TO_FNUZ, FNUZ_TO_FN):
+        if (recoding.source, recoding.target) == (source, target):
+            return recoding.scale_factor
+    return 1.0
 
 
 @cache

@@ -10,21 +10,18 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import sys
-from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from fp8fix.dtypes import NAN_CODES
 from fp8fix.errors import InvalidCheckpoint
-from fp8fix.plan import ConversionPlan, CopyRange, OutputShard, Recode, RepeatRange, Requantize, Rescale
-from fp8fix.safetensors_file import TensorInfo, encode_header
-from fp8fix.scan import range_contains
-from fp8fix.transforms import RECODINGS, RequantizeError, inexact_codes, recode, recoding_table
+from fp8fix.io.progress import NoProgress, Progress, progress_bar
+from fp8fix.io.safetensors_file import TensorInfo, encode_header
+from fp8fix.io.source_files import SourceFiles, mapped_windows, window_contains
+from fp8fix.numerics.dtypes import NAN_CODES
+from fp8fix.numerics.recodings import RECODINGS, inexact_codes, recode, recoding_table, scale_exactly
+from fp8fix.numerics.requantize import RequantizeStats, requantize
+from fp8fix.plan.pieces import ConversionPlan, CopyRange, OutputShard, Recode, RepeatRange, Requantize, Rescale
 
-CHUNK = 16 * 1024 * 1024
 #: Byte-mapped chunks stay below glibc's mmap threshold (128 KiB): larger ones are fresh
 #: mmaps, and zero-filling their pages on every pread cost 3x the time of the mapping itself.
 RECODE_CHUNK = 64 * 1024
@@ -43,60 +40,29 @@ _NO_COPY_FILE_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL
 class WriteStats:
     """What the data revealed while writing: requantization errors per source tensor, inexact recodes."""
 
-    requantized: dict[str, RequantizeError] = field(default_factory=dict)
+    requantized: dict[str, RequantizeStats] = field(default_factory=dict)
     inexact_codes: int = 0
 
 
-class _NoProgress:
-    """Stands in for tqdm when no bar is shown, so tqdm is not even imported."""
+class _Sources(SourceFiles):
+    """The source files, and the source tensors (to name and count codes in a whole tensor)."""
 
-    def update(self, n: int) -> None:
-        pass
-
-    def __enter__(self) -> _NoProgress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-def progress_bar(total: int, desc: str, quiet: bool) -> Any:
-    """A tqdm bar over bytes on a terminal (tqdm's own rule: no bar when stderr is not a TTY)."""
-    if quiet or not sys.stderr.isatty():
-        return _NoProgress()
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
-
-
-class _Sources:
-    """Read-only descriptors of the source files, opened once each."""
-
-    def __init__(self, stack: ExitStack, tensors: dict[str, TensorInfo]) -> None:
-        self._stack = stack
-        self._fds: dict[Path, int] = {}
+    def __init__(self, tensors: dict[str, TensorInfo]) -> None:
+        super().__init__()
         self.tensors = tensors
-
-    def fd(self, path: Path) -> int:
-        if path not in self._fds:
-            fd = os.open(path, os.O_RDONLY)
-            self._stack.callback(os.close, fd)
-            self._fds[path] = fd
-        return self._fds[path]
 
 
 def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False) -> WriteStats:
     """Write every shard of `plan` into `out_dir`."""
     stats = WriteStats()
-    with ExitStack() as stack:
-        sources = _Sources(stack, plan.sources)
-        bar = stack.enter_context(progress_bar(plan.total_bytes, "fp8fix convert", quiet))
+    sources = _Sources(plan.sources)
+    with sources, progress_bar(plan.total_bytes, "fp8fix convert", quiet) as bar:
         for shard in plan.shards:
             _write_shard(shard, out_dir / shard.name, sources, bar, stats)
     return stats
 
 
-def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Any, stats: WriteStats) -> None:
+def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progress, stats: WriteStats) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     header = encode_header(
         [(t.name, t.dtype, t.shape) for t in shard.tensors], shard.metadata, lambda size: _page_padding(shard, size)
@@ -123,7 +89,7 @@ def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Any, st
                     stats.inexact_codes += _recode(sources, out, piece, tensor.source)
                 else:
                     error = _requantize(sources, out, piece, tensor.source)
-                    stats.requantized.setdefault(tensor.source, RequantizeError()).update(error)
+                    stats.requantized.setdefault(tensor.source, RequantizeStats()).update(error)
                 bar.update(piece.nbytes)
         copier.flush()
 
@@ -131,7 +97,7 @@ def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Any, st
 class _RangeCopier:
     """Copies byte ranges in order, merging ranges that continue each other into one kernel copy."""
 
-    def __init__(self, sources: _Sources, out: int, bar: Any) -> None:
+    def __init__(self, sources: _Sources, out: int, bar: Progress) -> None:
         self._sources, self._out, self._bar = sources, out, bar
         self._pending: CopyRange | None = None
 
@@ -168,7 +134,7 @@ def _page_padding(shard: OutputShard, header_size: int) -> int:
     return max(sorted(weights), key=lambda d: weights[d]) if weights else 0
 
 
-def _copy(src: int, dst: int, start: int, end: int, bar: Any) -> None:
+def _copy(src: int, dst: int, start: int, end: int, bar: Progress) -> None:
     """Copy [start, end) of `src` to the current position of `dst`: in the kernel when the
     two sit at the same offset within a page, else through one reused buffer."""
     position = os.lseek(dst, 0, os.SEEK_CUR)
@@ -179,14 +145,14 @@ def _copy(src: int, dst: int, start: int, end: int, bar: Any) -> None:
         # boundary before `start`, then put back the bytes of `dst` that this overwrote.
         kept = os.pread(dst, lead, position - lead)
         os.lseek(dst, position - lead, os.SEEK_SET)
-        _copy_range(src, dst, start - lead, end, aligned, _NoProgress())
+        _copy_range(src, dst, start - lead, end, aligned, NoProgress())
         os.pwrite(dst, kept, position - lead)
         bar.update(end - start)
         return
     _copy_range(src, dst, start, end, aligned, bar)
 
 
-def _copy_range(src: int, dst: int, start: int, end: int, aligned: bool, bar: Any) -> None:
+def _copy_range(src: int, dst: int, start: int, end: int, aligned: bool, bar: Progress) -> None:
     offset = start
     while offset < end:
         count = min(end - offset, 1 << 30)
@@ -214,20 +180,15 @@ def _write_all(fd: int, data: bytes | memoryview) -> int:
     return len(data)
 
 
-def _chunks(src: int, start: int, end: int, size: int = CHUNK) -> Iterator[bytes]:
-    for offset in range(start, end, size):
-        yield os.pread(src, min(size, end - offset), offset)
-
-
 def _refuse_codes(
     sources: _Sources, piece: CopyRange | Recode | Requantize, codes: tuple[int, ...], source: str, what: str
 ) -> None:
     """Raise, naming the tensor and counting the codes in all of it, when the piece holds any of `codes`."""
-    if not range_contains(sources.fd(piece.path), piece.start, piece.end, codes):
+    if not sources.contains(piece.path, piece.start, piece.end, codes):
         return
     t = sources.tensors.get(source)
     path, start, end = (t.path, t.start, t.end) if t else (piece.path, piece.start, piece.end)
-    count = sum(chunk.count(c) for chunk in _chunks(sources.fd(path), start, end) for c in codes)
+    count = sum(chunk.count(c) for chunk in sources.chunks(path, start, end) for c in codes)
     listed = "/".join(f"0x{c:02X}" for c in codes)
     raise InvalidCheckpoint(
         f"{path.name}: weight '{source}' holds {count} {what} ({listed}); fp8fix will not turn them into "
@@ -249,21 +210,17 @@ def _recode(sources: _Sources, out: int, piece: Recode, source: str) -> int:
     if len(changed) > 1:
         return _recode_in_python(sources, out, piece, source)
     src = sources.fd(piece.path)
-    needles = [bytes([c]) for c in recoding.forbidden]
-    for offset in range(piece.start, piece.end, PATCH_WINDOW):
-        stop = min(piece.end, offset + PATCH_WINDOW)
-        base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        with mmap.mmap(src, stop - base, prot=mmap.PROT_READ, offset=base) as window:
-            if any(window.find(n, offset - base) >= 0 for n in needles):
-                _refuse_codes(sources, piece, recoding.forbidden, source, recoding.why)
-            patches = _positions(window, changed[0], offset - base, MAX_PATCHES) if changed else []
-            if patches is None:  # dense: map the bytes in Python
-                _write_all(out, recode(window[offset - base : stop - base], piece.recoding))
-                continue
+    for window, first, offset, stop in mapped_windows(src, piece.start, piece.end, PATCH_WINDOW):
+        if window_contains(window, first, recoding.forbidden):
+            _refuse_codes(sources, piece, recoding.forbidden, source, recoding.why)
+        patches = _positions(window, changed[0], first, MAX_PATCHES) if changed else []
+        if patches is None:  # dense: map the bytes in Python
+            _write_all(out, recode(window[first : first + stop - offset], piece.recoding))
+            continue
         position = os.lseek(out, 0, os.SEEK_CUR)
-        _copy(src, out, offset, stop, _NoProgress())
+        _copy(src, out, offset, stop, NoProgress())
         for at in patches:
-            os.pwrite(out, bytes([table[changed[0]]]), position + at - (offset - base))
+            os.pwrite(out, bytes([table[changed[0]]]), position + at - first)
     return 0
 
 
@@ -285,7 +242,7 @@ def _recode_in_python(sources: _Sources, out: int, piece: Recode, source: str) -
     needles = [bytes([c]) for c in recoding.forbidden]
     lossy = inexact_codes(piece.recoding)
     inexact = 0
-    for chunk in _chunks(sources.fd(piece.path), piece.start, piece.end, RECODE_CHUNK):
+    for chunk in sources.chunks(piece.path, piece.start, piece.end, RECODE_CHUNK):
         if any(chunk.find(n) >= 0 for n in needles):
             _refuse_codes(sources, piece, recoding.forbidden, source, recoding.why)
         inexact += sum(chunk.count(c) for c in lossy)
@@ -294,21 +251,17 @@ def _recode_in_python(sources: _Sources, out: int, piece: Recode, source: str) -
 
 
 def _rescale(src: int, piece: Rescale, name: str) -> bytes:
-    from fp8fix.transforms import scale_exactly
-
     try:
         return scale_exactly(os.pread(src, piece.end - piece.start, piece.start), piece.dtype, piece.factor)
     except ValueError as e:
         raise InvalidCheckpoint(f"{piece.path.name}: scale '{name}': {e}; cannot convert it exactly") from e
 
 
-def _requantize(sources: _Sources, out: int, piece: Requantize, source: str) -> RequantizeError:
-    from fp8fix.transforms import requantize
-
+def _requantize(sources: _Sources, out: int, piece: Requantize, source: str) -> RequantizeStats:
     forbidden = RECODINGS[piece.normalize].forbidden if piece.normalize else NAN_CODES[piece.dtype]
     _refuse_codes(sources, piece, forbidden, source, "NaN codes")
-    worst = RequantizeError()
-    for chunk in _chunks(sources.fd(piece.path), piece.start, piece.end):
+    worst = RequantizeStats()
+    for chunk in sources.chunks(piece.path, piece.start, piece.end):
         codes = recode(chunk, piece.normalize) if piece.normalize else chunk
         new, error = requantize(codes, piece.dtype, piece.scale, piece.target_scale, piece.out_dtype)
         worst.update(error)

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fp8fix.checkpoint import Checkpoint
-from fp8fix.errors import EXIT_HUB, Fp8fixError
+from fp8fix.errors import Fp8fixError, HubError, UsageError
+from fp8fix.io.checkpoint import Checkpoint, checkpoint_from_headers
 
 #: `org/name`: what a repo id looks like (a local folder of that spelling always wins).
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -35,13 +35,8 @@ ALLOW_PATTERNS = [
 ]
 
 
-class HubError(Fp8fixError):
-    """The Hub could not be read or written: not found, no permission, gated, offline, network."""
-
-    exit_code = EXIT_HUB
-
-
 def is_repo_id(source: str) -> bool:
+    """`org/name` that is not a local path (a local folder of that spelling always wins)."""
     return not Path(source).exists() and bool(REPO_ID.match(source))
 
 
@@ -91,7 +86,7 @@ def resolve_source(source: str, revision: str | None) -> tuple[Path, str | None]
     """The local folder to read, and the repo id when SOURCE named a Hub repo."""
     if not is_repo_id(source):
         if revision:
-            raise Fp8fixError(f"{source}: --revision applies to Hub repo ids, and this is a local path")
+            raise UsageError(f"{source}: --revision applies to Hub repo ids, and this is a local path")
         return Path(source), None
     from huggingface_hub import snapshot_download
 
@@ -106,8 +101,7 @@ def push_folder(
     *,
     private: bool = False,
     create_pr: bool = False,
-    commit_message: str | None = None,
-    commit_description: str = "",
+    commit_message: str,
 ) -> str:
     """Upload `folder` to `repo_id` in one commit (or one pull request); return the commit or PR URL.
 
@@ -117,7 +111,7 @@ def push_folder(
     from huggingface_hub import HfApi
 
     api = HfApi()
-    message = commit_message or default_commit_message(folder)
+    message = commit_message
     with hub_errors(repo_id, action="write"):
         api.create_repo(repo_id, private=private or None, exist_ok=True)  # None: the owner's default
         if create_pr:
@@ -130,20 +124,9 @@ def push_folder(
             repo_id=repo_id,
             folder_path=folder,
             commit_message=message,
-            commit_description=commit_description,
             create_pr=create_pr,
         )
     return str(info.pr_url if create_pr and info.pr_url else info.commit_url)
-
-
-def default_commit_message(folder: Path) -> str:
-    """What was converted and how, from the model card fp8fix wrote."""
-    card = folder / "README.md"
-    if card.is_file():
-        match = re.search(r"Converted from `([^`]*)` with fp8fix \S+ \(`fp8fix convert ([^`]*)`\)", card.read_text())
-        if match:
-            return f"fp8fix: convert {match.group(1)} ({match.group(2).strip()})"
-    return "fp8fix: upload converted FP8 checkpoint"
 
 
 def remote_headers(repo_id: str, revision: str | None) -> Checkpoint | None:
@@ -152,8 +135,6 @@ def remote_headers(repo_id: str, revision: str | None) -> Checkpoint | None:
     None when the Hub cannot give the headers (offline: use the cache instead).
     """
     from huggingface_hub import HfApi, constants, snapshot_download
-
-    from fp8fix.checkpoint import checkpoint_from_headers
 
     if constants.HF_HUB_OFFLINE:
         return None

@@ -1,23 +1,20 @@
-"""The conversion plan: every output file and tensor, and where each tensor's bytes come from.
+"""The conversion plan as data: every output file and tensor, and where each tensor's bytes come from.
 
-Planning reads only safetensors headers, config.json and the handful of bytes of
-per-shard scale vectors. The result is complete before a byte is written, so
-`--dry-run` can print it and the writer can lay out each header up front, then
-stream tensor by tensor.
+Planning reads safetensors headers, config.json, the few bytes of the scales and,
+for an e4m3fnuz -> e4m3fn change, scans the weights for +-240. The result is
+complete before a byte is written, so `--dry-run` can print it and the writer can
+lay out each header up front, then stream tensor by tensor.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
-from fp8fix.dtypes import tensor_nbytes
+from fp8fix.io.safetensors_file import TensorInfo
+from fp8fix.numerics.dtypes import tensor_nbytes
 from fp8fix.registry.formats import FormatSpec
-from fp8fix.safetensors_file import TensorInfo
-
-Layout = Literal["unfused", "per-shard", "fused"]
-LAYOUTS: tuple[str, ...] = ("unfused", "per-shard", "fused")
+from fp8fix.vocab import Action, Encoding, Layout, ScaleKind
 
 
 @dataclass(frozen=True)
@@ -71,7 +68,7 @@ class Requantize(SourceRange):
 
 @dataclass(frozen=True)
 class Recode(SourceRange):
-    """FP8 codes mapped byte by byte to another encoding (see `transforms.RECODINGS`)."""
+    """FP8 codes mapped byte by byte to another encoding (see `numerics.recodings.RECODINGS`)."""
 
     recoding: str
 
@@ -136,15 +133,16 @@ class ModuleChange:
     """What happens to one fused module, and why, for the plan, the report and the model card."""
 
     module: str
-    kind: str  # the registry's fused module suffix, e.g. self_attn.qkv_proj
+    weight: str  # the source weight tensor (the writer's statistics are keyed by it)
+    fused_module: str  # the registry's fused module suffix, e.g. self_attn.qkv_proj, or experts.gate_up_proj
     quantized: bool
-    scale: str  # tensor | shard | channel | none (not FP8)
-    action: str  # unfuse | split-scale | requantize | merge-equal-scales | keep
+    scale: ScaleKind
+    action: Action
     reason: str
     shards: list[str]
-    rows: list[int]
+    rows: list[int]  # of each shard: rows, or columns for stacked experts
     new_modules: list[str] = field(default_factory=list)
-    max_error: float | None = None  # filled in by the writer for requantized modules
+    max_error: float | None = None  # filled in by convert from the writer's statistics (requantized modules)
     max_error_steps: float | None = None
 
 
@@ -152,13 +150,13 @@ class ModuleChange:
 class EncodingChange:
     """An e4m3fn <-> e4m3fnuz conversion: what it touches, and (after writing) what it could not keep exact."""
 
-    source: str  # e4m3fn / e4m3fnuz
-    target: str
+    source: Encoding
+    target: Encoding
     weights: int
     scales: int
     kv_scales_kept: int
     same_scale_weights: list[str] = field(default_factory=list)  # fnuz -> fn tensors holding +-240
-    inexact_codes: int | None = None  # filled in by the writer
+    inexact_codes: int | None = None  # filled in by convert from the writer's statistics
 
 
 @dataclass
@@ -166,7 +164,7 @@ class ConversionPlan:
     source: Path
     architecture: str
     format: FormatSpec
-    layout: str
+    layout: Layout
     layout_was_default: bool
     modules: list[ModuleChange]
     shards: list[OutputShard]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import struct
 
+from fp8fix.vocab import Encoding
+
 #: Bytes per element of every dtype string safetensors 0.8 writes.
 ITEM_SIZE: dict[str, int] = {
     "BOOL": 1,
@@ -35,17 +37,14 @@ E4M3FN = "F8_E4M3"
 E4M3FNUZ = "F8_E4M3FNUZ"
 
 #: FP8 weight encodings fp8fix converts; the value is the encoding's common name.
-FP8_WEIGHT_DTYPES: dict[str, str] = {E4M3FN: "e4m3fn", E4M3FNUZ: "e4m3fnuz"}
-
-#: Largest finite value of each FP8 weight encoding.
-FP8_MAX: dict[str, float] = {E4M3FN: 448.0, E4M3FNUZ: 240.0}
+FP8_WEIGHT_DTYPES: dict[str, Encoding] = {E4M3FN: "e4m3fn", E4M3FNUZ: "e4m3fnuz"}
 
 #: The clamp used when requantizing into each encoding: vLLM's ROCm kernels clamp
 #: e4m3fnuz to +-224, not 240, so fp8fix does the same.
 REQUANT_CLAMP: dict[str, float] = {E4M3FN: 448.0, E4M3FNUZ: 224.0}
 
 #: `--to` names -> dtype strings.
-ENCODINGS: dict[str, str] = {"e4m3fn": E4M3FN, "e4m3fnuz": E4M3FNUZ}
+ENCODINGS: dict[Encoding, str] = {"e4m3fn": E4M3FN, "e4m3fnuz": E4M3FNUZ}
 
 #: Codes that are NaN in each encoding and must never reach a rewritten weight.
 NAN_CODES: dict[str, tuple[int, ...]] = {E4M3FN: (0x7F, 0xFF), E4M3FNUZ: (0x80,)}
@@ -60,13 +59,8 @@ def is_fp8(dtype: str) -> bool:
 
 
 def tensor_nbytes(dtype: str, shape: list[int] | tuple[int, ...]) -> int:
+    """Bytes of a tensor of `dtype` and `shape` (the size its header entry must span)."""
     return math.prod(shape) * ITEM_SIZE[dtype]
-
-
-def count_nan_codes(data: bytes | bytearray | memoryview, dtype: str) -> int:
-    """How many bytes of `data` are NaN codes of the FP8 encoding `dtype`."""
-    raw = bytes(data) if isinstance(data, memoryview) else data
-    return sum(raw.count(code) for code in NAN_CODES.get(dtype, ()))
 
 
 _STRUCT = {"F32": "f", "F16": "e", "F64": "d"}

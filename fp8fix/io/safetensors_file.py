@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp8fix.dtypes import ITEM_SIZE, decode_floats, tensor_nbytes
 from fp8fix.errors import InvalidCheckpoint
+from fp8fix.numerics.dtypes import ITEM_SIZE, decode_floats, tensor_nbytes
 
 #: The safetensors readers refuse headers larger than this.
 MAX_HEADER_BYTES = 100_000_000

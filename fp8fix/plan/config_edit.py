@@ -18,11 +18,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fp8fix.checkpoint import CONFIG
+from fp8fix.io.checkpoint import CONFIG
 from fp8fix.registry.formats import NameList, quantization_config
+from fp8fix.vocab import Grammar
 
 
-def matches(entry: str, name: str, grammar: str) -> bool:
+def matches(entry: str, name: str, grammar: Grammar) -> bool:
     if grammar == "exact":
         return entry == name
     if grammar == "exact-or-re":
@@ -88,7 +89,7 @@ def _lists_at(node: Any, parts: list[str], where: str) -> list[tuple[str, dict[s
     return found
 
 
-def _rename_entries(entries: list[Any], renames: dict[str, list[str]], grammar: str) -> list[Any]:
+def _rename_entries(entries: list[Any], renames: dict[str, list[str]], grammar: Grammar) -> list[Any]:
     out: list[Any] = []
     for entry in entries:
         if isinstance(entry, str) and entry in renames:

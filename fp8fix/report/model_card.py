@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix import __version__
-from fp8fix.plan import ConversionPlan
-from fp8fix.summary import VLLM_FNUZ_NOTE, encoding_line, module_groups, plan_loaders
+from fp8fix.io.checkpoint import CARD
+from fp8fix.plan.pieces import ConversionPlan
+from fp8fix.report.convert_report import VLLM_FNUZ_NOTE, encoding_line, module_groups, plan_loaders
 
-CARD = "README.md"
 TAGS = ["fp8", "fp8fix"]
 #: huggingface_hub.repocard.REGEX_YAML_BLOCK
 FRONT_MATTER = re.compile(r"^(\s*---[\r\n]+)([\S\s]*?)([\r\n]+---(\r\n|\n|$))")
+#: The card's sentence naming what was converted and how; `commit_message` reads it back.
+CONVERTED = "Converted from `{source}` with fp8fix {version} (`fp8fix convert {options}`)."
+CONVERTED_PATTERN = re.compile(r"Converted from `([^`]*)` with fp8fix \S+ \(`fp8fix convert ([^`]*)`\)")
 
 
 def split_card(text: str) -> tuple[dict[str, Any], str]:
@@ -39,7 +42,7 @@ def conversion_section(
     lines = [
         "## FP8 conversion by fp8fix",
         "",
-        f"Converted from `{source_name}` with fp8fix {__version__} (`fp8fix convert {options}`).",
+        CONVERTED.format(source=source_name, version=__version__, options=options),
         "",
         f"- Architecture: {plan.architecture}",
         f"- Format: {plan.format.label}",
@@ -97,3 +100,12 @@ def write_card(
     if body.strip():
         text += "\n## Original model card\n\n" + body.strip() + "\n"
     (out_dir / CARD).write_text(f"---\n{data.to_yaml()}\n---\n\n{text}", encoding="utf-8")
+
+
+def commit_message(folder: Path) -> str:
+    """The Hub commit title for a converted folder: what was converted and how, from the card written here."""
+    card = folder / CARD
+    match = CONVERTED_PATTERN.search(card.read_text(encoding="utf-8")) if card.is_file() else None
+    if match:
+        return f"fp8fix: convert {match.group(1)} ({match.group(2).strip()})"
+    return "fp8fix: upload converted FP8 checkpoint"

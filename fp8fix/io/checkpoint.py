@@ -11,16 +11,19 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint
-from fp8fix.safetensors_file import SafetensorsHeader, TensorInfo, read_header, read_values
+from fp8fix.io.safetensors_file import SafetensorsHeader, TensorInfo, read_header, read_values
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+#: The model card: convert writes its own (keeping the source's text), so it is never copied as is.
+CARD = "README.md"
 
 
 @dataclass
@@ -42,6 +45,11 @@ class Checkpoint:
             if rel.as_posix() not in self.model_files:
                 found.append(rel.as_posix())
         return found
+
+    def copied_files(self, rewritten: Collection[str]) -> list[str]:
+        """The files a conversion copies byte for byte: every other file but the card and the
+        `rewritten` config files. Convert copies exactly these and verify checks exactly these."""
+        return [f for f in self.other_files() if f != CARD and f not in rewritten]
 
     def scale_of(self, weight: TensorInfo, scale_name: str) -> TensorInfo:
         """The scale tensor of FP8 weight `weight`; a clear error when the export left it out."""

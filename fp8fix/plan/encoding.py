@@ -15,23 +15,24 @@ round by half an fn step; the count is reported.
 
 from __future__ import annotations
 
-import os
-
-from fp8fix.checkpoint import Checkpoint
-from fp8fix.dtypes import ENCODINGS, FP8_WEIGHT_DTYPES
 from fp8fix.errors import UnsupportedCheckpoint
-from fp8fix.plan import CopyRange, EncodingChange, OutputShard, Piece, Recode, RepeatRange, Requantize, Rescale
-from fp8fix.registry.formats import FormatSpec
-from fp8fix.scan import range_contains
-from fp8fix.transforms import FN_TO_FNUZ, FNUZ_TO_FN, FNUZ_TO_FN_SAME_SCALE, Recoding
+from fp8fix.io.safetensors_file import TensorInfo
+from fp8fix.io.source_files import file_contains
+from fp8fix.model import CheckpointModel
+from fp8fix.numerics.dtypes import ENCODINGS, FP8_WEIGHT_DTYPES
+from fp8fix.numerics.recodings import FN_TO_FNUZ, FNUZ_TO_FN, FNUZ_TO_FN_SAME_SCALE, Recoding
+from fp8fix.plan.pieces import CopyRange, EncodingChange, OutputShard, Piece, Recode, RepeatRange, Requantize, Rescale
+from fp8fix.vocab import Encoding
 
-#: Calibration scales of the kv cache, in fn units whatever the weights' encoding.
-KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", ".kv_scale", ".output_scale")
 
+def plan_encoding(model: CheckpointModel, shards: list[OutputShard], target: Encoding) -> EncodingChange | None:
+    """Rewrite `shards` in place for the `target` encoding; None when the weights already use it.
 
-def plan_encoding(ckpt: Checkpoint, fmt: FormatSpec, shards: list[OutputShard], target: str) -> EncodingChange | None:
-    """Rewrite `shards` in place for the `target` encoding; None when the weights already use it."""
-    fp8 = {name: t for name, t in ckpt.tensors.items() if t.dtype in FP8_WEIGHT_DTYPES}
+    Planning an fnuz -> fn change reads weights, not only headers: a tensor holding +-240
+    (NaN in e4m3fn) must keep its scale, and only a scan of its codes can tell.
+    """
+    fmt = model.require_format()
+    fp8 = {w.name: w.tensor for w in model.weights.values() if w.tensor.dtype in FP8_WEIGHT_DTYPES}
     encodings = sorted({t.dtype for t in fp8.values()})
     if len(encodings) > 1:
         raise UnsupportedCheckpoint(
@@ -41,11 +42,11 @@ def plan_encoding(ckpt: Checkpoint, fmt: FormatSpec, shards: list[OutputShard], 
     if source == wanted:
         return None
     activation_factor = FN_TO_FNUZ.scale_factor if wanted == FN_TO_FNUZ.target else FNUZ_TO_FN.scale_factor
-    recodings: dict[str, Recoding] = {name: _recoding_for(ckpt, name) for name in fp8}
+    recodings: dict[str, Recoding] = {name: _recoding_for(t) for name, t in fp8.items()}
     factors: dict[str, float] = {}
     for name, recoding in recodings.items():
         factors[fmt.weight_scale_of(name)] = recoding.scale_factor
-        if fmt.input_scale_of(name) in ckpt.tensors:
+        if fmt.input_scale_of(name) in model.checkpoint.tensors:
             factors[fmt.input_scale_of(name)] = activation_factor
     for shard in shards:
         shard.metadata["fp8fix_encoding"] = target
@@ -60,20 +61,15 @@ def plan_encoding(ckpt: Checkpoint, fmt: FormatSpec, shards: list[OutputShard], 
         target=target,
         weights=len(fp8),
         scales=len(factors),
-        kv_scales_kept=sum(name.endswith(KV_SCALE_SUFFIXES) for name in ckpt.tensors),
+        kv_scales_kept=len(model.kv_cache_scales),
         same_scale_weights=sorted(n for n, r in recodings.items() if r is FNUZ_TO_FN_SAME_SCALE),
     )
 
 
-def _recoding_for(ckpt: Checkpoint, name: str) -> Recoding:
-    t = ckpt.tensors[name]
+def _recoding_for(t: TensorInfo) -> Recoding:
     if t.dtype == FN_TO_FNUZ.source:
         return FN_TO_FNUZ
-    fd = os.open(t.path, os.O_RDONLY)
-    try:
-        holds_240 = range_contains(fd, t.start, t.end, (0x7F, 0xFF))
-    finally:
-        os.close(fd)
+    holds_240 = file_contains(t.path, t.start, t.end, (0x7F, 0xFF))
     return FNUZ_TO_FN_SAME_SCALE if holds_240 else FNUZ_TO_FN
 
 

@@ -1,4 +1,4 @@
-"""Describing a plan for people (text) and for CI (JSON), compactly.
+"""Describing a conversion for people (text) and for CI (JSON), compactly.
 
 A 32-layer model has 64 fused modules; people want one line per kind of change,
 with the layers it covers, not 64 lines. `--json` keeps every module.
@@ -9,17 +9,22 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fp8fix.plan import ConversionPlan, ModuleChange
+from fp8fix.plan.pieces import ConversionPlan, ModuleChange
 from fp8fix.registry.loaders import COMPATIBILITY, LOADERS
+from fp8fix.report.text import human_size, name_pattern
+from fp8fix.vocab import Layout
+
+if TYPE_CHECKING:
+    from fp8fix.convert import ConvertResult
 
 
 def module_groups(plan: ConversionPlan) -> list[dict[str, Any]]:
     """Modules grouped by (kind, scale, action), with the name pattern they share."""
     groups: dict[tuple[str, str, str, str], list[ModuleChange]] = defaultdict(list)
     for m in plan.modules:
-        groups[(m.kind, m.scale, m.action, _generic_reason(m.reason))].append(m)
+        groups[(m.fused_module, m.scale, m.action, _generic_reason(m.reason))].append(m)
     out = []
     for (kind, scale, action, _), members in groups.items():
         first = members[0]
@@ -44,26 +49,6 @@ def module_groups(plan: ConversionPlan) -> list[dict[str, Any]]:
 
 def _generic_reason(reason: str) -> str:
     return re.sub(r"\([^)]*\)", "", reason)
-
-
-def name_pattern(names: list[str]) -> str:
-    """One compact name for many: 'model.layers.{0..31}.mlp.gate_up_proj',
-    'model.layers.{0..1}.{mlp.down_proj,self_attn.o_proj}'."""
-    unique = list(dict.fromkeys(names))
-    if len(unique) == 1:
-        return unique[0]
-    parts = [re.match(r"^(.*?\.)(\d+)(\..*)$", n) for n in unique]
-    if not all(parts) or len({p.group(1) for p in parts if p}) != 1:
-        return f"{unique[0]} (+{len(unique) - 1} more)"
-    layers = sorted({int(p.group(2)) for p in parts if p})
-    tails = sorted({p.group(3)[1:] for p in parts if p})
-    span = (
-        f"{layers[0]}..{layers[-1]}"
-        if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1))
-        else ",".join(map(str, layers))
-    )
-    tail = tails[0] if len(tails) == 1 else "{" + ",".join(tails) + "}"
-    return f"{parts[0].group(1)}{{{span}}}.{tail}" if parts[0] else unique[0]
 
 
 VLLM_FNUZ_NOTE = (
@@ -93,7 +78,7 @@ def encoding_line(plan: ConversionPlan) -> str | None:
     return line
 
 
-def loader_table(layout: str) -> dict[str, dict[str, Any]]:
+def loader_table(layout: Layout) -> dict[str, dict[str, Any]]:
     return {
         name: {"loads": COMPATIBILITY[layout][name][0], "reason": COMPATIBILITY[layout][name][1]} for name in LOADERS
     }
@@ -102,18 +87,10 @@ def loader_table(layout: str) -> dict[str, dict[str, Any]]:
 def plan_loaders(plan: ConversionPlan) -> dict[str, dict[str, Any]]:
     """The loader table of the plan's layout; the layout only matters where fused linear modules exist
     (stacked experts are outside the table)."""
-    if any(not m.kind.startswith("experts.") for m in plan.modules):
+    if any(not m.fused_module.startswith("experts.") for m in plan.modules):
         return loader_table(plan.layout)
     reason = "no fused linear modules (stacked experts are outside this table)" if plan.modules else "no fused modules"
     return {name: {"loads": True, "reason": reason} for name in LOADERS}
-
-
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def plan_lines(plan: ConversionPlan) -> list[str]:
@@ -160,7 +137,7 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
         "modules": [
             {
                 "module": m.module,
-                "kind": m.kind,
+                "kind": m.fused_module,
                 "quantized": m.quantized,
                 "scale": m.scale,
                 "action": m.action,
@@ -186,7 +163,7 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
     }
 
 
-def result_lines(result: Any) -> list[str]:
+def result_lines(result: ConvertResult) -> list[str]:
     """What `convert` prints for people: the plan, config edits, copies, loaders, notes, outcome."""
     plan = result.plan
     lines = plan_lines(plan)
@@ -202,7 +179,7 @@ def result_lines(result: Any) -> list[str]:
     return lines
 
 
-def result_json(result: Any) -> dict[str, Any]:
+def result_json(result: ConvertResult) -> dict[str, Any]:
     payload = plan_json(result.plan)
     payload.update(
         output=str(result.output),

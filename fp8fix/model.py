@@ -1,0 +1,338 @@
+"""One description of a checkpoint, computed once from its headers, config.json and the registry.
+
+convert, inspect and verify all need the same facts: which architecture and format
+this is, every FP8 weight with its scale, input scale and the kind of its scale,
+the fused modules and stacked experts, the kv-cache scales. `describe_checkpoint`
+works them out once; the commands take the result and none re-derives them.
+
+The description is lenient: a weight that convert would refuse (no scale, a scale of
+no known shape, experts the config does not size) is described with its `problem`,
+so inspect can report it and verify can still map it; convert calls
+`require_convertible`, which raises the first problem. Only headers and config are
+read here, never tensor data, so a checkpoint known from the Hub's header API works too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
+from fp8fix.io.checkpoint import Checkpoint, check_scale_values
+from fp8fix.io.safetensors_file import TensorInfo
+from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, SCALE_DTYPES, is_fp8
+from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, Registry, architecture_name
+from fp8fix.registry.formats import AUTOFP8, FormatSpec, detect_format
+from fp8fix.vocab import ScaleKind
+
+Block = tuple[int, int] | None
+
+#: Calibration scales of the kv cache and attention, in e4m3fn units whatever the weights' encoding.
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", ".kv_scale", ".output_scale")
+#: Block FP8's scale name, recognised even when the format itself is not.
+BLOCK_SCALE = "weight_scale_inv"
+
+
+@dataclass(frozen=True)
+class FusedModule:
+    """A fused module found in the checkpoint, with its tensors by parameter name."""
+
+    path: str
+    spec: FusedModuleSpec
+    rows: list[int]  # rows of each shard in total
+    params: dict[str, TensorInfo]
+    segments: list[tuple[int, int, int]]  # (shard, first row, end row) in storage order
+
+    def shard_segments(self, shard: int) -> list[tuple[int, int]]:
+        return [(a, b) for i, a, b in self.segments if i == shard]
+
+    def shard_of_rows(self) -> list[int]:
+        """The shard each row belongs to, in storage order."""
+        return [shard for shard, a, b in self.segments for _ in range(b - a)]
+
+    @property
+    def weight(self) -> TensorInfo:
+        return self.params["weight"]
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """A stacked-experts FP8 tensor [experts, in, out] checked against config.json; `widths` are its
+    shards' columns when the parameter is fused (gate_up_proj)."""
+
+    count: int
+    param: str  # gate_up_proj, down_proj
+    shards: list[str]
+    widths: list[int]
+
+    @property
+    def fused(self) -> bool:
+        return len(self.widths) > 1
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """One FP8 tensor and everything that says how to read it."""
+
+    tensor: TensorInfo
+    module: str  # `x` for `x.weight`; the tensor's own name for stacked experts
+    scale: TensorInfo | None
+    scale_kind: ScaleKind | None  # None: no scale, or one of no known shape (see `problem`)
+    input_scale: TensorInfo | None
+    fused: FusedModule | None
+    stacked: bool  # stacked experts the registry describes
+    experts: StackedExperts | None  # their sizes, when config.json gives them
+    unknown_experts: bool  # a 3-D experts tensor the registry does not describe
+    n_shards: int  # shards sharing the weight (fused modules, fused experts), else 1
+    problem: Fp8fixError | None  # why convert refuses this weight, None when it does not
+
+    @property
+    def name(self) -> str:
+        return self.tensor.name
+
+    @property
+    def is_module_weight(self) -> bool:
+        """A linear module's `.weight` or stacked experts: what the module tables list."""
+        return self.name.endswith(".weight") or self.stacked
+
+
+@dataclass(frozen=True)
+class CheckpointModel:
+    checkpoint: Checkpoint
+    registry: Registry
+    architecture: str | None  # config.json's architectures[0]
+    spec: ArchitectureSpec | None  # its registry entry, None when unknown
+    format: FormatSpec | None  # None when not recognised (see format_error)
+    format_error: Fp8fixError | None
+    fused: dict[str, FusedModule]  # by module path
+    weights: dict[str, Fp8Weight]  # every FP8 tensor, in checkpoint order
+    kv_cache_scales: list[TensorInfo]
+
+    @property
+    def names(self) -> FormatSpec:
+        """The format whose tensor names to read: AutoFP8's when the format is not recognised."""
+        return self.format or AUTOFP8
+
+    def require_format(self) -> FormatSpec:
+        if self.format is None:
+            assert self.format_error is not None
+            raise self.format_error
+        return self.format
+
+    def require_architecture(self) -> tuple[str, ArchitectureSpec]:
+        name, spec = self.registry.lookup(self.checkpoint.config)
+        return name, spec
+
+    def module_weights(self) -> list[Fp8Weight]:
+        """FP8 weights of an encoding fp8fix converts, as modules (linear `.weight`s and stacked experts)."""
+        return [w for w in self.weights.values() if w.is_module_weight and w.tensor.dtype in FP8_WEIGHT_DTYPES]
+
+    def fused_experts(self) -> list[Fp8Weight]:
+        return [w for w in self.weights.values() if w.experts is not None and w.experts.fused]
+
+    def require_convertible(self) -> None:
+        """Raise the first reason convert cannot convert this checkpoint faithfully (the linear weights
+        first, then stacked experts); read each scale to refuse values no weight can be recovered from."""
+        if not self.weights:
+            ckpt = self.checkpoint
+            raise InvalidCheckpoint(
+                f"{ckpt.root.name}: no FP8 tensor in {len(ckpt.shards)} safetensors file(s); not an FP8 checkpoint"
+            )
+        ordered = sorted(self.weights.values(), key=lambda w: w.stacked)
+        for w in ordered:
+            if w.problem is not None:
+                raise w.problem
+            if w.scale is not None:
+                check_scale_values(w.scale)
+            if w.input_scale is not None:
+                check_scale_values(w.input_scale)
+
+
+def describe_checkpoint(ckpt: Checkpoint, registry: Registry) -> CheckpointModel:
+    """Every fact about `ckpt` the commands share; raises only where nothing can be described
+    (a fused module whose rows disagree with config.json)."""
+    try:
+        fmt: FormatSpec | None = detect_format(ckpt.config, ckpt.root, set(ckpt.tensors))
+        format_error = None
+    except Fp8fixError as e:
+        fmt, format_error = None, e
+    name = architecture_name(ckpt.config)
+    spec = registry.get(name)
+    fused = {m.path: m for m in _find_fused_modules(ckpt, spec)} if spec else {}
+    describe = _WeightReader(ckpt, registry, spec, fmt, fused)
+    weights = {t.name: describe(t) for t in ckpt.tensors.values() if is_fp8(t.dtype)}
+    kv = [t for t in ckpt.tensors.values() if t.name.endswith(KV_SCALE_SUFFIXES)]
+    return CheckpointModel(ckpt, registry, name, spec, fmt, format_error, fused, weights, kv)
+
+
+def _find_fused_modules(ckpt: Checkpoint, arch: ArchitectureSpec) -> list[FusedModule]:
+    by_module: dict[str, dict[str, TensorInfo]] = {}
+    for t in ckpt.tensors.values():
+        module, _, param = t.name.rpartition(".")
+        by_module.setdefault(module, {})[param] = t
+    found = []
+    for path, params in by_module.items():
+        spec = arch.fused_spec_for(path)
+        if spec is None or "weight" not in params:
+            continue
+        rows, segments = arch.row_layout(spec, ckpt.config)
+        weight = params["weight"]
+        if sum(rows) != weight.shape[0]:
+            raise InvalidCheckpoint(
+                f"{weight.path.name}: '{weight.name}' has {weight.shape[0]} rows, but config.json makes its shards "
+                f"{' + '.join(f'{s.shard} {r}' for s, r in zip(spec.shards, rows, strict=True))} = {sum(rows)}: "
+                "the config does not match the weights"
+            )
+        found.append(FusedModule(path, spec, rows, params, segments))
+    return found
+
+
+class _WeightReader:
+    """Describes FP8 tensors one by one (experts' count from config.json is worked out once)."""
+
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        registry: Registry,
+        spec: ArchitectureSpec | None,
+        fmt: FormatSpec | None,
+        fused: dict[str, FusedModule],
+    ) -> None:
+        self.ckpt, self.registry, self.spec, self.fmt, self.fused = ckpt, registry, spec, fmt, fused
+        self.names = fmt or AUTOFP8
+        self.block = fmt.block if fmt else None
+        self._count: int | None = None
+
+    def __call__(self, t: TensorInfo) -> Fp8Weight:
+        spec = self.spec
+        stacked = len(t.shape) == 3 and spec is not None and spec.experts is not None and spec.experts.matches(t.name)
+        unknown_experts = len(t.shape) == 3 and "experts" in t.name and not stacked
+        module = t.name if stacked else t.name.rsplit(".", 1)[0]
+        fused = None if stacked else self.fused.get(module)
+        experts_shards = (
+            spec.experts.fused.get(module.rpartition(".")[2], ()) if stacked and spec and spec.experts else ()
+        )
+        n_shards = len(fused.rows) if fused else max(len(experts_shards), 1)
+        scale = self.ckpt.tensors.get(self.names.weight_scale_of(t.name))
+        input_scale = self.ckpt.tensors.get(self.names.input_scale_of(t.name))
+        block_scale = self.ckpt.tensors.get(f"{module}.{BLOCK_SCALE}") if self.fmt is None else None
+        experts: StackedExperts | None = None
+        kind: ScaleKind | None = None
+        problems: list[Fp8fixError] = []
+        if t.dtype not in FP8_WEIGHT_DTYPES:
+            problems.append(
+                UnsupportedCheckpoint(f"{t.path.name}: tensor '{t.name}' is {t.dtype}; fp8fix handles e4m3 weights")
+            )
+        shape_problem = self._shape_problem(t, stacked, unknown_experts)
+        problems += [shape_problem] if shape_problem else []
+        try:
+            if stacked:
+                experts = self._experts(t)
+            if scale is None and block_scale is not None:
+                scale, kind = block_scale, "block"  # inspect's best reading of an unrecognised format
+            elif scale is None:
+                problems.append(
+                    InvalidCheckpoint(
+                        f"{t.path.name}: FP8 weight '{t.name}' has no scale '{self.names.weight_scale_of(t.name)}' "
+                        "in any shard; its values cannot be recovered (incomplete export?)"
+                    )
+                )
+            elif stacked:
+                kind = experts_scale_kind(scale, t.shape, n_shards, self.block)
+            elif len(t.shape) >= 2:
+                kind = scale_kind(scale, t.shape, n_shards if fused else None, allow_channel=True, block=self.block)
+        except Fp8fixError as e:
+            problems.append(e)
+        problem = problems[0] if problems else None
+        return Fp8Weight(
+            t, module, scale, kind, input_scale, fused, stacked, experts, unknown_experts, n_shards, problem
+        )
+
+    def _shape_problem(self, t: TensorInfo, stacked: bool, unknown_experts: bool) -> Fp8fixError | None:
+        if unknown_experts:
+            return UnsupportedCheckpoint(
+                f"{t.path.name}: tensor '{t.name}' {list(t.shape)} holds stacked MoE experts, which fp8fix knows "
+                f"for {', '.join(self.registry.with_experts())}; describe this architecture's experts in an "
+                "--arch-file entry (see README)"
+            )
+        if not stacked and (not t.name.endswith(".weight") or len(t.shape) != 2):
+            return UnsupportedCheckpoint(
+                f"{t.path.name}: tensor '{t.name}' is FP8 but not a 2-D linear weight {t.shape}; not supported yet"
+            )
+        return None
+
+    def _experts(self, t: TensorInfo) -> StackedExperts:
+        """The sizes config.json gives stacked experts `t`, which must match its shape."""
+        arch, config = self.spec, self.ckpt.config
+        assert arch is not None and arch.experts is not None
+        spec = arch.experts
+        if self._count is None:
+            self._count = arch.size(spec.count, f"the experts of {spec.module}", config)
+        param = t.name.rpartition(".")[2]
+        shards = spec.fused.get(param, ())
+        widths = [arch.size(s.size, f"shard '{s.shard}' of {spec.module}.{param}", config) for s in shards]
+        if t.shape[0] != self._count or (widths and sum(widths) != t.shape[2]):
+            expected = f"[{self._count}, in, {' + '.join(map(str, widths))}]" if widths else f"[{self._count}, in, out]"
+            raise InvalidCheckpoint(
+                f"{t.path.name}: stacked experts '{t.name}' are {list(t.shape)}, but config.json makes them "
+                f"{expected}: the config does not match the weights"
+            )
+        return StackedExperts(self._count, param, [s.shard for s in shards], widths)
+
+
+def scale_kind(
+    scale: TensorInfo, weight_shape: tuple[int, ...], n_shards: int | None, allow_channel: bool, block: Block = None
+) -> ScaleKind:
+    """tensor (one value), shard (one per fused shard), channel (one per row) or block (one per
+    rows x columns block); else an error."""
+    rows = weight_shape[0]
+    _check_scale_dtype(scale)
+    if scale.numel == 1 and len(scale.shape) <= 2:
+        return "tensor"
+    if block and allow_channel and scale.shape == block_grid(weight_shape, block):
+        return "block"
+    if n_shards and scale.shape == (n_shards,):
+        return "shard"
+    if allow_channel and scale.shape in ((rows, 1), (rows,)):
+        return "channel"
+    grid = f", {list(block_grid(weight_shape, block))} per {block[0]}x{block[1]} block" if block else ""
+    raise InvalidCheckpoint(
+        f"{scale.path.name}: scale '{scale.name}' has shape {list(scale.shape)}, which fits no known convention "
+        f"for a weight of {rows} rows ([] or [1] per tensor, [{rows}, 1] per channel{grid}"
+        + (f", [{n_shards}] per fused shard)" if n_shards else ")")
+    )
+
+
+def experts_scale_kind(scale: TensorInfo, shape: tuple[int, ...], n_shards: int, block: Block) -> ScaleKind:
+    """tensor, expert, shard ([E, n_shards], fused parameters only) or channel; else a clear error."""
+    experts, _, out = shape
+    _check_scale_dtype(scale)
+    if scale.numel == 1 and len(scale.shape) <= 1:
+        return "tensor"
+    if scale.shape in ((experts,), (experts, 1), (experts, 1, 1)):
+        return "expert"
+    if n_shards > 1 and scale.shape == (experts, n_shards):
+        return "shard"
+    if scale.shape in ((experts, 1, out), (experts, out, 1)):
+        return "channel"
+    if block:
+        raise UnsupportedCheckpoint(
+            f"{scale.path.name}: block scales '{scale.name}' {list(scale.shape)} on stacked experts are not "
+            "supported yet (fp8fix knows no published layout for them to check against)"
+        )
+    per_shard = f", [{experts}, {n_shards}] per expert and shard" if n_shards > 1 else ""
+    raise InvalidCheckpoint(
+        f"{scale.path.name}: scale '{scale.name}' has shape {list(scale.shape)}, which fits no known convention for "
+        f"stacked experts {list(shape)} ([] per tensor, [{experts}] per expert{per_shard}, "
+        f"[{experts}, 1, {out}] per channel)"
+    )
+
+
+def _check_scale_dtype(scale: TensorInfo) -> None:
+    if scale.dtype not in SCALE_DTYPES:
+        raise UnsupportedCheckpoint(
+            f"{scale.path.name}: scale '{scale.name}' is {scale.dtype}; fp8fix reads F32/BF16/F16/E8M0 scales"
+        )
+
+
+def block_grid(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    return -(-weight_shape[0] // block[0]), -(-weight_shape[1] // block[1])

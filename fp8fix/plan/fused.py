@@ -1,0 +1,184 @@
+"""Planning one fused module (qkv_proj, gate_up_proj, ...) under each layout.
+
+The rules (see README "Layouts"):
+- unfused: the module becomes its per-shard modules; weights, biases and per-channel
+  or block scales are row slices, single scales are repeated, per-shard scale vectors
+  are split. Pure byte moves, exact.
+- per-shard: a single weight/input scale becomes a vector of n_shards copies. Exact.
+- fused: a per-shard scale vector becomes its largest entry; shards at a smaller
+  scale are requantized to it (bounded error, reported). Equal entries change no byte.
+"""
+
+from __future__ import annotations
+
+from fp8fix.errors import UnsupportedCheckpoint
+from fp8fix.io.checkpoint import check_scale_values
+from fp8fix.io.safetensors_file import TensorInfo
+from fp8fix.model import FusedModule, scale_kind
+from fp8fix.numerics.dtypes import ITEM_SIZE, is_fp8
+from fp8fix.plan.pieces import CopyRange, ModuleChange, OutputTensor, Piece, RepeatRange, Requantize
+from fp8fix.registry.formats import FormatSpec
+from fp8fix.vocab import Layout, ScaleKind
+
+#: Parameters of a fused module fp8fix knows how to split; anything else is refused.
+SPLITTABLE = ("weight", "bias")
+
+
+def plan_fused_module(
+    m: FusedModule, fmt: FormatSpec, layout: Layout
+) -> tuple[ModuleChange, dict[str, list[OutputTensor]]]:
+    """The change to one fused module under `layout`, and the output tensors replacing its source tensors."""
+    n = len(m.rows)
+    quantized = is_fp8(m.weight.dtype)
+    scales = {p: m.params[p] for p in (fmt.weight_scale, fmt.input_scale) if p in m.params}
+    kinds: dict[str, ScaleKind] = {
+        p: scale_kind(t, m.weight.shape, n, allow_channel=(p == fmt.weight_scale), block=fmt.block)
+        for p, t in scales.items()
+    }
+    weight_kind: ScaleKind = kinds.get(fmt.weight_scale, "none")
+    change = ModuleChange(
+        module=m.path,
+        weight=m.weight.name,
+        fused_module=m.spec.module,
+        quantized=quantized,
+        scale=weight_kind,
+        action="keep",
+        reason="",
+        shards=[s.shard for s in m.spec.shards],
+        rows=list(m.rows),
+    )
+    known = set(SPLITTABLE) | set(scales)
+    unknown = sorted(set(m.params) - known)
+    if unknown and layout == "unfused":
+        raise UnsupportedCheckpoint(
+            f"{m.weight.path.name}: fused module '{m.path}' has tensors fp8fix does not know how to split: "
+            + ", ".join(f"{m.path}.{p}" for p in unknown)
+        )
+    if layout == "unfused":
+        return _unfuse(m, fmt, kinds, change)
+    outputs: dict[str, list[OutputTensor]] = {}
+    if layout == "per-shard":
+        for p, t in scales.items():
+            if kinds[p] == "tensor":
+                outputs[t.name] = [
+                    OutputTensor(t.name, t.dtype, (n,), [RepeatRange(t.path, t.start, t.end, n)], t.name)
+                ]
+        if outputs:
+            change.action = "split-scale"
+            change.reason = f"one scale for {n} shards; written as a vector of {n} copies"
+        else:
+            change.reason = "already one scale per shard" if weight_kind == "shard" else _keep_reason(weight_kind)
+    elif layout == "fused":
+        _fuse_scales(m, fmt, scales, kinds, change, outputs)
+    return change, outputs
+
+
+def _keep_reason(kind: ScaleKind) -> str:
+    return {
+        "channel": "per-channel scales already cover each row",
+        "block": "block scales already cover each block of rows",
+        "tensor": "already one scale per fused module",
+        "none": "not quantized",
+    }.get(kind, "nothing to change")
+
+
+def _unfuse(
+    m: FusedModule, fmt: FormatSpec, kinds: dict[str, ScaleKind], change: ModuleChange
+) -> tuple[ModuleChange, dict[str, list[OutputTensor]]]:
+    new_paths = [m.spec.unfused_path(m.path, s) for s in m.spec.shards]
+    outputs: dict[str, list[OutputTensor]] = {}
+    for param, t in m.params.items():
+        kind = kinds.get(param)  # None: a weight or bias, split by rows
+        pieces = []
+        for i, new in enumerate(new_paths):
+            name = f"{new}.{param}"
+            if kind == "tensor":
+                pieces.append(OutputTensor(name, t.dtype, t.shape, [CopyRange(t.path, t.start, t.end)], t.name))
+            elif kind == "shard":
+                item = ITEM_SIZE[t.dtype]
+                element = CopyRange(t.path, t.start + i * item, t.start + (i + 1) * item)
+                pieces.append(OutputTensor(name, t.dtype, fmt.scalar_shape, [element], t.name))
+            else:  # weight, bias, per-channel or block scale: the shard's rows, moved as bytes
+                block_rows = fmt.block[0] if kind == "block" and fmt.block else 1
+                segments = [_block_segment(m, block_rows, a, b) for a, b in m.shard_segments(i)]
+                pieces.append(_row_slices(t, segments, name))
+        outputs[t.name] = pieces
+    change.action = "unfuse"
+    change.new_modules = new_paths
+    grouped = f", gathered from its {len(m.segments) // len(m.rows)} groups" if m.spec.groups else ""
+    change.reason = f"runtimes load per-shard names; each shard gets its rows{grouped} " + (
+        {"tensor": "and a copy of the single scale", "shard": "and its entry of the scale vector"}.get(
+            change.scale,
+            f"and its rows of the {change.scale} scale" if change.scale in ("channel", "block") else "(not quantized)",
+        )
+    )
+    return change, outputs
+
+
+def _block_segment(m: FusedModule, block_rows: int, r0: int, r1: int) -> tuple[int, int]:
+    """Rows [r0, r1) in units of `block_rows` (1 for weights, biases and per-channel scales).
+
+    Exact only when r0 starts a block and r1 ends one: else the block scales would need requantizing.
+    """
+    total = m.weight.shape[0]
+    if r0 % block_rows or (r1 % block_rows and r1 != total):
+        row = r0 if r0 % block_rows else r1
+        raise UnsupportedCheckpoint(
+            f"{m.weight.path.name}: fused module '{m.path}' has a shard boundary at row {row}, "
+            f"not a multiple of the {block_rows}-row scale block: splitting its block scales would need requantizing, "
+            "which fp8fix does not do silently; use --layout per-shard or --layout fused (they keep the fused weight)"
+        )
+    return r0 // block_rows, -(-r1 // block_rows)
+
+
+def _row_slices(t: TensorInfo, segments: list[tuple[int, int]], name: str) -> OutputTensor:
+    """A tensor made of row ranges of `t`, in order."""
+    row_bytes = t.nbytes // t.shape[0]
+    pieces: list[Piece] = [CopyRange(t.path, t.start + a * row_bytes, t.start + b * row_bytes) for a, b in segments]
+    rows = sum(b - a for a, b in segments)
+    return OutputTensor(name, t.dtype, (rows, *t.shape[1:]), pieces, t.name)
+
+
+def _fuse_scales(
+    m: FusedModule,
+    fmt: FormatSpec,
+    scales: dict[str, TensorInfo],
+    kinds: dict[str, ScaleKind],
+    change: ModuleChange,
+    outputs: dict[str, list[OutputTensor]],
+) -> None:
+    """Per-shard scale vectors become one scale: the largest; smaller shards are requantized."""
+    for param, t in scales.items():
+        if kinds[param] != "shard":
+            continue
+        values = check_scale_values(t)
+        top = max(range(len(values)), key=lambda i: values[i])
+        item = ITEM_SIZE[t.dtype]
+        element = CopyRange(t.path, t.start + top * item, t.start + (top + 1) * item)
+        outputs[t.name] = [OutputTensor(t.name, t.dtype, fmt.scalar_shape, [element], t.name)]
+        if param != fmt.weight_scale:
+            continue
+        if len(set(values)) == 1:
+            change.action = "merge-equal-scales"
+            change.reason = "all shard scales are equal; one scale, no byte of the weight changes"
+            continue
+        w = m.weight
+        row_bytes = w.nbytes // w.shape[0]
+        pieces: list[Piece] = []
+        for shard, a, b in m.segments:  # storage order: grouped modules alternate shards
+            start, end = w.start + a * row_bytes, w.start + b * row_bytes
+            if values[shard] == values[top]:
+                pieces.append(CopyRange(w.path, start, end, nan_check=w.dtype))
+            else:
+                pieces.append(Requantize(w.path, start, end, w.dtype, values[shard], values[top], w.dtype))
+        outputs[w.name] = [OutputTensor(w.name, w.dtype, w.shape, list(pieces), w.name)]
+        change.action = "requantize"
+        change.reason = (
+            f"shard scales differ ({', '.join(f'{v:.6g}' for v in values)}); shards requantized to the largest "
+            f"({values[top]:.6g}), error bounded by half an fp8 step"
+        )
+    if change.action == "keep" and outputs:
+        change.action = "max-input-scale"
+        change.reason = "per-shard input scales become their largest, as runtimes do for a fused module"
+    elif change.action == "keep":
+        change.reason = _keep_reason(change.scale)

@@ -1,0 +1,90 @@
+"""Working out the whole conversion plan from the checkpoint's description.
+
+Order matters and is fixed here: the fused-module layout first (per module, see
+`fused.py`; stacked experts, see `experts.py`), then every source shard's output
+tensors, then (with `--to`) the FP8 encoding on top of that (see `encoding.py`),
+so requantized shards are normalized before they are requantized.
+"""
+
+from __future__ import annotations
+
+from fp8fix.errors import UnsupportedCheckpoint
+from fp8fix.io.safetensors_file import TensorInfo
+from fp8fix.model import CheckpointModel
+from fp8fix.plan.encoding import plan_encoding
+from fp8fix.plan.experts import plan_experts
+from fp8fix.plan.fused import plan_fused_module
+from fp8fix.plan.pieces import ConversionPlan, CopyRange, ModuleChange, OutputShard, OutputTensor
+from fp8fix.vocab import Encoding, Layout
+
+
+def plan_conversion(model: CheckpointModel, layout: Layout | None, to: Encoding | None = None) -> ConversionPlan:
+    """The whole conversion: fused-module layout first, then (with `to`) the FP8 encoding."""
+    ckpt = model.checkpoint
+    fmt = model.require_format()
+    arch_name, arch = model.require_architecture()
+    chosen = layout or arch.default_layout
+    model.require_convertible()
+    experts = model.fused_experts()
+    blocked = sorted(
+        {m.spec.module for m in model.fused.values() if not m.spec.can_unfuse}
+        | {f"experts.{x.experts.param}" for x in experts if x.experts}
+    )
+    if chosen == "unfused" and blocked:
+        raise UnsupportedCheckpoint(
+            f"{arch_name}: runtimes know no per-shard names for {', '.join(blocked)}, so there is no unfused "
+            "layout; use --layout per-shard or --layout fused"
+        )
+    replacements: dict[str, list[OutputTensor]] = {}
+    changes: list[ModuleChange] = []
+    renames: dict[str, list[str]] = {}
+    for module in model.fused.values():
+        change, outputs = plan_fused_module(module, fmt, chosen)
+        changes.append(change)
+        replacements.update(outputs)
+        if change.new_modules:
+            renames[module.path] = change.new_modules
+    for weight in experts:
+        change, outputs = plan_experts(weight, chosen)
+        changes.append(change)
+        replacements.update(outputs)
+    shards = [_plan_shard(name, header.metadata, header.tensors, replacements) for name, header in ckpt.shards.items()]
+    _check_unique_names(shards)
+    encoding = plan_encoding(model, shards, to) if to else None
+    return ConversionPlan(
+        source=ckpt.root,
+        architecture=arch_name,
+        format=fmt,
+        layout=chosen,
+        layout_was_default=layout is None,
+        modules=changes,
+        shards=shards,
+        renames=renames,
+        has_index=ckpt.index is not None,
+        encoding=encoding,
+        sources=ckpt.tensors,
+    )
+
+
+def _plan_shard(
+    name: str, metadata: dict[str, str], tensors: dict[str, TensorInfo], replacements: dict[str, list[OutputTensor]]
+) -> OutputShard:
+    out: list[OutputTensor] = []
+    for t in tensors.values():
+        out.extend(
+            replacements.get(t.name)
+            or [OutputTensor(t.name, t.dtype, t.shape, [CopyRange(t.path, t.start, t.end)], t.name)]
+        )
+    return OutputShard(name, {**metadata, "format": "pt"}, out)
+
+
+def _check_unique_names(shards: list[OutputShard]) -> None:
+    seen: dict[str, str] = {}
+    for shard in shards:
+        for t in shard.tensors:
+            if t.name in seen:
+                raise UnsupportedCheckpoint(
+                    f"{shard.name}: the output would hold '{t.name}' twice (from '{t.source}'); "
+                    "the checkpoint already has the per-shard names of a fused module"
+                )
+            seen[t.name] = shard.name

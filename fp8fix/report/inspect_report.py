@@ -1,0 +1,54 @@
+"""`inspect`'s report for people: a few header lines, one row per kind of module, findings, loaders."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from fp8fix.inspect import Report
+from fp8fix.report.text import human_size, name_pattern
+
+
+def report_lines(report: Report) -> list[str]:
+    """The report for people: a few header lines, one row per kind of module, findings, loaders."""
+    hints = ", ".join(f"{k} {v}" for k, v in report.format_hints.items())
+    supported = "" if report.convert_supported else " [convert: not supported yet]"
+    arch = report.architecture or "unknown"
+    if not report.architecture_known:
+        arch += " (not in the registry)"
+    total = sum(f["bytes"] for f in report.files)
+    lines = [
+        f"checkpoint:   {report.source}",
+        f"format:       {report.format_label}" + (f" ({hints})" if hints else "") + supported,
+        f"architecture: {arch}",
+        f"encoding:     {report.encoding or 'no FP8 weights'}",
+        f"files:        {len(report.files)} safetensors, {human_size(total)}",
+    ]
+    groups: dict[tuple[Any, ...], list[str]] = defaultdict(list)
+    for m in report.modules:
+        shape = "-" if m.scale_shape is None else "[" + ", ".join(map(str, m.scale_shape)) + "]"
+        key = (m.fused is not None, m.shards, m.scale, m.scale_dtype or "-", shape, m.input_scale)
+        groups[key].append(m.module)
+    lines.append(f"FP8 modules:  {len(report.modules)}")
+    lines.append(f"  {'modules':<48} {'count':>5}  {'fused':<8} {'weight scale':<24} input scale")
+    for (is_fused, shards, kind, dtype, shape, inp), names in groups.items():
+        fused = f"{shards} shards" if is_fused else "-"
+        lines.append(f"  {name_pattern(names):<48} {len(names):>5}  {fused:<8} {f'{kind} {dtype} {shape}':<24} {inp}")
+    if report.kv_cache_scales:
+        kinds = sorted({s["name"].rsplit(".", 1)[-1] for s in report.kv_cache_scales})
+        lines.append(f"kv-cache scales: {len(report.kv_cache_scales)} ({', '.join(kinds)})")
+    lines.append(
+        f"findings:     {len(report.findings) or 'none'}"
+        + ("" if report.data_scanned else " (weights not scanned: --scan-data)")
+    )
+    for f in report.findings:
+        fix = f"fix: fp8fix convert SOURCE OUTPUT {f.fix}" if f.fix else "convert cannot fix this"
+        guess = " [heuristic]" if f.heuristic else ""
+        where = f"{len(f.modules)} module(s) {name_pattern(f.modules)}"
+        lines.append(f"  {f.code}{guess}: {where}: {f.reason}; {fix}")
+    for note in report.notes:
+        lines.append(f"  note: {note}")
+    lines.append("loaders:")
+    for loader, row in report.loaders.items():
+        lines.append(f"  {'loads' if row['loads'] else 'fails':<5}  {loader}: {row['reason']}")
+    return lines

@@ -1,0 +1,17 @@
+"""`verify`'s report for people: the verdict and summary, then every weight that is not exact and every problem."""
+
+from __future__ import annotations
+
+from fp8fix.verify.report import VerifyReport
+
+
+def verify_lines(report: VerifyReport) -> list[str]:
+    lines = [f"{'faithful' if report.ok else 'MISMATCH'}: {report.summary()}"]
+    for w in report.weights:
+        if w.kind != "exact":
+            rounded = f", {w.rounded_codes} codes rounded" if w.rounded_codes else ""
+            lines.append(
+                f"  {w.kind:<11} {w.tensor}: max error {w.max_error:.3g} ({w.max_error_steps:.2f} fp8 steps){rounded}"
+            )
+    lines += [f"  problem: {p}" for p in report.problems]
+    return lines

@@ -1,0 +1,52 @@
+"""The state one verification shares across its checks, instead of threading it through parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fp8fix.errors import InvalidCheckpoint
+from fp8fix.io.checkpoint import Checkpoint, check_scale_values
+from fp8fix.io.safetensors_file import TensorInfo
+from fp8fix.io.source_files import SourceFiles
+from fp8fix.model import CheckpointModel, FusedModule
+from fp8fix.numerics.dtypes import ITEM_SIZE
+from fp8fix.registry.formats import FormatSpec
+from fp8fix.verify.report import VerifyReport
+
+#: Elements compared per step: memory stays at a few row chunks whatever the tensor's size.
+CHUNK_ELEMENTS = 1024 * 1024
+
+
+class Mismatch(Exception):
+    """OUTPUT is not what SOURCE makes it; the message names the tensor. Caught per tensor into the report."""
+
+
+@dataclass
+class VerifyContext:
+    model: CheckpointModel  # SOURCE, described as convert describes it
+    out: Checkpoint  # OUTPUT, read as files only: nothing about it is taken from the plan
+    fmt: FormatSpec
+    report: VerifyReport
+    files: SourceFiles  # descriptors of both checkpoints' files
+
+    @property
+    def src(self) -> Checkpoint:
+        return self.model.checkpoint
+
+    def read_rows(self, t: TensorInfo, r0: int, r1: int, cols: int) -> bytes:
+        """Rows [r0, r1) of `t` viewed as rows of `cols` elements."""
+        item = ITEM_SIZE[t.dtype]
+        return self.files.read(t.path, t.start + r0 * cols * item, t.start + r1 * cols * item)
+
+    def shard_of_rows(self, module: str) -> list[int] | None:
+        """The shard of each row of a fused module of SOURCE's registry entry, None for other modules."""
+        f: FusedModule | None = self.model.fused.get(module)
+        return f.shard_of_rows() if f else None
+
+
+def scale_values(scale: TensorInfo, where: str) -> list[float]:
+    """A scale's values; a value no weight can be recovered from is a mismatch naming SOURCE or OUTPUT."""
+    try:
+        return check_scale_values(scale)
+    except InvalidCheckpoint as e:  # zero, negative, inf or NaN
+        raise Mismatch(f"{where}: {e}") from e

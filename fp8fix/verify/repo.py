@@ -1,0 +1,89 @@
+"""Checking everything but FP8 weights: input scales, byte-identical tensors and the repo's files."""
+
+from __future__ import annotations
+
+import json
+
+from fp8fix.io.checkpoint import CONFIG, INDEX
+from fp8fix.io.safetensors_file import read_values
+from fp8fix.io.source_files import CHUNK
+from fp8fix.numerics.recodings import scale_factor
+from fp8fix.plan.config_edit import rewrite_name_lists
+from fp8fix.verify.context import VerifyContext
+from fp8fix.verify.mapping import Target
+
+
+def check_input_scale(ctx: VerifyContext, name: str, weight: str, targets: list[Target]) -> None:
+    """A static input scale equals the source's, times the encoding's factor, or (fused) their max."""
+    s = ctx.src.tensors[name]
+    values = read_values(s)
+    for target in targets:
+        o = ctx.out.tensors[target.name]
+        got = read_values(o)
+        out_weight = target.name.rsplit(".", 1)[0] + ".weight" if weight.endswith(".weight") else weight
+        f = scale_factor(ctx.src.tensors[weight].dtype, ctx.out.tensors[out_weight].dtype)
+        if target.index is not None and len(values) > 1:
+            expected = [[values[target.index] * f]]
+        elif len(values) == 1:
+            expected = [[values[0] * f] * len(got)]
+        else:
+            expected = [[v * f for v in values], [max(values) * f]]
+        ctx.report.scales_checked += 1
+        if o.dtype != s.dtype or got not in expected:
+            ctx.report.problem(
+                f"input scale '{target.name}' is {o.dtype} {got}; expected {s.dtype} "
+                + " or ".join(map(str, expected))
+                + f" from '{name}'"
+            )
+
+
+def check_bytes(ctx: VerifyContext, name: str, targets: list[Target]) -> None:
+    """A tensor that is not an FP8 weight or its scale: byte-identical (whole, or its row slices)."""
+    t = ctx.src.tensors[name]
+    row_bytes = t.nbytes // (t.shape[0] if t.shape and t.shape[0] else 1)
+    for target in targets:
+        o = ctx.out.tensors[target.name]
+        start = t.start + target.start * row_bytes if t.shape else t.start
+        end = t.start + target.end * row_bytes if t.shape else t.end
+        out_start = o.start + target.out_offset * row_bytes
+        whole = len([x for x in targets if x.name == target.name]) == 1
+        if o.dtype != t.dtype or (o.nbytes != end - start if whole else out_start + end - start > o.end):
+            ctx.report.problem(f"'{target.name}' is {o.dtype} {list(o.shape)}; expected the bytes of '{name}'")
+            continue
+        for offset in range(0, end - start, CHUNK):
+            n = min(CHUNK, end - start - offset)
+            source_bytes = ctx.files.read(t.path, start + offset, start + offset + n)
+            if source_bytes != ctx.files.read(o.path, out_start + offset, out_start + offset + n):
+                ctx.report.problem(f"'{target.name}' differs from '{name}' of SOURCE (byte range from {offset})")
+                break
+        else:
+            ctx.report.identical_tensors += 1
+
+
+def check_repo(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
+    """Shard files, index, `format: pt`, config.json (only renamed name-list entries) and copied files."""
+    src, out, report = ctx.src, ctx.out, ctx.report
+    if set(out.shards) != set(src.shards):
+        report.problem(f"OUTPUT's shard files {sorted(out.shards)} are not SOURCE's {sorted(src.shards)}")
+    if (src.index is None) != (out.index is None):
+        report.problem(f"{INDEX}: present in only one of SOURCE and OUTPUT")
+    if out.index is not None:
+        weight_map = out.index.get("weight_map", {})
+        if set(weight_map) != set(out.tensors):
+            report.problem(f"{INDEX}: its weight_map does not list exactly the tensors of OUTPUT's shards")
+        total = sum(t.nbytes for t in out.tensors.values())
+        if (out.index.get("metadata") or {}).get("total_size") != total:
+            report.problem(f"{INDEX}: total_size is not {total}, the sum of OUTPUT's tensor sizes")
+    for name, header in out.shards.items():
+        if header.metadata.get("format") != "pt":
+            report.problem(f"{name}: __metadata__ has no format: pt")
+    rewritten = rewrite_name_lists(src.config, src.root, ctx.fmt.name_lists, renames)
+    if out.config != rewritten.get(CONFIG, (src.config, []))[0]:
+        report.problem("config.json: differs from SOURCE's beyond the renamed quantization_config entries")
+    for file, (content, _) in rewritten.items():
+        if file != CONFIG and (not (out.root / file).is_file() or json.loads((out.root / file).read_text()) != content):
+            report.problem(f"{file}: not SOURCE's with the renamed module entries")
+    for rel in src.copied_files(rewritten):
+        copied = out.root / rel
+        if not copied.is_file() or copied.read_bytes() != (src.root / rel).read_bytes():
+            report.problem(f"{rel}: missing from OUTPUT or not a copy of SOURCE's")

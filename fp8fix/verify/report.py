@@ -1,0 +1,53 @@
+"""What verify found: one record per FP8 weight, counts, and the problems (capped) that make it fail."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fp8fix.vocab import WeightVerdict
+
+MAX_PROBLEMS = 50
+
+
+@dataclass
+class WeightCheck:
+    tensor: str
+    targets: list[str]
+    kind: WeightVerdict
+    max_error: float = 0.0
+    max_error_steps: float = 0.0
+    rounded_codes: int = 0
+
+
+@dataclass
+class VerifyReport:
+    source: str
+    output: str
+    weights: list[WeightCheck] = field(default_factory=list)
+    identical_tensors: int = 0
+    scales_checked: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def problem(self, text: str) -> None:
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(text)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ok"] = self.ok
+        return data
+
+    def summary(self) -> str:
+        kinds = {k: sum(w.kind == k for w in self.weights) for k in ("exact", "rounded", "requantized")}
+        worst = max((w.max_error_steps for w in self.weights if w.kind == "requantized"), default=None)
+        return (
+            f"{len(self.weights)} FP8 weights ({kinds['exact']} exact, {kinds['rounded']} with rounded codes, "
+            f"{kinds['requantized']} requantized"
+            + (f", max {worst:.2f} fp8 steps" if worst is not None else "")
+            + f"), {self.scales_checked} input scales, {self.identical_tensors} tensors byte-identical"
+        )

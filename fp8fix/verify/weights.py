@@ -1,0 +1,290 @@
+"""Checking FP8 weights by value: every output code must be the source value at the output scale.
+
+Where the output scale is the source's times a power of two (splits, fn <-> fnuz) the
+check is a byte map (`numerics.recodings.value_map`), fast and without torch; runs of
+rows that round or were requantized are dequantized in float32 with torch and must
+be within half an fp8 step of the converter's formula. Rows are read in chunks, so
+memory stays at one chunk per tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fp8fix.io.safetensors_file import TensorInfo
+from fp8fix.model import Fp8Weight
+from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, REQUANT_CLAMP
+from fp8fix.numerics.fp8 import is_power_of_two, steps_at, torch_dtype
+from fp8fix.numerics.recodings import value_map
+from fp8fix.verify.context import CHUNK_ELEMENTS, Mismatch, VerifyContext, scale_values
+from fp8fix.verify.mapping import Target
+from fp8fix.verify.report import WeightCheck
+
+
+def check_weight(ctx: VerifyContext, weight: Fp8Weight, targets: list[Target]) -> WeightCheck:
+    """A linear FP8 weight, row run by row run, in each place it went."""
+    w, fmt, name = weight.tensor, ctx.fmt, weight.name
+    check = WeightCheck(name, [t.name for t in targets], "exact")
+    try:
+        src_scale = ctx.src.tensors.get(fmt.weight_scale_of(name))
+        if fmt.block and src_scale is not None and src_scale.numel > 1 and len(src_scale.shape) == 2:
+            for target in targets:
+                out_scale = ctx.out.tensors.get(f"{target.name.rsplit('.', 1)[0]}.{fmt.weight_scale}")
+                _compare_block(ctx, w, ctx.out.tensors[target.name], target, src_scale, out_scale, check)
+            return check
+        src_scales = _scale_rows(src_scale, w, ctx.shard_of_rows(weight.module), "SOURCE")
+        for target in targets:
+            o = ctx.out.tensors[target.name]
+            if (
+                o.dtype not in FP8_WEIGHT_DTYPES
+                or o.shape[1:] != w.shape[1:]
+                or o.shape[0] < target.out_offset + (target.end - target.start)
+            ):
+                raise Mismatch(f"'{target.name}' is {o.dtype} {list(o.shape)}, expected FP8 rows of '{name}'")
+            out_module = target.name.rsplit(".", 1)[0]
+            out_scale = ctx.out.tensors.get(f"{out_module}.{fmt.weight_scale}")
+            out_scales = _scale_rows(out_scale, o, ctx.shard_of_rows(out_module), "OUTPUT")
+            _compare_rows(ctx, w, o, target, src_scales, out_scales, check)
+    except Mismatch as e:
+        ctx.report.problem(str(e))
+    return check
+
+
+def check_stacked_experts(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
+    """Stacked experts [E, in, out]: same shape; every (expert, column) scale is the source's times one
+    power of two (fp8fix never requantizes experts); codes are the source values at the new scales."""
+    import torch
+
+    name = weight.name
+    w, o = weight.tensor, ctx.out.tensors[name]
+    check = WeightCheck(name, [name], "exact")
+    try:
+        if o.dtype not in FP8_WEIGHT_DTYPES or o.shape != w.shape:
+            raise Mismatch(f"'{name}' is {o.dtype} {list(o.shape)}, expected FP8 {list(w.shape)}")
+        src_grid = _expert_column_scales(ctx, weight, ctx.src.tensors, "SOURCE")
+        out_grid = _expert_column_scales(ctx, weight, ctx.out.tensors, "OUTPUT")
+        ratios = torch.unique(out_grid / src_grid).tolist()
+        if len(ratios) != 1 or not is_power_of_two(ratios[0]):
+            raise Mismatch(
+                f"'{ctx.fmt.weight_scale_of(name)}': the scales are not SOURCE's times one power of two "
+                f"(ratios {ratios[:4]})"
+            )
+        experts, inner, cols = w.shape
+        rows = experts * inner  # the tensor as [E * in, out] rows, expert e owning rows [e * in, (e + 1) * in)
+        step_rows = max(1, CHUNK_ELEMENTS // cols)
+        target = Target(name, 0, rows)
+        for r0 in range(0, rows, step_rows):
+            r1 = min(rows, r0 + step_rows)
+            a, b = ctx.read_rows(w, r0, r1, cols), ctx.read_rows(o, r0, r1, cols)
+            if not _same_values(a, b, w.dtype, o.dtype, ratios[0], name, r0, cols):
+                experts_of_rows = torch.arange(r0, r1) // inner
+                s_src, s_out = src_grid[experts_of_rows].float(), out_grid[experts_of_rows].float()
+                _compare_values(w, o, target, r0, r1, a, b, s_src, s_out, check)
+    except Mismatch as e:
+        ctx.report.problem(str(e))
+    return check
+
+
+def _expert_column_scales(ctx: VerifyContext, weight: Fp8Weight, tensors: dict[str, TensorInfo], where: str) -> Any:
+    """The scale of every (expert, output column) of stacked experts, as a float64 [E, out] tensor."""
+    import torch
+
+    w = weight.tensor
+    experts, _, cols = w.shape
+    scale = tensors.get(ctx.fmt.weight_scale_of(w.name))
+    if scale is None:
+        raise Mismatch(f"{where}: FP8 experts '{w.name}' have no scale")
+    values = torch.tensor(scale_values(scale, where), dtype=torch.float64)
+    if values.numel() == 1:
+        return values.reshape(1, 1).expand(experts, cols)
+    if values.numel() == experts:
+        return values.reshape(experts, 1).expand(experts, cols)
+    if values.numel() == experts * cols:
+        return values.reshape(experts, cols)
+    widths = weight.experts.widths if weight.experts else []
+    if widths and scale.shape == (experts, len(widths)) and sum(widths) == cols:
+        return values.reshape(experts, -1).repeat_interleave(torch.tensor(widths), dim=1)
+    raise Mismatch(f"{where}: scale '{scale.name}' of shape {list(scale.shape)} does not fit '{w.name}'")
+
+
+def _scale_rows(scale: TensorInfo | None, weight: TensorInfo, row_shards: list[int] | None, where: str) -> list[float]:
+    """One scale value per row of `weight`, from a per-tensor, per-shard or per-channel scale."""
+    if scale is None:
+        raise Mismatch(f"{where}: FP8 weight '{weight.name}' has no scale")
+    values = scale_values(scale, where)
+    rows = weight.shape[0]
+    if len(values) == 1:
+        return values * rows
+    if row_shards and len(values) == max(row_shards) + 1 and len(row_shards) == rows:
+        return [values[shard] for shard in row_shards]
+    if len(values) == rows:
+        return values
+    raise Mismatch(f"{where}: scale '{scale.name}' of shape {list(scale.shape)} does not fit '{weight.name}'")
+
+
+def _compare_rows(
+    ctx: VerifyContext,
+    w: TensorInfo,
+    o: TensorInfo,
+    target: Target,
+    src_scales: list[float],
+    out_scales: list[float],
+    check: WeightCheck,
+) -> None:
+    """Compare rows run by run, where a run shares one output/source scale ratio.
+
+    A power-of-two ratio (splits, fn <-> fnuz) is checked as bytes: the output codes must
+    be the source codes through `value_map`, the table of same-value codes. Runs that
+    round or requantize are dequantized in float32 with torch.
+    """
+    cols = math.prod(w.shape[1:])
+    top_scale = max(src_scales)
+    shift = target.out_offset - target.start  # output row = source row + shift
+    row = target.start
+    while row < target.end:
+        ratio = out_scales[row + shift] / src_scales[row]
+        end = row + 1
+        while end < target.end and out_scales[end + shift] / src_scales[end] == ratio:
+            end += 1
+        if not is_power_of_two(ratio) and not is_power_of_two(out_scales[row + shift] / top_scale):
+            raise Mismatch(
+                f"'{o.name}' row {row + shift}: scale {out_scales[row + shift]:.6g} is neither the source's "
+                f"({src_scales[row]:.6g}) nor the largest of its module ({top_scale:.6g}) times a power of two"
+            )
+        step_rows = max(1, CHUNK_ELEMENTS // max(cols, 1))
+        for r0 in range(row, end, step_rows):
+            r1 = min(end, r0 + step_rows)
+            a, b = ctx.read_rows(w, r0, r1, cols), ctx.read_rows(o, r0 + shift, r1 + shift, cols)
+            if is_power_of_two(ratio) and _same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 + shift, cols):
+                continue
+            _compare_values(w, o, target, r0, r1, a, b, src_scales, out_scales, check)
+        row = end
+
+
+def _same_values(a: bytes, b: bytes, src: str, out: str, ratio: float, name: str, row0: int, cols: int) -> bool:
+    """True when `b` is exactly `a`'s values at the new scale; False when some codes round (check those
+    with floats); raises on anything else."""
+    expected, rounded, overflow = value_map(src, out, ratio)
+    if any(bytes([c]) in a for c in overflow):
+        raise Mismatch(f"'{name}': source values beyond the range of {out} at the output scale (clipped)")
+    if any(bytes([c]) in a for c in rounded):
+        return False
+    mapped = a.translate(expected)
+    if mapped != b:
+        first = next(i for i in range(len(b)) if mapped[i] != b[i])
+        raise Mismatch(
+            f"'{name}' row {row0 + first // cols} column {first % cols}: code 0x{b[first]:02X}, expected "
+            f"0x{mapped[first]:02X} (the source's value at the output scale)"
+        )
+    return True
+
+
+def _compare_values(
+    w: TensorInfo,
+    o: TensorInfo,
+    target: Target,
+    r0: int,
+    r1: int,
+    a_bytes: bytes,
+    b_bytes: bytes,
+    src_scales: Any,
+    out_scales: Any,
+    check: WeightCheck,
+) -> None:
+    """Dequantize rows [r0, r1) in float32 and compare; scales are per-row lists or per-element tensors."""
+    import torch
+
+    clamp = REQUANT_CLAMP[o.dtype]
+    if isinstance(src_scales, list):
+        s_src = torch.tensor(src_scales[r0:r1], dtype=torch.float32).reshape(-1, 1)
+        first = r0 - target.start + target.out_offset
+        s_out = torch.tensor(out_scales[first : first + (r1 - r0)], dtype=torch.float32).reshape(-1, 1)
+    else:
+        s_src, s_out = src_scales, out_scales
+    a = torch.frombuffer(bytearray(a_bytes), dtype=torch.uint8).view(torch_dtype(w.dtype)).float().reshape(r1 - r0, -1)
+    b = torch.frombuffer(bytearray(b_bytes), dtype=torch.uint8).view(torch_dtype(o.dtype)).float().reshape(r1 - r0, -1)
+    src_value = a * s_src
+    mantissa, _ = torch.frexp(s_out.double() / s_src.double())
+    power_of_two = (mantissa == 0.5).expand_as(a)
+    # the code at the output scale: exact (a power-of-two multiple of the source code) for splits and
+    # encoding changes; for requantized rows the converter's own float32 formula, clamped before rounding
+    # (to +-224 for e4m3fnuz, as vLLM's ROCm kernels do)
+    q = torch.where(power_of_two, a * (s_src / s_out), src_value / s_out)
+    clamped = q.clamp(-clamp, clamp)
+    nearest = clamped.to(torch_dtype(o.dtype)).float()
+    steps = (b - clamped).abs() / steps_at(clamped, o.dtype)
+    both_nan = torch.isnan(b) & torch.isnan(q)  # a NaN moved as bytes stays the NaN it was
+    ok = torch.where(power_of_two, (b == nearest) | both_nan, steps <= 0.5 + 1e-6)
+    if not bool(ok.all()):
+        row, col = (~ok).nonzero()[0].tolist()
+        out_value = float((b * s_out)[row, col])
+        out_row = r0 - target.start + target.out_offset + row
+        raise Mismatch(
+            f"'{o.name}' (from '{w.name}') row {out_row} column {col}: source value "
+            f"{float(src_value[row, col]):.6g}, output {out_value:.6g}"
+        )
+    error = torch.where(both_nan, 0.0, (b * s_out - src_value).abs())
+    check.max_error = max(check.max_error, float(error.max()) if error.numel() else 0.0)
+    if not bool(power_of_two.all()):
+        check.kind = "requantized"
+        check.max_error_steps = max(check.max_error_steps, float(steps[~power_of_two].max()))
+    rounded = int(((nearest != q) & power_of_two & ~both_nan).sum())
+    if rounded and check.kind == "exact":
+        check.kind = "rounded"
+    check.rounded_codes += rounded
+
+
+def _compare_block(
+    ctx: VerifyContext,
+    w: TensorInfo,
+    o: TensorInfo,
+    target: Target,
+    src_scale: TensorInfo,
+    out_scale: TensorInfo | None,
+    check: WeightCheck,
+) -> None:
+    """Block-scaled rows: the output's block scales must be the source's block rows times one power of two,
+    and the codes the source values at those scales."""
+    assert ctx.fmt.block is not None
+    block = ctx.fmt.block
+    b0 = block[0]
+    cols = math.prod(w.shape[1:])
+    if out_scale is None:
+        raise Mismatch(f"'{o.name}' has no block scale")
+    grid_cols = src_scale.shape[1]
+    src_grid = scale_values(src_scale, "SOURCE")
+    out_grid = scale_values(out_scale, "OUTPUT")
+    first, last = target.start // b0, -(-target.end // b0)
+    out_first = target.out_offset // b0
+    expected = src_grid[first * grid_cols : last * grid_cols]
+    got = out_grid[out_first * grid_cols : (out_first + last - first) * grid_cols]
+    if (
+        target.start % b0
+        or target.out_offset % b0
+        or len(got) != len(expected)
+        or out_scale.shape[1:] != src_scale.shape[1:]
+    ):
+        raise Mismatch(f"'{out_scale.name}' does not hold the block rows {first}..{last - 1} of '{src_scale.name}'")
+    ratios = {o_ / s_ for o_, s_ in zip(got, expected, strict=True)}
+    if len(ratios) != 1 or not is_power_of_two(next(iter(ratios))):
+        raise Mismatch(f"'{out_scale.name}': block scales are not '{src_scale.name}' times one power of two")
+    ratio = ratios.pop()
+    step_rows = max(b0, (CHUNK_ELEMENTS // max(cols, 1)) // b0 * b0)
+    for r0 in range(target.start, target.end, step_rows):
+        r1 = min(target.end, r0 + step_rows)
+        o0 = r0 - target.start + target.out_offset
+        a, b = ctx.read_rows(w, r0, r1, cols), ctx.read_rows(o, o0, o0 + (r1 - r0), cols)
+        if _same_values(a, b, w.dtype, o.dtype, ratio, o.name, o0, cols):
+            continue
+        s_src = _expand_grid(src_grid, grid_cols, r0, r1 - r0, cols, block)
+        s_out = _expand_grid(out_grid, grid_cols, o0, r1 - r0, cols, block)
+        _compare_values(w, o, target, r0, r1, a, b, s_src, s_out, check)
+
+
+def _expand_grid(grid: list[float], grid_cols: int, row0: int, rows: int, cols: int, block: tuple[int, int]) -> Any:
+    """One scale per element of rows [row0, row0 + rows) from a block grid."""
+    import torch
+
+    g = torch.tensor(grid, dtype=torch.float32).reshape(-1, grid_cols)
+    return g[torch.arange(row0, row0 + rows) // block[0]][:, torch.arange(cols) // block[1]]

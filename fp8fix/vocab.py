@@ -1,0 +1,36 @@
+"""The words fp8fix's data speaks in, as types mypy checks (and JSON writes as plain strings).
+
+Each vocabulary is a `Literal`, so a misspelt layout, action or scale kind is a type
+error, not a silently different branch; the tuples list the values for the CLI.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+#: How a fused module's scales are written (README "Layouts").
+Layout = Literal["unfused", "per-shard", "fused"]
+LAYOUTS: tuple[Layout, ...] = get_args(Layout)
+
+#: What the plan does to one fused module or stacked-experts tensor.
+Action = Literal["unfuse", "split-scale", "requantize", "merge-equal-scales", "max-input-scale", "keep"]
+
+#: How a weight's scale covers it: one value (tensor), one per fused shard, per output row (channel),
+#: per rows x columns block, per expert (stacked experts), or not quantized at all (none).
+ScaleKind = Literal["tensor", "shard", "channel", "block", "expert", "none"]
+
+#: How inspect describes a weight's scale: a kind, or why there is none to use.
+ScaleReport = Literal[ScaleKind, "missing", "unknown"]
+
+#: How a weight's activations are scaled.
+InputScaleKind = Literal["static", "static-per-shard", "dynamic"]
+
+#: What verify found for one FP8 weight.
+WeightVerdict = Literal["exact", "rounded", "requantized"]
+
+#: `--to` names of the FP8 weight encodings.
+Encoding = Literal["e4m3fn", "e4m3fnuz"]
+ENCODING_NAMES: tuple[Encoding, ...] = get_args(Encoding)
+
+#: How a config list's entries match module names (see `registry.formats.NameList`).
+Grammar = Literal["exact", "exact-or-re", "substring", "fnmatch"]
