@@ -65,7 +65,7 @@ def source_options(func: F) -> F:
         help="A registry entry (JSON, as in fp8fix/registry/architectures/) for an architecture fp8fix does not know.",
     )(func)
     func = click.option("--revision", help="Branch, tag or commit of a Hub SOURCE.")(func)
-    return click.argument("source")(func)  # type: ignore[return-value]
+    return click.argument("source")(func)
 
 
 def push_options(func: F) -> F:

@@ -160,3 +160,81 @@ def test_a_bad_arch_file_is_a_usage_error(tmp_path: Path) -> None:
     bad.write_text('{"architectures": ["X"], "fused_modules": [{"module": "m", "shards": [{"shard": "a"}]}]}')
     result = run_cli("convert", src, tmp_path / "out", "--arch-file", bad)
     assert result.exit_code == 2 and "bad.json" in result.output
+
+
+PHI3_ENTRY = Path(__file__).parent.parent / "fp8fix/registry/architectures/phi3.json"
+
+
+def phi3_entry_with(tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
+    """The built-in Phi-3 entry with one change, as a user's --arch-file."""
+    entry = json.loads(PHI3_ENTRY.read_text())
+    change(entry)
+    path = tmp_path / "phi3-edit.json"
+    path.write_text(json.dumps(entry))
+    return path
+
+
+def typo_in_shard(entry: dict) -> None:
+    shard = entry["fused_modules"][0]["shards"][0]
+    shard["unfuse"] = shard.pop("unfused")
+
+
+def cyclic_defaults(entry: dict) -> None:
+    entry["defaults"] = {"head_dim": "kv_dim // 2", "kv_dim": "head_dim * 2"}
+    entry["fused_modules"][0]["shards"][0]["rows"] = "head_dim"
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (typo_in_shard, "unknown key 'unfuse' in fused_modules[0].shards[0]"),
+        (cyclic_defaults, "defaults are cyclic"),
+        (lambda e: e["fused_modules"][1]["shards"][0].update(rows="intermediate_size // 0"), "divides by zero"),
+        (lambda e: e["fused_modules"][1]["shards"][0].update(rows=" + ".join(["1"] * 20_000)), "500 characters"),
+        (lambda e: e["fused_modules"][1]["shards"][0].update(rows=" + ".join(["1"] * 60)), "more than 100 terms"),
+        (lambda e: e["fused_modules"][0].update(module=7), "fused_modules[0].module must be a str"),
+        (lambda e: e["fused_modules"][1]["shards"][0].update(rows="intermediate_size ** 2"), "unsupported syntax"),
+        (lambda e: e.update(defaults={"head_dim": "hidden_size / 2"}), "defaults.head_dim"),
+        (lambda e: e["fused_modules"][1].update(shards=e["fused_modules"][1]["shards"][:1]), "at least 2"),
+    ],
+)
+def test_a_malformed_entry_is_refused_when_loaded(tmp_path: Path, change, message: str) -> None:  # type: ignore[no-untyped-def]
+    src = build(tmp_path / "src", phi3())
+    arch_file = phi3_entry_with(tmp_path, change)
+    for command in (["convert", src, tmp_path / "out"], ["inspect", src], ["verify", src, src]):
+        result = run_cli(*command, "--arch-file", arch_file)
+        assert result.exit_code == 2, (command, result.output)
+        assert message in result.output and "phi3-edit.json" in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_builtin_entry_follows_the_schema() -> None:
+    """Loading validates: each built-in file parses with no unknown key and every expression evaluates."""
+    folder = PHI3_ENTRY.parent
+    names = {name for path in folder.glob("*.json") for name in json.loads(path.read_text())["architectures"]}
+    assert set(Registry.builtin().entries) == names
+
+
+def test_arch_files_do_not_outlive_the_command(tmp_path: Path) -> None:
+    """The registry is passed to each command, not kept in a module global: a later command without
+    --arch-file does not see an earlier one's entry."""
+    entry = json.loads(PHI3_ENTRY.read_text())
+    entry["architectures"] = ["MyPhiForCausalLM"]
+    arch_file = tmp_path / "my-phi.json"
+    arch_file.write_text(json.dumps(entry))
+    model = phi3()
+    model.config["architectures"] = ["MyPhiForCausalLM"]
+    src = build(tmp_path / "src", model)
+    assert run_cli("convert", src, tmp_path / "with", "--arch-file", arch_file, "-q").exit_code == 0
+    refused = run_cli("convert", src, tmp_path / "without", "-q")
+    assert refused.exit_code == 3 and "MyPhiForCausalLM is not in fp8fix's registry" in refused.output
+
+
+@pytest.mark.parametrize("heads,message", [(0, "divides by zero"), ("4", "not a whole number")])
+def test_config_values_that_cannot_size_a_shard(tmp_path: Path, heads: object, message: str) -> None:
+    src = build(tmp_path / "src", phi3())
+    config = json.loads((src / "config.json").read_text())
+    config["num_attention_heads"] = heads
+    (src / "config.json").write_text(json.dumps(config))
+    result = run_cli("convert", src, tmp_path / "out")
+    assert result.exit_code == 3 and "config.json: cannot size" in result.output and message in result.output

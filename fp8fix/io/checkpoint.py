@@ -51,22 +51,6 @@ class Checkpoint:
         `rewritten` config files. Convert copies exactly these and verify checks exactly these."""
         return [f for f in self.other_files() if f != CARD and f not in rewritten]
 
-    def scale_of(self, weight: TensorInfo, scale_name: str) -> TensorInfo:
-        """The scale tensor of FP8 weight `weight`; a clear error when the export left it out."""
-        scale = self.tensors.get(scale_name)
-        if scale is None:
-            raise InvalidCheckpoint(
-                f"{weight.path.name}: FP8 weight '{weight.name}' has no scale '{scale_name}' in any shard; "
-                "its values cannot be recovered (incomplete export?)"
-            )
-        return scale
-
-    def check_scales(self, scale: TensorInfo, input_scale_name: str) -> None:
-        """A weight's scale and its static input scale, if it has one, hold only finite positive values."""
-        check_scale_values(scale)
-        if input_scale_name in self.tensors:
-            check_scale_values(self.tensors[input_scale_name])
-
     @property
     def model_files(self) -> set[str]:
         """Files the conversion rewrites; every other file of the folder is copied."""

@@ -1,0 +1,85 @@
+"""The error table and the module boundaries the code promises (README "Layout of the code")."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from fp8fix.errors import (
+    HubError,
+    InvalidCheckpoint,
+    OutputError,
+    RegistryEntryError,
+    UnsupportedCheckpoint,
+    UsageError,
+    VerificationFailed,
+    user_error,
+)
+
+PACKAGE = Path(__file__).resolve().parent.parent / "fp8fix"
+
+
+# the codes of the README's exit-code table
+@pytest.mark.parametrize(
+    "error,code",
+    [
+        (VerificationFailed("x"), 1),
+        (OSError(28, "No space left on device", "/out/model.safetensors"), 1),
+        (UsageError("x"), 2),
+        (OutputError("x"), 2),
+        (RegistryEntryError("x"), 2),
+        (InvalidCheckpoint("x"), 3),
+        (UnsupportedCheckpoint("x"), 3),
+        (HubError("x"), 4),
+        (KeyboardInterrupt(), 130),
+    ],
+)
+def test_each_error_type_has_one_exit_code_and_one_line(error: BaseException, code: int) -> None:
+    known = user_error(error)
+    assert known is not None and known[0] == code
+    assert "\n" not in known[1] and known[1]
+    if isinstance(error, OSError):
+        assert known[1] == "Error: /out/model.safetensors: No space left on device"
+
+
+def test_a_bug_is_not_dressed_as_a_user_error() -> None:
+    assert user_error(ValueError("a bug")) is None
+    assert user_error(KeyError("a bug")) is None
+
+
+def imports(path: Path) -> list[tuple[str, str]]:
+    """(module, name) for every `from fp8fix... import name` in a source file."""
+    tree = ast.parse(path.read_text())
+    return [
+        (node.module, alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fp8fix")
+        for alias in node.names
+    ]
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    offenders = [
+        f"{path.relative_to(PACKAGE)}: {module}.{name}"
+        for path in PACKAGE.rglob("*.py")
+        for module, name in imports(path)
+        if name.startswith("_") and name != "__version__"
+    ]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert"])
+def test_commands_take_the_checkpoint_description_not_each_others_internals(command: str) -> None:
+    """inspect, convert and verify share `model` (what the checkpoint is); none imports another
+    command's modules, except convert's call of verify's public entry point."""
+    allowed = {"fp8fix.verify": {"verify", "VerifyReport"}} if command == "convert" else {}
+    for module, name in imports(PACKAGE / f"{command}.py"):
+        other = module.split(".")[1] if module.count(".") else ""
+        if other in {"inspect", "convert", "verify"} - {command}:
+            assert name in allowed.get(module, set()), f"{command}.py imports {module}.{name}"
+    verify_imports = [m for path in (PACKAGE / "verify").glob("*.py") for m, _ in imports(path)]
+    assert not [
+        m for m in verify_imports if m.split(".")[1] in ("inspect", "convert", "plan") and "config_edit" not in m
+    ]
