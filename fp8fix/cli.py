@@ -140,7 +140,6 @@ def convert(
     from fp8fix.errors import HubError
     from fp8fix.io.hub import push_folder, resolve_source
     from fp8fix.report.convert_report import result_json, result_lines
-    from fp8fix.report.model_card import commit_message
 
     as_json = options["as_json"]
     folder, repo_id = resolve_source(source, revision)
@@ -167,7 +166,7 @@ def convert(
                 push_to_hub,
                 private=options["private"],
                 create_pr=options["create_pr"],
-                commit_message=options["commit_message"] or commit_message(output),
+                commit_message=options["commit_message"] or result.commit_title,
             )
         except HubError as e:
             raise HubError(f"{e}. {output} is intact: retry with `fp8fix push {output} {push_to_hub}`") from None

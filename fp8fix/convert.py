@@ -23,7 +23,7 @@ from fp8fix.plan.config_edit import rewrite_name_lists
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.plan.planner import plan_conversion
 from fp8fix.registry.architectures import Registry
-from fp8fix.report.model_card import write_card
+from fp8fix.report.model_card import commit_title, write_card
 from fp8fix.verify import VerifyReport, verify
 from fp8fix.vocab import Encoding, Layout
 
@@ -54,6 +54,7 @@ class ConvertResult:
     config_edits: list[str] = field(default_factory=list)
     copied_files: list[str] = field(default_factory=list)
     verification: VerifyReport | None = None
+    commit_title: str = ""  # what was converted and how, for a Hub commit
 
 
 def convert(source: Path, output: Path, options: ConvertOptions, registry: Registry | None = None) -> ConvertResult:
@@ -89,6 +90,7 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
         if options.source_repo:
             name = options.source_repo + (f"@{options.revision}" if options.revision else "")
         write_card(source, staging, plan, name, options.describe(plan), edits, summary, base_model=options.source_repo)
+        result.commit_title = commit_title(name, options.describe(plan))
     result.written = True
     return result
 

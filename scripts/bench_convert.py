@@ -10,6 +10,7 @@ is shuffled each round; the page cache is warm (the source was just written) and
 
     python scripts/bench_convert.py                      # 2 GB, default layout
     python scripts/bench_convert.py --size-gb 0.5 --repeats 3 --layout fused
+    python scripts/bench_convert.py --baseline /tmp/fp8fix-main   # also time another checkout, same run
 """
 
 from __future__ import annotations
@@ -114,10 +115,10 @@ def build_checkpoint(root: Path, size_gb: float, shard_gb: float = 0.5) -> None:
     (root / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def timed(cmd: list[str]) -> tuple[float, float]:
+def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
     """Wall seconds and peak RSS (MB) of one child process."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
@@ -133,6 +134,9 @@ def main() -> None:
     parser.add_argument("--to", default=None, help="fp8fix --to (encoding conversion), when supported")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument(
+        "--baseline", type=Path, help="another fp8fix checkout (a git worktree) to time beside this one"
+    )
     parser.add_argument("--build-only", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build_only:
@@ -151,6 +155,10 @@ def main() -> None:
         if args.to:
             fp8fix += ["--to", args.to]
         contenders = {"fp8fix convert": fp8fix, "cp -r": ["cp", "-r", str(src), str(work / "out")]}
+        envs: dict[str, dict[str, str]] = {}
+        if args.baseline:  # the same command, importing fp8fix from the other checkout first
+            contenders["fp8fix convert (baseline)"] = fp8fix
+            envs["fp8fix convert (baseline)"] = {**os.environ, "PYTHONPATH": str(args.baseline.resolve())}
         if not args.skip_naive:
             contenders["naive load_file/save_file"] = [sys.executable, "-c", NAIVE, str(src), str(work / "out")]
         results: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
@@ -161,7 +169,7 @@ def main() -> None:
                 cmd = contenders[name]
                 shutil.rmtree(work / "out", ignore_errors=True)
                 subprocess.run(["sync"], check=False)
-                results[name].append(timed(cmd))
+                results[name].append(timed(cmd, envs.get(name)))
         shutil.rmtree(work / "out", ignore_errors=True)
         base = statistics.median(w for w, _ in results["cp -r"])
         print(

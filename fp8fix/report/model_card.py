@@ -102,10 +102,13 @@ def write_card(
     (out_dir / CARD).write_text(f"---\n{data.to_yaml()}\n---\n\n{text}", encoding="utf-8")
 
 
+def commit_title(source_name: str, options: str) -> str:
+    """The Hub commit title of a conversion: what was converted and how."""
+    return f"fp8fix: convert {source_name} ({options.strip()})"
+
+
 def commit_message(folder: Path) -> str:
-    """The Hub commit title for a converted folder: what was converted and how, from the card written here."""
+    """The commit title for a folder converted earlier (`fp8fix push`), from the card this module wrote."""
     card = folder / CARD
     match = CONVERTED_PATTERN.search(card.read_text(encoding="utf-8")) if card.is_file() else None
-    if match:
-        return f"fp8fix: convert {match.group(1)} ({match.group(2).strip()})"
-    return "fp8fix: upload converted FP8 checkpoint"
+    return commit_title(match.group(1), match.group(2)) if match else "fp8fix: upload converted FP8 checkpoint"
