@@ -107,11 +107,6 @@ class CheckpointModel:
     weights: dict[str, Fp8Weight]  # every FP8 tensor, in checkpoint order
     kv_cache_scales: list[TensorInfo]
 
-    @property
-    def names(self) -> FormatSpec:
-        """The format whose tensor names to read: AutoFP8's when the format is not recognised."""
-        return self.format or AUTOFP8
-
     def require_format(self) -> FormatSpec:
         if self.format is None:
             assert self.format_error is not None
@@ -119,8 +114,7 @@ class CheckpointModel:
         return self.format
 
     def require_architecture(self) -> tuple[str, ArchitectureSpec]:
-        name, spec = self.registry.lookup(self.checkpoint.config)
-        return name, spec
+        return self.registry.lookup(self.checkpoint.config)
 
     def module_weights(self) -> list[Fp8Weight]:
         """FP8 weights of an encoding fp8fix converts, as modules (linear `.weight`s and stacked experts)."""
@@ -215,7 +209,6 @@ class _WeightReader:
         scale = self.ckpt.tensors.get(self.names.weight_scale_of(t.name))
         input_scale = self.ckpt.tensors.get(self.names.input_scale_of(t.name))
         block_scale = self.ckpt.tensors.get(f"{module}.{BLOCK_SCALE}") if self.fmt is None else None
-        experts: StackedExperts | None = None
         kind: ScaleKind | None = None
         problems: list[Fp8fixError] = []
         if t.dtype not in FP8_WEIGHT_DTYPES:
@@ -225,8 +218,11 @@ class _WeightReader:
         shape_problem = self._shape_problem(t, stacked, unknown_experts)
         problems += [shape_problem] if shape_problem else []
         try:
-            if stacked:
-                experts = self._experts(t)
+            experts = self._experts(t) if stacked else None
+        except Fp8fixError as e:
+            experts = None
+            problems.append(e)
+        try:
             if scale is None and block_scale is not None:
                 scale, kind = block_scale, "block"  # inspect's best reading of an unrecognised format
             elif scale is None:
