@@ -20,8 +20,8 @@ from fp8fix.model import CheckpointModel, Fp8Weight, describe_checkpoint
 from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_DTYPES
 from fp8fix.registry.architectures import Registry
 from fp8fix.registry.formats import quantization_config
-from fp8fix.registry.loaders import COMPATIBILITY, LOADERS
-from fp8fix.vocab import InputScaleKind, Layout, ScaleReport
+from fp8fix.verdicts import loader_verdicts, verdicts_json
+from fp8fix.vocab import InputScaleKind, ScaleReport
 
 SCHEMA_VERSION = 1
 #: float16's smallest normal: vLLM >= 0.20 requantizes through float16, which loses weights below it.
@@ -113,7 +113,7 @@ def inspect_checkpoint(root: Path | Checkpoint, scan_data: bool = False, registr
     if not ckpt.has_data:
         report.notes.append("headers read from the Hub: scale values and weights were not read")
     report.findings = _findings(model, modules, scan_data and ckpt.has_data)
-    report.loaders = _loaders(model, modules)
+    report.loaders = _loaders(model)
     return report
 
 
@@ -156,6 +156,11 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
         found[(code, reason, fix, heuristic)].append(module)
 
     unfused_ok = model.spec is not None and model.spec.default_layout == "unfused"
+    # vLLM requantizes per-tensor and per-shard weight scales through float16; per-channel and block
+    # scales it takes as they are (measured exact, issue 11)
+    requantized_scales = {
+        w.scale.name for w in model.weights.values() if w.scale is not None and w.scale_kind in ("tensor", "shard")
+    }
     for m in modules:
         if _linear_fused(m) and m.scale == "tensor":
             add(
@@ -195,7 +200,7 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
         bad = first_invalid_scale(values)
         if bad is not None:
             add("bad-scale-value", module, f"a scale that is zero, negative, inf or NaN (e.g. {bad})", None)
-        elif name.endswith(".weight_scale") and min(values) < FLOAT16_MIN_NORMAL:
+        elif name in requantized_scales and min(values) < FLOAT16_MIN_NORMAL:
             add(
                 "tiny-scale",
                 module,
@@ -250,28 +255,6 @@ def _scan_findings(model: CheckpointModel, add: AddFinding) -> None:
                 add("nan-codes", w.module, f"NaN codes in {FP8_WEIGHT_DTYPES.get(t.dtype, t.dtype)} weights", None)
 
 
-def _loaders(model: CheckpointModel, modules: list[ModuleInfo]) -> dict[str, dict[str, Any]]:
-    """Loads/fails per loader, from the layout the checkpoint's fused modules are in."""
-    arch = model.spec
-    layouts: set[Layout] = set()
-    for m in modules:
-        if _linear_fused(m):
-            layouts.add("per-shard" if m.scale == "shard" else "fused")
-    if arch is not None and not any(_linear_fused(m) for m in modules):
-        unfused_names = {s.unfused for spec in arch.fused_modules for s in spec.shards if s.unfused}
-        if any(m.module.endswith(tuple(unfused_names)) for m in modules if unfused_names):
-            layouts.add("unfused")
-    table: dict[str, dict[str, Any]] = {}
-    for loader in LOADERS:
-        rows = [COMPATIBILITY[layout][loader] for layout in sorted(layouts)]
-        failing = [why for loads, why in rows if not loads]
-        if failing:
-            table[loader] = {"loads": False, "reason": "; ".join(failing)}
-        elif rows:
-            table[loader] = {"loads": True, "reason": "; ".join(why for _, why in rows)}
-        else:
-            table[loader] = {"loads": True, "reason": "no fused modules"}
-    if any(m.scale in ("missing", "unknown") for m in modules):
-        for row in table.values():
-            row.update(loads=False, reason="FP8 weights without a usable scale")
-    return table
+def _loaders(model: CheckpointModel) -> dict[str, dict[str, Any]]:
+    """Per loader: loads, fails, loads-wrong or needs-gpu, and why (`fp8fix.verdicts`)."""
+    return verdicts_json(loader_verdicts(model))

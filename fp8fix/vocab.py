@@ -34,3 +34,7 @@ ENCODING_NAMES: tuple[Encoding, ...] = get_args(Encoding)
 
 #: How a config list's entries match module names (see `registry.formats.NameList`).
 Grammar = Literal["exact", "exact-or-re", "substring", "fnmatch"]
+
+#: What a loader does with a checkpoint: loads it with the right weights, refuses it, loads it with
+#: wrong weights (unscaled codes, random-initialised modules), or cannot load it without a GPU.
+Verdict = Literal["loads", "fails", "loads-wrong", "needs-gpu"]

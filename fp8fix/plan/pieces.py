@@ -14,6 +14,7 @@ from pathlib import Path
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dtypes import tensor_nbytes
 from fp8fix.registry.formats import FormatSpec
+from fp8fix.verdicts import LoaderVerdict
 from fp8fix.vocab import Action, Encoding, Layout, ScaleKind
 
 
@@ -172,6 +173,8 @@ class ConversionPlan:
     has_index: bool
     encoding: EncodingChange | None = None
     sources: dict[str, TensorInfo] = field(default_factory=dict)  # the source's tensors, for messages
+    loaders: dict[str, LoaderVerdict] = field(default_factory=dict)  # verdicts on the output, by loader
+    source_loaders: dict[str, LoaderVerdict] = field(default_factory=dict)  # the same on the source
 
     @property
     def total_bytes(self) -> int:

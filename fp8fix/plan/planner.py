@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from fp8fix.errors import UnsupportedCheckpoint
 from fp8fix.io.safetensors_file import TensorInfo
-from fp8fix.model import CheckpointModel
+from fp8fix.model import CheckpointModel, describe_checkpoint
 from fp8fix.plan.encoding import plan_encoding
 from fp8fix.plan.experts import plan_experts
 from fp8fix.plan.fused import plan_fused_module
+from fp8fix.plan.output import planned_checkpoint
 from fp8fix.plan.pieces import ConversionPlan, CopyRange, ModuleChange, OutputShard, OutputTensor
+from fp8fix.verdicts import loader_verdicts
 from fp8fix.vocab import Encoding, Layout
 
 
@@ -51,7 +53,7 @@ def plan_conversion(model: CheckpointModel, layout: Layout | None, to: Encoding 
     shards = [_plan_shard(name, header.metadata, header.tensors, replacements) for name, header in ckpt.shards.items()]
     _check_unique_names(shards)
     encoding = plan_encoding(model, shards, to) if to else None
-    return ConversionPlan(
+    plan = ConversionPlan(
         source=ckpt.root,
         architecture=arch_name,
         format=fmt,
@@ -64,6 +66,9 @@ def plan_conversion(model: CheckpointModel, layout: Layout | None, to: Encoding 
         encoding=encoding,
         sources=ckpt.tensors,
     )
+    plan.source_loaders = loader_verdicts(model)
+    plan.loaders = loader_verdicts(describe_checkpoint(planned_checkpoint(plan, ckpt), model.registry))
+    return plan
 
 
 def _plan_shard(

@@ -1,34 +1,135 @@
-"""Which runtimes load which layout of a fused module, from the team's reference notes.
+"""What each runtime's loader does with an FP8 checkpoint, as data: rules with their evidence.
 
-Kept as data so `convert`, the model card and `inspect` give the same answer.
-Sources: ../shared/reference/fp8-checkpoints.md section 2a (vLLM 0.5.x shape assert,
-vLLM 0.32 `PerTensorScaleParameter._load_into_shard_id`, transformers' fused names).
+`fp8fix.verdicts` works out a checkpoint's facts (from its headers and config only) and
+takes, per loader, the first rule whose condition holds; no rule: it loads. Every rule
+names its evidence: the loader's source (file and function, at the version named) or
+the real-loader test that shows it (tests/loaders/, run against vLLM 0.32's CPU build and
+transformers 5.24). The old vLLM rows come from the team's reference notes
+(../shared/reference/fp8-checkpoints.md, section 2a).
 """
 
 from __future__ import annotations
 
-from fp8fix.vocab import Layout
+from dataclasses import dataclass
 
-LOADERS = ("vLLM <= 0.5.0", "vLLM 0.5.1 - 0.19", "vLLM >= 0.20", "transformers")
+from fp8fix.vocab import Verdict
 
-#: layout -> loader -> (loads?, why)
-COMPATIBILITY: dict[Layout, dict[str, tuple[bool, str]]] = {
-    "unfused": {
-        "vLLM <= 0.5.0": (True, "Llama-style q/k/v and gate/up names, one scalar scale each"),
-        "vLLM 0.5.1 - 0.19": (True, "Llama-style names map onto the fused parameter's shards"),
-        "vLLM >= 0.20": (True, "Llama-style names map onto the fused parameter's shards"),
-        "transformers": (False, "expects the fused module names it defines"),
+VLLM_LEGACY = "vLLM <= 0.5.0"
+VLLM_OLD = "vLLM 0.5.1 - 0.19"
+VLLM = "vLLM >= 0.20"
+TRANSFORMERS = "transformers"
+LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM, TRANSFORMERS)
+
+REAL_LOADER_TESTS = "tests/loaders/test_real_loaders.py"
+REFERENCE = "shared/reference/fp8-checkpoints.md 2a"
+VLLM_SCALE_ASSERT = (
+    "vllm 0.32 model_executor/parameter.py PerTensorScaleParameter._load_into_shard_id "
+    "(assert loaded_weight.shape[0] == 1); " + REAL_LOADER_TESTS
+)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """When `condition` (a `verdicts.Facts` field) holds, `loader` gives `verdict`, because `reason`."""
+
+    loader: str
+    condition: str
+    verdict: Verdict
+    reason: str  # may name {architecture}
+    evidence: str
+
+
+#: In priority order per loader: the first rule that holds decides.
+RULES: tuple[Rule, ...] = (
+    # every loader: nothing recovers a weight without its scale
+    *(
+        Rule(loader, "unusable_scales", "fails", "FP8 weights without a usable scale", "fp8fix inspect findings")
+        for loader in LOADERS
+    ),
+    Rule(VLLM_LEGACY, "per_shard_fused", "loads", "expects one scale per shard on fused modules", REFERENCE),
+    Rule(VLLM_LEGACY, "one_scale_fused", "fails", "shape mismatch: torch.Size([n]) vs torch.Size([])", REFERENCE),
+    Rule(VLLM_OLD, "per_shard_fused", "fails", "asserts a fused-on-disk module carries one scale", REFERENCE),
+    Rule(
+        VLLM,
+        "vllm_removed_architecture",
+        "fails",
+        "vLLM 0.23 removed {architecture}",
+        "vllm 0.32 model_executor/models/registry.py _PREVIOUSLY_SUPPORTED_MODELS",
+    ),
+    Rule(
+        VLLM,
+        "fbgemm",
+        "fails",
+        "fbgemm_fp8 is deprecated: refused unless --allow-deprecated-quantization",
+        "vllm 0.32 config/model.py ModelConfig._verify_quantization (DEPRECATED_QUANTIZATION_METHODS)",
+    ),
+    Rule(
+        VLLM,
+        "legacy_names",
+        "fails",
+        "no parameter named act_scale / kv_scale: the legacy AutoFP8 names are not loaded",
+        "issue 11 measurement (vLLM 0.32: no module or parameter named '...act_scale')",
+    ),
+    Rule(
+        VLLM,
+        "unfused_on_transformers_backend",
+        "fails",
+        "serves {architecture} through its Transformers backend, which has only the fused module names",
+        "vllm 0.32 model_executor/models/registry.py _TRANSFORMERS_SUPPORTED_MODELS",
+    ),
+    Rule(VLLM, "per_shard_fused", "fails", "asserts a fused-on-disk module's scale has one value", VLLM_SCALE_ASSERT),
+    Rule(
+        VLLM, "per_shard_input_scales", "fails", "asserts a fused module's input scale has one value", VLLM_SCALE_ASSERT
+    ),
+    Rule(
+        VLLM,
+        "channel_scales_under_fp8",
+        "fails",
+        "quant_method fp8 (AutoFP8) takes per-tensor or block weight scales, not per-channel ones",
+        "issue 11 measurement (vLLM 0.32 AssertionError, static or dynamic); " + REAL_LOADER_TESTS,
+    ),
+    Rule(
+        TRANSFORMERS,
+        "fbgemm",
+        "needs-gpu",
+        "its FBGEMM FP8 quantizer refuses to load without a GPU",
+        "transformers 5.24 quantizers/quantizer_fbgemm_fp8.py validate_environment (requires a GPU or XPU)",
+    ),
+    Rule(
+        TRANSFORMERS,
+        "fp8_per_tensor",
+        "loads-wrong",
+        "quant_method fp8 goes to its fine-grained FP8 quantizer, which reads weight_scale_inv and drops "
+        "weight_scale: every weight is its raw FP8 code",
+        "transformers 5.24 quantizers/auto.py ('fp8' -> FineGrainedFP8HfQuantizer), quantizer_finegrained_fp8.py "
+        "(serialized names weight, weight_scale_inv, activation_scale); " + REAL_LOADER_TESTS,
+    ),
+    Rule(
+        TRANSFORMERS,
+        "unfused_names",
+        "loads-wrong",
+        "its model has only the fused modules: they are random-initialised and the per-shard tensors dropped",
+        REAL_LOADER_TESTS,
+    ),
+    Rule(
+        TRANSFORMERS,
+        "per_shard_fused",
+        "fails",
+        "cannot convert a fused module's per-shard scale vector (RuntimeError in its weight conversion)",
+        REAL_LOADER_TESTS,
+    ),
+)
+
+#: Why a loader takes a checkpoint when no rule stops it, by how its fused modules are stored.
+LOADS_BECAUSE: dict[str, dict[str, str]] = {
+    VLLM_LEGACY: {"unfused": "Llama-style q/k/v and gate/up names, one scalar scale each"},
+    VLLM_OLD: {
+        "unfused": "Llama-style names map onto the fused parameter's shards",
+        "fused": "single scale detected, requantization skipped",
     },
-    "per-shard": {
-        "vLLM <= 0.5.0": (True, "expects one scale per shard on fused modules"),
-        "vLLM 0.5.1 - 0.19": (False, "asserts a fused-on-disk module carries one scale"),
-        "vLLM >= 0.20": (False, "asserts loaded.shape[0] == 1 for a fused-on-disk scale"),
-        "transformers": (False, "expects one scale per fused module"),
+    VLLM: {
+        "unfused": "Llama-style names map onto the fused parameter's shards",
+        "fused": "single scale copied into every shard slot",
     },
-    "fused": {
-        "vLLM <= 0.5.0": (False, "shape mismatch: torch.Size([n]) vs torch.Size([])"),
-        "vLLM 0.5.1 - 0.19": (True, "single scale detected, requantization skipped"),
-        "vLLM >= 0.20": (True, "single scale copied into every shard slot"),
-        "transformers": (True, "one scale per module, fused names"),
-    },
+    TRANSFORMERS: {"fused": "one scale per module, fused names"},
 }

@@ -12,9 +12,8 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from fp8fix.plan.pieces import ConversionPlan, ModuleChange
-from fp8fix.registry.loaders import COMPATIBILITY, LOADERS
 from fp8fix.report.text import human_size, name_pattern
-from fp8fix.vocab import Layout
+from fp8fix.verdicts import verdicts_json
 
 if TYPE_CHECKING:
     from fp8fix.convert import ConvertResult
@@ -78,19 +77,9 @@ def encoding_line(plan: ConversionPlan) -> str | None:
     return line
 
 
-def loader_table(layout: Layout) -> dict[str, dict[str, Any]]:
-    return {
-        name: {"loads": COMPATIBILITY[layout][name][0], "reason": COMPATIBILITY[layout][name][1]} for name in LOADERS
-    }
-
-
 def plan_loaders(plan: ConversionPlan) -> dict[str, dict[str, Any]]:
-    """The loader table of the plan's layout; the layout only matters where fused linear modules exist
-    (stacked experts are outside the table)."""
-    if any(not m.fused_module.startswith("experts.") for m in plan.modules):
-        return loader_table(plan.layout)
-    reason = "no fused linear modules (stacked experts are outside this table)" if plan.modules else "no fused modules"
-    return {name: {"loads": True, "reason": reason} for name in LOADERS}
+    """The loaders' verdicts on the checkpoint the plan writes (`fp8fix.verdicts`), as JSON."""
+    return verdicts_json(plan.loaders)
 
 
 def plan_lines(plan: ConversionPlan) -> list[str]:
@@ -120,10 +109,11 @@ def plan_lines(plan: ConversionPlan) -> list[str]:
 
 
 def loader_lines(plan: ConversionPlan) -> list[str]:
-    table = plan_loaders(plan)
-    lines = [f"loaders for the {plan.layout} layout:"]
-    for name, row in table.items():
-        lines.append(f"  {'loads' if row['loads'] else 'fails':<5}  {name}: {row['reason']}")
+    lines = [f"loaders for the {plan.layout} layout (what OUTPUT will do):"]
+    for name, v in plan.loaders.items():
+        was = plan.source_loaders.get(name)
+        change = f" (SOURCE: {was.verdict})" if was and was.verdict != v.verdict else ""
+        lines.append(f"  {v.verdict:<11}  {name}: {v.reason}{change}")
     return lines
 
 

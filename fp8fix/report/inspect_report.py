@@ -50,5 +50,5 @@ def report_lines(report: Report) -> list[str]:
         lines.append(f"  note: {note}")
     lines.append("loaders:")
     for loader, row in report.loaders.items():
-        lines.append(f"  {'loads' if row['loads'] else 'fails':<5}  {loader}: {row['reason']}")
+        lines.append(f"  {row['verdict']:<11}  {loader}: {row['reason']}")
     return lines

@@ -15,7 +15,7 @@ from typing import Any
 from fp8fix import __version__
 from fp8fix.io.checkpoint import CARD
 from fp8fix.plan.pieces import ConversionPlan
-from fp8fix.report.convert_report import VLLM_FNUZ_NOTE, encoding_line, module_groups, plan_loaders
+from fp8fix.report.convert_report import VLLM_FNUZ_NOTE, encoding_line, module_groups
 
 TAGS = ["fp8", "fp8fix"]
 #: huggingface_hub.repocard.REGEX_YAML_BLOCK
@@ -70,9 +70,9 @@ def conversion_section(
         lines += ["config.json changes:", ""] + [f"- {e}" for e in config_edits] + [""]
     if verified:
         lines += [f"Verified with `fp8fix verify`: {verified}.", ""]
-    lines += ["Loaders for this layout:", "", "| loader | loads | why |", "|---|---|---|"]
-    for name, row in plan_loaders(plan).items():
-        lines.append(f"| {name} | {'yes' if row['loads'] else 'no'} | {row['reason']} |")
+    lines += ["Loaders for this checkpoint:", "", "| loader | verdict | why |", "|---|---|---|"]
+    for name, v in plan.loaders.items():
+        lines.append(f"| {name} | {v.verdict} | {v.reason} |")
     lines.append("")
     return "\n".join(lines)
 

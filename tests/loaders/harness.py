@@ -1,0 +1,52 @@
+"""What both loader harnesses share: the command line, the result files, and scale expansion.
+
+Imported by `vllm_load.py` and `transformers_load.py`, each run as a script with its
+own venv's Python (this folder is then first on sys.path); needs only torch and
+safetensors, which both venvs have.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+Load = Callable[[Path], tuple[dict[str, object], dict[str, torch.Tensor]]]
+
+
+def scaled(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 codes [rows, cols] times their scale: one value, one per row, or a block grid."""
+    rows, cols = codes.shape
+    scale = scale.float()
+    if scale.numel() == 1:
+        return codes.float() * scale.reshape(())
+    if scale.numel() == rows:
+        return codes.float() * scale.reshape(rows, 1)
+    if scale.dim() == 2:
+        block = (-(-rows // scale.shape[0]), -(-cols // scale.shape[1]))
+        grid = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+        return codes.float() * grid
+    raise ValueError(f"scale {tuple(scale.shape)} of unknown layout for a [{rows}, {cols}] weight")
+
+
+def run(load: Load) -> None:
+    """`python HARNESS OUT_DIR CHECKPOINT...`: OUT_DIR/<n>/result.json (and weights.safetensors when
+    it loaded) for the n-th checkpoint. What the loader raises is the result, not a crash."""
+    out, folders = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
+    for i, folder in enumerate(folders):
+        target = out / str(i)
+        target.mkdir(parents=True, exist_ok=True)
+        try:
+            result, weights = load(folder)
+            save_file(weights, str(target / "weights.safetensors"))
+        except Exception as e:
+            last = traceback.extract_tb(e.__traceback__)[-1]
+            error = f"{type(e).__name__}: {e}"[:2000]
+            result = {"loaded": False, "error": error, "where": f"{last.filename}:{last.lineno}"}
+        result["checkpoint"] = str(folder)
+        (target / "result.json").write_text(json.dumps(result))

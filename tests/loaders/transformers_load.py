@@ -1,0 +1,59 @@
+"""Load checkpoints with the real transformers (CPU) and dump what it ends up with.
+
+Run with the transformers venv's Python (see README "Real-loader tests"):
+`python transformers_load.py OUT_DIR CHECKPOINT...`. For each checkpoint:
+`AutoModelForCausalLM.from_pretrained(..., output_loading_info=True)` exactly as a user
+calls it (compressed-tensors checkpoints with `run_compressed=False`, which
+decompresses on CPU), then, for every linear layer whose source was FP8, the float32
+weight [out, in] the model computes with (FP8 weights times their scale, as its FP8
+layers do; decompressed weights as they are), into OUT_DIR/<n>/weights.safetensors,
+and OUT_DIR/<n>/result.json with the model class, the loading report's missing and
+unexpected keys, or the error transformers raised. Nothing is patched.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from harness import run, scaled  # this folder, first on sys.path when run as a script
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def dequantized(module: torch.nn.Module) -> torch.Tensor:
+    """The weight a linear layer computes with, [out, in] float32."""
+    w = module.weight
+    if w.dtype not in FP8:
+        return w.float()
+    scale = getattr(module, "weight_scale_inv", None)
+    if scale is None:
+        scale = getattr(module, "weight_scale", None)
+    if scale is None:
+        return w.float()  # no scale attribute: the layer computes with the raw codes
+    return scaled(w, scale)
+
+
+def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    config = json.loads((folder / "config.json").read_text())
+    quant = (config.get("quantization_config") or {}).get("quant_method")
+    extra = (
+        {"quantization_config": CompressedTensorsConfig(run_compressed=False)} if quant == "compressed-tensors" else {}
+    )
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.bfloat16, device_map="cpu", output_loading_info=True, **extra
+    )
+    weights: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or name.endswith(("embed_tokens", "lm_head")):
+            continue
+        weights[name] = dequantized(module).contiguous()
+    report = {k: sorted(v) for k, v in info.items() if isinstance(v, (list, set)) and k != "error_msgs"}
+    return {"loaded": True, "model_class": type(model).__name__, **report}, weights
+
+
+if __name__ == "__main__":
+    run(load)

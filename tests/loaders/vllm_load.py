@@ -1,0 +1,97 @@
+"""Load checkpoints with the real vLLM (CPU build) and dump what it ends up with.
+
+Run with the vLLM venv's Python (see README "Real-loader tests"), never imported by
+the test suite itself: `python vllm_load.py OUT_DIR CHECKPOINT...`. For each checkpoint
+it runs vLLM's own model loading, unmodified: the architecture's model class,
+`load_weights` with the parameter weight loaders, and `process_weights_after_loading`
+(where vLLM requantizes fused shards). Then, for every FP8 linear layer, it writes the
+dequantized float32 weight [out, in] as vLLM will compute with it, into
+OUT_DIR/<n>/weights.safetensors, and OUT_DIR/<n>/result.json with the model class or the
+error vLLM raised.
+
+Patches, each only where the CPU build lacks a GPU kernel or device, never in weight
+loading:
+- `torch.accelerator.empty_cache`: vLLM frees the GPU cache between loading and
+  processing; there is no accelerator here, so it is a no-op.
+- `vllm._custom_ops.scaled_fp8_quant` with a static per-tensor scale: the CPU build
+  registers `_C::static_scaled_fp8_quant` without arguments. The replacement follows the
+  CUDA kernel (csrc/quantization/w8a8/fp8/common.cuh, `scaled_fp8_conversion`): divide by
+  the scale in float32, clamp to the e4m3fn range, round to nearest even.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import torch  # noqa: E402
+import vllm._custom_ops as ops  # noqa: E402
+from harness import run, scaled  # noqa: E402  (this folder, first on sys.path when run as a script)
+from vllm.config import set_current_vllm_config  # noqa: E402
+from vllm.distributed.parallel_state import (  # noqa: E402
+    ensure_model_parallel_initialized,
+    init_distributed_environment,
+)
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.model_executor.model_loader import get_model  # noqa: E402
+
+_scaled_fp8_quant = ops.scaled_fp8_quant
+
+
+def static_scaled_fp8_quant(input, scale=None, *args, **kwargs):  # type: ignore[no-untyped-def]
+    if scale is None or scale.numel() != 1:
+        return _scaled_fp8_quant(input, scale, *args, **kwargs)
+    fp8 = torch.float8_e4m3fn
+    limit = torch.finfo(fp8).max
+    return (input.float() / scale.float()).clamp(-limit, limit).to(fp8), scale
+
+
+torch.accelerator.empty_cache = lambda: None
+ops.scaled_fp8_quant = static_scaled_fp8_quant
+
+
+def dequantized(layer: torch.nn.Module) -> torch.Tensor:
+    """The layer's weight as vLLM multiplies with it, [out, in] in float32."""
+    w = layer.weight
+    rows, cols = layer.output_size_per_partition, layer.input_size_per_partition
+    if tuple(w.shape) == (cols, rows) and w.stride() == (1, cols):
+        w = w.t()  # the kernels keep a transposed view
+    if tuple(w.shape) != (rows, cols):
+        raise ValueError(f"weight {tuple(w.shape)} is not [{rows}, {cols}]")
+    return scaled(w, layer.weight_scale)
+
+
+_DISTRIBUTED: list[bool] = []
+
+
+def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    args = EngineArgs(
+        model=str(folder),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=64,
+        load_format="safetensors",
+    )
+    config = args.create_engine_config()
+    with set_current_vllm_config(config):
+        if not _DISTRIBUTED:  # one process group of one rank for every checkpoint
+            init_distributed_environment(
+                world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:29533", local_rank=0, backend="gloo"
+            )
+            ensure_model_parallel_initialized(1, 1)
+            _DISTRIBUTED.append(True)
+        model = get_model(vllm_config=config)
+    weights = {
+        name: dequantized(module).contiguous()
+        for name, module in model.named_modules()
+        if hasattr(module, "weight_scale") and getattr(module, "weight", None) is not None
+    }
+    return {"loaded": True, "model_class": type(model).__name__}, weights
+
+
+if __name__ == "__main__":
+    run(load)
