@@ -18,7 +18,7 @@ import click
 
 from fp8fix import __version__
 from fp8fix.errors import RegistryEntryError, user_error
-from fp8fix.vocab import ENCODING_NAMES, LAYOUTS
+from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, TARGETS
 
 if TYPE_CHECKING:
     from fp8fix.registry.architectures import Registry
@@ -89,16 +89,18 @@ def main() -> None:
 CONVERT_EPILOG = """\b
 Examples:
   fp8fix convert ./Phi-3-mini-fp8 ./Phi-3-mini-fp8-fixed
+  fp8fix convert ./model ./out --target transformers --dry-run
   fp8fix convert ./model ./out --layout fused --dry-run
   fp8fix convert ./model ./out --layout per-shard --overwrite --json
   fp8fix convert ./model ./model-mi300 --to e4m3fnuz --layout fused --verify
   fp8fix convert org/model-FP8 ./out --revision main --push-to-hub me/model-FP8-fixed --create-pr
 
 \b
-Layouts (how fused modules such as qkv_proj carry their scales):
+Layouts (how fused modules such as qkv_proj carry their scales); without
+--layout, the one --target's loaders load correctly (see "loaders" in the output):
   unfused    q_proj/k_proj/v_proj, gate_proj/up_proj, one scale each
-             (default where runtimes know per-shard names, e.g. Phi-3)
-  per-shard  fused weight, one scale per shard (vLLM <= 0.5.0; default elsewhere)
+             (where runtimes know per-shard names, e.g. Phi-3)
+  per-shard  fused weight, one scale per shard (vLLM <= 0.5.0)
   fused      fused weight, one scale (current vLLM, transformers)
 
 \b
@@ -112,7 +114,15 @@ or unsupported checkpoint, 4 Hub error.
 @source_options
 @click.argument("output", type=click.Path(path_type=Path))
 @click.option(
-    "--layout", type=click.Choice(LAYOUTS), help="Layout of fused modules' scales [default: by architecture]."
+    "--target",
+    type=click.Choice(TARGETS),
+    default="auto",
+    show_default=True,
+    help="The loaders OUTPUT is for; picks the layout they load correctly (auto: vLLM >= 0.20 and transformers "
+    "first, then the older vLLMs).",
+)
+@click.option(
+    "--layout", type=click.Choice(LAYOUTS), help="Layout of fused modules' scales, overriding --target's choice."
 )
 @click.option(
     "--to",
@@ -146,6 +156,7 @@ def convert(
     settings = ConvertOptions(
         layout=options["layout"],
         to=options["to"],
+        target=options["target"],
         dry_run=options["dry_run"],
         overwrite=options["overwrite"],
         quiet=options["quiet"] or as_json,

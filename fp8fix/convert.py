@@ -21,17 +21,18 @@ from fp8fix.io.writer import WriteStats, write_plan
 from fp8fix.model import describe_checkpoint
 from fp8fix.plan.config_edit import rewrite_name_lists
 from fp8fix.plan.pieces import ConversionPlan
-from fp8fix.plan.planner import plan_conversion
+from fp8fix.plan.planner import plan_for_target
 from fp8fix.registry.architectures import Registry
 from fp8fix.report.model_card import commit_title, write_card
 from fp8fix.verify import VerifyReport, verify
-from fp8fix.vocab import Encoding, Layout
+from fp8fix.vocab import Encoding, Layout, Target
 
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    layout: Layout | None = None  # None: the architecture's default
+    layout: Layout | None = None  # None: the layout `target`'s loaders take best
     to: Encoding | None = None  # None keeps the encoding
+    target: Target = "auto"
     dry_run: bool = False
     overwrite: bool = False
     quiet: bool = False
@@ -61,7 +62,7 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
     registry = registry or Registry.builtin()
     check_output(source, output, options.overwrite)
     ckpt = open_checkpoint(source)
-    plan = plan_conversion(describe_checkpoint(ckpt, registry), options.layout, options.to)
+    plan = plan_for_target(describe_checkpoint(ckpt, registry), options.layout, options.to, options.target)
     rewritten = rewrite_name_lists(ckpt.config, ckpt.root, plan.format.name_lists, plan.renames)
     edits = [edit for _, file_edits in rewritten.values() for edit in file_edits]
     copies = ckpt.copied_files(rewritten)

@@ -13,11 +13,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8fix.errors import Fp8fixError
 from fp8fix.io.checkpoint import Checkpoint, first_invalid_scale, open_checkpoint
 from fp8fix.io.safetensors_file import read_values
 from fp8fix.io.source_files import SourceFiles
 from fp8fix.model import CheckpointModel, Fp8Weight, describe_checkpoint
 from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_DTYPES
+from fp8fix.plan.targets import best, candidates, score
 from fp8fix.registry.architectures import Registry
 from fp8fix.registry.formats import quantization_config
 from fp8fix.verdicts import loader_verdicts, verdicts_json
@@ -148,6 +150,24 @@ def _linear_fused(m: ModuleInfo) -> bool:
 AddFinding = Callable[..., None]
 
 
+def _layout_fix(model: CheckpointModel) -> str | None:
+    """The --layout `convert` would choose (--target auto) when its output loads correctly in more
+    loaders than this checkpoint; None when nothing would improve. The same choice convert makes, so
+    inspecting its output finds nothing left to fix (`--strict` is a fixpoint)."""
+    if model.format is None or model.spec is None:
+        return None
+    try:
+        model.require_convertible()
+        found = candidates(model)
+    except Fp8fixError:
+        return None
+    if not found:
+        return None
+    chosen = best(found, "auto", model.spec.default_layout)
+    improves = score(chosen.plan.loaders, "auto") > score(loader_verdicts(model), "auto")
+    return f"--layout {chosen.layout}" if improves else None
+
+
 def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> list[Finding]:
     ckpt = model.checkpoint
     found: dict[tuple[str, str, str | None, bool], list[str]] = defaultdict(list)
@@ -155,7 +175,7 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
     def add(code: str, module: str, reason: str, fix: str | None, heuristic: bool = False) -> None:
         found[(code, reason, fix, heuristic)].append(module)
 
-    unfused_ok = model.spec is not None and model.spec.default_layout == "unfused"
+    layout_fix = _layout_fix(model)
     # vLLM requantizes per-tensor and per-shard weight scales through float16; per-channel and block
     # scales it takes as they are (measured exact, issue 11)
     requantized_scales = {
@@ -167,14 +187,14 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
                 "single-scale-fused",
                 m.module,
                 "a fused module with one scale: vLLM <= 0.5.0 expects one scale per shard",
-                "--layout unfused" if unfused_ok else "--layout per-shard",
+                layout_fix,
             )
         if _linear_fused(m) and m.scale == "shard":
             add(
                 "per-shard-scales-on-fused",
                 m.module,
                 "a fused weight with a per-shard scale vector: vLLM >= 0.5.1 and transformers reject it",
-                "--layout fused" + (" (or --layout unfused)" if unfused_ok else ""),
+                layout_fix,
             )
         if m.scale == "missing":
             add("missing-scale", m.module, "an FP8 weight without a scale: its values cannot be recovered", None)

@@ -125,7 +125,8 @@ class CheckpointModel:
 
     def require_convertible(self) -> None:
         """Raise the first reason convert cannot convert this checkpoint faithfully (the linear weights
-        first, then stacked experts); read each scale to refuse values no weight can be recovered from."""
+        first, then stacked experts); read each scale (where the data is here) to refuse values no
+        weight can be recovered from."""
         if not self.weights:
             ckpt = self.checkpoint
             raise InvalidCheckpoint(
@@ -135,10 +136,9 @@ class CheckpointModel:
         for w in ordered:
             if w.problem is not None:
                 raise w.problem
-            if w.scale is not None:
-                check_scale_values(w.scale)
-            if w.input_scale is not None:
-                check_scale_values(w.input_scale)
+            for scale in (w.scale, w.input_scale) if self.checkpoint.has_data else ():  # Hub headers: no values
+                if scale is not None:
+                    check_scale_values(scale)
 
 
 def describe_checkpoint(ckpt: Checkpoint, registry: Registry) -> CheckpointModel:

@@ -38,3 +38,8 @@ Grammar = Literal["exact", "exact-or-re", "substring", "fnmatch"]
 #: What a loader does with a checkpoint: loads it with the right weights, refuses it, loads it with
 #: wrong weights (unscaled codes, random-initialised modules), or cannot load it without a GPU.
 Verdict = Literal["loads", "fails", "loads-wrong", "needs-gpu"]
+
+#: Which loaders a conversion is for: `auto` picks the output that loads correctly in the most
+#: loaders, the current ones (vLLM >= 0.20, transformers) first.
+Target = Literal["auto", "vllm", "vllm-legacy", "transformers"]
+TARGETS: tuple[Target, ...] = get_args(Target)

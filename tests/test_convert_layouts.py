@@ -55,7 +55,7 @@ def assert_index_consistent(folder: Path) -> None:
 def test_unfused_splits_rows_and_scales_exactly(tmp_path: Path, fmt: str, scale: str) -> None:
     src = build(tmp_path / "src", phi3(), fmt=fmt, scale=scale, bias=True)
     before = folder_digest(src)
-    result = run_cli("convert", src, tmp_path / "out", "-q")
+    result = run_cli("convert", src, tmp_path / "out", "--layout", "unfused", "-q")
     assert result.exit_code == 0, result.output
     s, o = load_tensors(src), load_tensors(tmp_path / "out")
     touched: set[str] = set()
@@ -192,7 +192,7 @@ def test_unfused_renames_fused_modules_in_ignore_lists(tmp_path: Path) -> None:
     src = build(
         tmp_path / "src", phi3(), fmt="compressed-tensors", ignore=["lm_head", ignored, "re:.*layers\\.1\\..*qkv"]
     )
-    result = run_cli("convert", src, tmp_path / "out", "-q")
+    result = run_cli("convert", src, tmp_path / "out", "--layout", "unfused", "-q")
     assert result.exit_code == 0, result.output
     before = json.loads((src / "config.json").read_text())
     after = json.loads((tmp_path / "out" / "config.json").read_text())

@@ -116,7 +116,7 @@ def test_block_scales_split_only_on_block_boundaries(tmp_path: Path) -> None:
 
 def test_block_rows_are_sliced(tmp_path: Path) -> None:
     src = build(tmp_path / "src", phi3(), fmt="ct-block")
-    assert run_cli("convert", src, tmp_path / "out", "-q").exit_code == 0
+    assert run_cli("convert", src, tmp_path / "out", "--layout", "unfused", "-q").exit_code == 0
     s, o = load_tensors(src), load_tensors(tmp_path / "out")
     grid = s["model.layers.0.self_attn.qkv_proj.weight_scale"]  # [128 / 32, 64 / 32]
     assert grid.shape == (4, 2)
@@ -150,7 +150,7 @@ def test_name_lists_follow_the_split_in_each_grammar(
     tmp_path: Path, fmt: str, entries: list[str], where: tuple
 ) -> None:
     src = build(tmp_path / "src", phi3(), fmt=fmt, ignore=entries)
-    assert run_cli("convert", src, tmp_path / "out", "-q").exit_code == 0
+    assert run_cli("convert", src, tmp_path / "out", "--layout", "unfused", "-q").exit_code == 0
     file, *keys = where
     data = json.loads((tmp_path / "out" / file).read_text())
     for key in keys:

@@ -85,7 +85,9 @@ def shard_rows_by_hand(f: FusedModule, shard: int) -> list[int]:
 def test_grouped_modules_are_found_and_requantized_by_segment(tmp_path: Path, name: str) -> None:
     model = MODELS[name]()
     src = build(tmp_path / "src", model, scale="shard")
-    report = json.loads(run_cli("convert", src, tmp_path / "dry", "--dry-run", "--json").output)
+    report = json.loads(
+        run_cli("convert", src, tmp_path / "dry", "--layout", "per-shard", "--dry-run", "--json").output
+    )
     assert report["layout"] == "per-shard"
     assert [list(m["shards"].values()) for m in report["modules"]] == [model.fused[0].rows] * model.layers
     assert run_cli("convert", src, tmp_path / "out", "--layout", "fused", "-q").exit_code == 0

@@ -50,13 +50,19 @@ def dbrx() -> Model:
     return Model("DbrxForCausalLM", config, "transformer.blocks.{i}.norm_attn_norm.", 2, fused)
 
 
+# The layout `convert` picks (--target auto) for single-scale AutoFP8 sources: the one that loads correctly
+# in the most loaders, vLLM >= 0.20 and transformers first (issue 11 items 1 and 2): GLM is served by vLLM
+# 0.32's Transformers backend, which has only the fused names (vllm/model_executor/models/registry.py
+# _TRANSFORMERS_SUPPORTED_MODELS), so unfused fails there; per-shard fails in every vLLM >= 0.5.1; Baichuan
+# loads in no current loader (vLLM removed it in 0.23), so its per-shard and fused outputs tie at one old
+# vLLM each and the architecture's default stands.
 MODELS = {
-    "glm": (glm("GlmForCausalLM"), "unfused"),
+    "glm": (glm("GlmForCausalLM"), "fused"),
     "glm4": (glm("Glm4ForCausalLM"), "unfused"),
-    "chatglm-mqa": (chatglm(True), "per-shard"),
-    "chatglm-mha": (chatglm(False), "per-shard"),
+    "chatglm-mqa": (chatglm(True), "fused"),
+    "chatglm-mha": (chatglm(False), "fused"),
     "baichuan": (baichuan(), "per-shard"),
-    "dbrx": (dbrx(), "per-shard"),
+    "dbrx": (dbrx(), "fused"),
     "phi3": (phi3(), "unfused"),
 }
 

@@ -15,7 +15,7 @@ from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dtypes import tensor_nbytes
 from fp8fix.registry.formats import FormatSpec
 from fp8fix.verdicts import LoaderVerdict
-from fp8fix.vocab import Action, Encoding, Layout, ScaleKind
+from fp8fix.vocab import Action, Encoding, Layout, ScaleKind, Target
 
 
 @dataclass(frozen=True)
@@ -166,13 +166,14 @@ class ConversionPlan:
     architecture: str
     format: FormatSpec
     layout: Layout
-    layout_was_default: bool
+    layout_was_default: bool  # True: chosen for `target`, not given with --layout
     modules: list[ModuleChange]
     shards: list[OutputShard]
     renames: dict[str, list[str]]  # fused module path -> per-shard module paths (unfused layout)
     has_index: bool
     encoding: EncodingChange | None = None
     sources: dict[str, TensorInfo] = field(default_factory=dict)  # the source's tensors, for messages
+    target: Target = "auto"
     loaders: dict[str, LoaderVerdict] = field(default_factory=dict)  # verdicts on the output, by loader
     source_loaders: dict[str, LoaderVerdict] = field(default_factory=dict)  # the same on the source
 

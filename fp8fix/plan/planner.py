@@ -16,16 +16,37 @@ from fp8fix.plan.experts import plan_experts
 from fp8fix.plan.fused import plan_fused_module
 from fp8fix.plan.output import planned_checkpoint
 from fp8fix.plan.pieces import ConversionPlan, CopyRange, ModuleChange, OutputShard, OutputTensor
+from fp8fix.plan.targets import best, candidates
 from fp8fix.verdicts import loader_verdicts
-from fp8fix.vocab import Encoding, Layout
+from fp8fix.vocab import Encoding, Layout, Target
 
 
-def plan_conversion(model: CheckpointModel, layout: Layout | None, to: Encoding | None = None) -> ConversionPlan:
-    """The whole conversion: fused-module layout first, then (with `to`) the FP8 encoding."""
+def plan_for_target(
+    model: CheckpointModel, layout: Layout | None, to: Encoding | None = None, target: Target = "auto"
+) -> ConversionPlan:
+    """The conversion `convert` writes: `layout` when given, else the one `target`'s loaders take best."""
+    if layout is None:
+        model.require_format()
+        model.require_architecture()
+        model.require_convertible()
+        found = candidates(model)
+        if not found:  # every layout refused: plan the architecture's default for its error
+            return plan_conversion(model, model.require_architecture()[1].default_layout, to)
+        layout = best(found, target, model.require_architecture()[1].default_layout).layout
+        plan = plan_conversion(model, layout, to)
+        plan.layout_was_default = True
+    else:
+        plan = plan_conversion(model, layout, to)
+    plan.target = target
+    return plan
+
+
+def plan_conversion(model: CheckpointModel, layout: Layout, to: Encoding | None = None) -> ConversionPlan:
+    """The whole conversion in `layout`: fused-module layout first, then (with `to`) the FP8 encoding."""
     ckpt = model.checkpoint
     fmt = model.require_format()
     arch_name, arch = model.require_architecture()
-    chosen = layout or arch.default_layout
+    chosen = layout
     model.require_convertible()
     experts = model.fused_experts()
     blocked = sorted(
@@ -58,7 +79,7 @@ def plan_conversion(model: CheckpointModel, layout: Layout | None, to: Encoding 
         architecture=arch_name,
         format=fmt,
         layout=chosen,
-        layout_was_default=layout is None,
+        layout_was_default=False,
         modules=changes,
         shards=shards,
         renames=renames,

@@ -12,6 +12,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from fp8fix.plan.pieces import ConversionPlan, ModuleChange
+from fp8fix.plan.targets import TARGET_LOADERS
 from fp8fix.report.text import human_size, name_pattern
 from fp8fix.verdicts import verdicts_json
 
@@ -84,7 +85,7 @@ def plan_loaders(plan: ConversionPlan) -> dict[str, dict[str, Any]]:
 
 def plan_lines(plan: ConversionPlan) -> list[str]:
     """The plan as text: what the checkpoint is, each kind of module change, the output files."""
-    how = "default for this architecture" if plan.layout_was_default else "chosen"
+    how = f"best for --target {plan.target}" if plan.layout_was_default else "chosen"
     lines = [
         f"source:  {plan.source} ({plan.architecture}, {plan.format.label})",
         f"layout:  {plan.layout} ({how})",
@@ -124,6 +125,7 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
         "format": plan.format.name,
         "layout": plan.layout,
         "layout_was_default": plan.layout_was_default,
+        "target": plan.target,
         "modules": [
             {
                 "module": m.module,
@@ -150,7 +152,14 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
         ],
         "encoding": None if plan.encoding is None else dataclasses.asdict(plan.encoding),
         "loaders": plan_loaders(plan),
+        "source_loaders": verdicts_json(plan.source_loaders),
     }
+
+
+def source_loads_everywhere(plan: ConversionPlan) -> list[str]:
+    """The target's loaders, when SOURCE already loads correctly in every one of them; else []."""
+    wanted = TARGET_LOADERS[plan.target]
+    return list(wanted) if all(plan.source_loaders[name].loads for name in wanted) else []
 
 
 def result_lines(result: ConvertResult) -> list[str]:
@@ -161,6 +170,9 @@ def result_lines(result: ConvertResult) -> list[str]:
     if result.copied_files:
         lines.append(f"  copied: {', '.join(result.copied_files)}")
     lines += loader_lines(plan)
+    already = source_loads_everywhere(plan)
+    if already:
+        lines.append(f"note: SOURCE already loads correctly in {' and '.join(already)}; OUTPUT is written all the same")
     if plan.encoding and plan.encoding.target == "e4m3fnuz":
         lines.append(VLLM_FNUZ_NOTE)
     if result.verification:

@@ -1,0 +1,72 @@
+"""Choosing the layout for the loaders a conversion is for (`--target`), from the verdicts on each
+candidate output.
+
+Every layout the planner accepts is planned (headers only: cheap) and judged by
+`fp8fix.verdicts` as the output it would write. The target's loaders are counted
+first, then every loader; ties go to `unfused` (splitting fused modules into the
+per-shard modules runtimes know by name: the job fp8fix was made for), then to the
+architecture's default layout (what the registry says fused-MoE loaders and old vLLMs
+expect, which no verdict tells apart), then to the layout that leaves the checkpoint as
+it is, then `fused`, then `per-shard`. The
+source's own layout is always a candidate, so the choice never loads correctly in
+fewer of the target's loaders than the source does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fp8fix.errors import UnsupportedCheckpoint
+from fp8fix.model import CheckpointModel
+from fp8fix.plan.pieces import ConversionPlan
+from fp8fix.registry.loaders import TRANSFORMERS, VLLM, VLLM_LEGACY
+from fp8fix.verdicts import LoaderVerdict
+from fp8fix.vocab import LAYOUTS, Layout, Target
+
+#: The loaders each target is for, counted first.
+TARGET_LOADERS: dict[Target, tuple[str, ...]] = {
+    "auto": (VLLM, TRANSFORMERS),
+    "vllm": (VLLM,),
+    "vllm-legacy": (VLLM_LEGACY,),
+    "transformers": (TRANSFORMERS,),
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    plan: ConversionPlan
+    unchanged: bool  # every fused module kept as it is
+
+    def score(self, target: Target) -> tuple[int, int]:
+        return score(self.plan.loaders, target)
+
+
+def score(verdicts: dict[str, LoaderVerdict], target: Target) -> tuple[int, int]:
+    """(target loaders that load correctly, all loaders that do)."""
+    return sum(verdicts[name].loads for name in TARGET_LOADERS[target]), sum(v.loads for v in verdicts.values())
+
+
+def candidates(model: CheckpointModel) -> list[Candidate]:
+    """Every layout the planner accepts for this checkpoint, planned without an encoding change."""
+    from fp8fix.plan.planner import plan_conversion
+
+    found = []
+    for layout in LAYOUTS:
+        try:
+            plan = plan_conversion(model, layout)
+        except (UnsupportedCheckpoint, OSError):  # no unfused names; scale values not readable (Hub headers)
+            continue
+        found.append(Candidate(layout, plan, all(m.action == "keep" for m in plan.modules)))
+    return found
+
+
+def best(found: list[Candidate], target: Target, default: Layout) -> Candidate:
+    """The candidate the target's loaders take best; ties as the module docstring says."""
+
+    def rank(c: Candidate) -> tuple[int, int, int]:
+        correct, everywhere = c.score(target)
+        ties = [c.layout == "unfused", c.layout == default, c.unchanged, c.layout == "fused", True]
+        return (-correct, -everywhere, ties.index(True))
+
+    return min(found, key=rank)

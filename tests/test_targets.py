@@ -1,0 +1,108 @@
+"""--target: the layout convert writes is the one its loaders take best, judged on what it writes;
+inspect --strict suggests exactly that, so applying its fix always passes it (issue 11)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.builders import build, phi3
+from tests.conftest import run_cli
+from tests.test_registry import MODELS
+
+CURRENT = ("vLLM >= 0.20", "transformers")
+
+
+def verdicts(folder: Path) -> dict[str, str]:
+    report = json.loads(run_cli("inspect", folder, "--json").output)
+    return {loader: row["verdict"] for loader, row in report["loaders"].items()}
+
+
+def correct(v: dict[str, str]) -> tuple[int, int]:
+    return sum(v[name] == "loads" for name in CURRENT), sum(x == "loads" for x in v.values())
+
+
+SOURCES = [
+    (name, fmt, scale) for name in MODELS for fmt in ("fp8", "compressed-tensors") for scale in ("tensor", "shard")
+]
+
+
+@pytest.mark.parametrize("name,fmt,scale", SOURCES)
+def test_auto_never_loads_in_fewer_loaders_and_strict_is_a_fixpoint(
+    tmp_path: Path, name: str, fmt: str, scale: str
+) -> None:
+    model, _ = MODELS[name]
+    src = build(tmp_path / "src", model, fmt=fmt, scale=scale)
+    result = run_cli("convert", src, tmp_path / "out", "--json", "-q")
+    assert result.exit_code == 0, result.output
+    said = {loader: row["verdict"] for loader, row in json.loads(result.output)["loaders"].items()}
+    assert said == verdicts(tmp_path / "out")  # convert judged what it wrote, as inspect does
+    assert correct(said) >= correct(verdicts(src))
+    # inspect --strict on SOURCE suggests a fix only where convert would improve on it; applied, it passes
+    strict = run_cli("inspect", src, "--strict", "--json")
+    fixes = {f["fix"] for f in json.loads(strict.output)["findings"] if f["fix"]}
+    assert strict.exit_code == (1 if fixes else 0)
+    for fix in fixes:
+        fixed = tmp_path / f"fixed{fix.replace(' ', '')}"
+        assert run_cli("convert", src, fixed, *fix.split(), "-q").exit_code == 0
+        assert run_cli("inspect", fixed, "--strict").exit_code == 0, fix
+    assert run_cli("inspect", tmp_path / "out", "--strict").exit_code == 0
+
+
+def test_chatglm_single_scale_is_kept_and_strict_passes(tmp_path: Path) -> None:
+    """Issue 11 item 2: a single-scale ChatGLM source already loads in vLLM >= 0.5.1; the default used to
+    write per-shard (fails in 3 of 4 loaders) and --strict could never pass."""
+    src = build(tmp_path / "src", MODELS["chatglm-mqa"][0])
+    result = json.loads(run_cli("convert", src, tmp_path / "out", "--json", "-q").output)
+    assert result["layout"] == "fused" and {m["action"] for m in result["modules"]} == {"keep"}
+    assert run_cli("inspect", src, "--strict").exit_code == 0
+    per_shard = tmp_path / "per-shard"
+    assert run_cli("convert", src, per_shard, "--layout", "per-shard", "-q").exit_code == 0
+    assert verdicts(per_shard)["vLLM >= 0.20"] == "fails"
+    strict = run_cli("inspect", per_shard, "--strict", "--json")
+    assert strict.exit_code == 1
+    assert {f["fix"] for f in json.loads(strict.output)["findings"] if f["fix"]} == {"--layout fused"}
+
+
+def test_glm_unfused_is_refused_by_vllms_transformers_backend(tmp_path: Path) -> None:
+    """Issue 11 item 1: vLLM 0.32 serves GlmForCausalLM through TransformersForCausalLM, which has only
+    gate_up_proj (vllm/model_executor/models/registry.py _TRANSFORMERS_SUPPORTED_MODELS)."""
+    src = build(tmp_path / "src", MODELS["glm"][0])
+    unfused = json.loads(run_cli("convert", src, tmp_path / "u", "--layout", "unfused", "--json", "-q").output)
+    row = unfused["loaders"]["vLLM >= 0.20"]
+    assert row["verdict"] == "fails" and "Transformers backend" in row["reason"]
+    assert "_TRANSFORMERS_SUPPORTED_MODELS" in row["evidence"]
+    auto = json.loads(run_cli("convert", src, tmp_path / "a", "--json", "-q").output)
+    assert auto["layout"] == "fused" and auto["loaders"]["vLLM >= 0.20"]["verdict"] == "loads"
+
+
+@pytest.mark.parametrize(
+    "target,layout", [("auto", "fused"), ("vllm", "unfused"), ("vllm-legacy", "unfused"), ("transformers", "fused")]
+)
+def test_each_target_picks_what_its_loader_takes(tmp_path: Path, target: str, layout: str) -> None:
+    """compressed-tensors Phi-3 with one scale per fused module: transformers loads only the fused names,
+    vLLM >= 0.20 every layout but per-shard (a tie its loaders break towards unfused), vLLM <= 0.5.0
+    unfused and per-shard; auto counts both current loaders, which take only fused."""
+    src = build(tmp_path / "src", phi3(), fmt="compressed-tensors")
+    result = json.loads(run_cli("convert", src, tmp_path / "out", "--target", target, "--json", "-q").output)
+    assert result["layout"] == layout and result["target"] == target
+
+
+def test_an_explicit_layout_is_obeyed_and_its_losses_are_shown(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3(), fmt="compressed-tensors")
+    result = run_cli("convert", src, tmp_path / "out", "--layout", "per-shard", "--target", "transformers")
+    assert result.exit_code == 0, result.output
+    assert "layout:  per-shard (chosen)" in result.output
+    assert "transformers: cannot convert a fused module's per-shard scale vector" in result.output
+    assert "(SOURCE: loads)" in result.output
+
+
+def test_a_source_that_already_loads_everywhere_is_said_so_and_written(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3(), fmt="compressed-tensors")
+    result = run_cli("convert", src, tmp_path / "out")
+    assert result.exit_code == 0 and (tmp_path / "out" / "config.json").is_file()
+    assert "SOURCE already loads correctly in vLLM >= 0.20 and transformers" in result.output
+    fp8 = build(tmp_path / "fp8", phi3())  # AutoFP8: transformers computes with raw codes
+    assert "already loads" not in run_cli("convert", fp8, tmp_path / "out2").output
