@@ -18,7 +18,7 @@ import click
 
 from fp8fix import __version__
 from fp8fix.errors import RegistryEntryError, user_error
-from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, TARGETS
+from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, TARGETS
 
 if TYPE_CHECKING:
     from fp8fix.registry.architectures import Registry
@@ -125,6 +125,13 @@ or unsupported checkpoint, 4 Hub error.
     "--layout", type=click.Choice(LAYOUTS), help="Layout of fused modules' scales, overriding --target's choice."
 )
 @click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(OUTPUT_FORMATS),
+    help="keep SOURCE's format, or write an AutoFP8 checkpoint as compressed-tensors (same bytes), overriding "
+    "--target's choice.",
+)
+@click.option(
     "--to",
     type=click.Choice(sorted(ENCODING_NAMES, reverse=True)),
     help="Change the FP8 encoding: e4m3fnuz for AMD MI300-class GPUs, e4m3fn (OCP) back.",
@@ -157,6 +164,7 @@ def convert(
         layout=options["layout"],
         to=options["to"],
         target=options["target"],
+        output_format=options["output_format"],
         dry_run=options["dry_run"],
         overwrite=options["overwrite"],
         quiet=options["quiet"] or as_json,

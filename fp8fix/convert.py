@@ -19,13 +19,12 @@ from fp8fix.io.checkpoint import CONFIG, INDEX, Checkpoint, open_checkpoint
 from fp8fix.io.staging import check_output, staging_folder, write_json
 from fp8fix.io.writer import WriteStats, write_plan
 from fp8fix.model import describe_checkpoint
-from fp8fix.plan.config_edit import rewrite_name_lists
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.plan.planner import plan_for_target
 from fp8fix.registry.architectures import Registry
 from fp8fix.report.model_card import commit_title, write_card
 from fp8fix.verify import VerifyReport, verify
-from fp8fix.vocab import Encoding, Layout, Target
+from fp8fix.vocab import Encoding, Layout, OutputFormat, Target
 
 
 @dataclass(frozen=True)
@@ -33,6 +32,7 @@ class ConvertOptions:
     layout: Layout | None = None  # None: the layout `target`'s loaders take best
     to: Encoding | None = None  # None keeps the encoding
     target: Target = "auto"
+    output_format: OutputFormat | None = None  # None: what `target`'s loaders take best
     dry_run: bool = False
     overwrite: bool = False
     quiet: bool = False
@@ -43,7 +43,10 @@ class ConvertOptions:
     def describe(self, plan: ConversionPlan) -> str:
         """The options as a command line, for the model card."""
         return (
-            f"--layout {plan.layout}" + (f" --to {self.to}" if self.to else "") + (" --verify" if self.verify else "")
+            f"--layout {plan.layout}"
+            + (f" --format {plan.output_format}" if plan.output_format != "keep" else "")
+            + (f" --to {self.to}" if self.to else "")
+            + (" --verify" if self.verify else "")
         )
 
 
@@ -62,8 +65,9 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
     registry = registry or Registry.builtin()
     check_output(source, output, options.overwrite)
     ckpt = open_checkpoint(source)
-    plan = plan_for_target(describe_checkpoint(ckpt, registry), options.layout, options.to, options.target)
-    rewritten = rewrite_name_lists(ckpt.config, ckpt.root, plan.format.name_lists, plan.renames)
+    model = describe_checkpoint(ckpt, registry)
+    plan = plan_for_target(model, options.layout, options.to, options.target, options.output_format)
+    rewritten = plan.config_files
     edits = [edit for _, file_edits in rewritten.values() for edit in file_edits]
     copies = ckpt.copied_files(rewritten)
     result = ConvertResult(plan, output, written=False, config_edits=edits, copied_files=copies)

@@ -22,7 +22,7 @@ from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODE
 from fp8fix.plan.targets import best, candidates, score
 from fp8fix.registry.architectures import Registry
 from fp8fix.registry.formats import quantization_config
-from fp8fix.verdicts import loader_verdicts, verdicts_json
+from fp8fix.verdicts import facts_of, loader_verdicts, verdicts_json
 from fp8fix.vocab import InputScaleKind, ScaleReport
 
 SCHEMA_VERSION = 1
@@ -151,9 +151,10 @@ AddFinding = Callable[..., None]
 
 
 def _layout_fix(model: CheckpointModel) -> str | None:
-    """The --layout `convert` would choose (--target auto) when its output loads correctly in more
-    loaders than this checkpoint; None when nothing would improve. The same choice convert makes, so
-    inspecting its output finds nothing left to fix (`--strict` is a fixpoint)."""
+    """The options `convert` would choose (--target auto: layout, and format where it changes) when its
+    output loads correctly in more loaders than this checkpoint; None when nothing would improve. The
+    same choice convert makes, so inspecting its output finds nothing left to fix (`--strict` is a
+    fixpoint)."""
     if model.format is None or model.spec is None:
         return None
     try:
@@ -165,7 +166,8 @@ def _layout_fix(model: CheckpointModel) -> str | None:
         return None
     chosen = best(found, "auto", model.spec.default_layout)
     improves = score(chosen.plan.loaders, "auto") > score(loader_verdicts(model), "auto")
-    return f"--layout {chosen.layout}" if improves else None
+    written_as = f" --format {chosen.output_format}" if chosen.output_format != "keep" else ""
+    return f"--layout {chosen.layout}{written_as}" if improves else None
 
 
 def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> list[Finding]:
@@ -176,6 +178,7 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
         found[(code, reason, fix, heuristic)].append(module)
 
     layout_fix = _layout_fix(model)
+    raw_codes_in_transformers = facts_of(model).fp8_per_tensor
     # vLLM requantizes per-tensor and per-shard weight scales through float16; per-channel and block
     # scales it takes as they are (measured exact, issue 11)
     requantized_scales = {
@@ -200,6 +203,14 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
             add("missing-scale", m.module, "an FP8 weight without a scale: its values cannot be recovered", None)
         if m.scale == "unknown":
             add("unknown-scale-shape", m.module, "a scale whose shape fits no known convention", None)
+        if raw_codes_in_transformers and m.scale in ("tensor", "channel", "shard"):
+            add(
+                "raw-codes-in-transformers",
+                m.module,
+                "quant_method fp8 with per-tensor or per-channel scales: transformers reads it through its "
+                "fine-grained FP8 quantizer, drops weight_scale and computes with the raw codes",
+                layout_fix,
+            )
         if m.weight_dtype == E4M3FNUZ:
             add(
                 "e4m3fnuz-for-vllm",

@@ -43,3 +43,7 @@ Verdict = Literal["loads", "fails", "loads-wrong", "needs-gpu"]
 #: loaders, the current ones (vLLM >= 0.20, transformers) first.
 Target = Literal["auto", "vllm", "vllm-legacy", "transformers"]
 TARGETS: tuple[Target, ...] = get_args(Target)
+
+#: The checkpoint format OUTPUT is written in: the source's, or (from AutoFP8) compressed-tensors.
+OutputFormat = Literal["keep", "compressed-tensors"]
+OUTPUT_FORMATS: tuple[OutputFormat, ...] = get_args(OutputFormat)

@@ -283,7 +283,7 @@ def test_output_never_inside_source(tmp_path: Path, where: str) -> None:
 
 def test_dry_run_writes_nothing(tmp_path: Path) -> None:
     src = build(tmp_path / "src", phi3())
-    result = run_cli("convert", src, tmp_path / "out", "--dry-run")
+    result = run_cli("convert", src, tmp_path / "out", "--format", "keep", "--dry-run")
     assert result.exit_code == 0
     assert "unfuse" in result.output and "q_proj, k_proj, v_proj" in result.output
     assert "nothing written" in result.output

@@ -211,8 +211,8 @@ def test_output_is_a_complete_repo_and_deterministic(tmp_path: Path) -> None:
     (src / "README.md").write_text("---\nlicense: mit\n---\n# Tiny Phi-3 FP8\nOriginal card text.\n")
     (src / "sub").mkdir()
     (src / "sub" / "notes.txt").write_text("kept")
-    assert run_cli("convert", src, tmp_path / "a", "-q").exit_code == 0
-    assert run_cli("convert", src, tmp_path / "b", "-q").exit_code == 0
+    assert run_cli("convert", src, tmp_path / "a", "--format", "keep", "-q").exit_code == 0
+    assert run_cli("convert", src, tmp_path / "b", "--format", "keep", "-q").exit_code == 0
     assert folder_digest(tmp_path / "a") == folder_digest(tmp_path / "b")
     out = tmp_path / "a"
     for name in ("generation_config.json", "tokenizer_config.json", "sub/notes.txt"):
@@ -232,7 +232,7 @@ def test_output_is_a_complete_repo_and_deterministic(tmp_path: Path) -> None:
 
 def test_single_file_checkpoint_without_index(tmp_path: Path) -> None:
     src = build(tmp_path / "src", phi3(), files=1)
-    assert run_cli("convert", src, tmp_path / "out", "-q").exit_code == 0
+    assert run_cli("convert", src, tmp_path / "out", "--format", "keep", "-q").exit_code == 0
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
     assert "model.layers.0.self_attn.q_proj.weight" in load_tensors(tmp_path / "out")
 
@@ -244,6 +244,6 @@ def test_unfused_moves_nan_codes_as_they_are(tmp_path: Path) -> None:
 
     src = build(tmp_path / "src", phi3())
     patch_bytes(src, "model.layers.0.self_attn.qkv_proj.weight", {1: 0x7F})
-    assert run_cli("convert", src, tmp_path / "out", "-q").exit_code == 0
+    assert run_cli("convert", src, tmp_path / "out", "--format", "keep", "-q").exit_code == 0
     q = load_tensors(tmp_path / "out")["model.layers.0.self_attn.q_proj.weight"]
     assert raw(q)[1] == 0x7F

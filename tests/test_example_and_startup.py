@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -24,11 +25,24 @@ def test_example_is_what_the_script_generates(tmp_path: Path) -> None:
 
 
 def test_example_converts(tmp_path: Path) -> None:
-    result = run_cli("convert", EXAMPLE, tmp_path / "out", "-q")
+    """The Quickstart: the AutoFP8 example loads with raw codes in transformers; written as
+    compressed-tensors (same bytes, per-tensor scales shaped [1]) it loads in vLLM and transformers."""
+    result = run_cli("convert", EXAMPLE, tmp_path / "out", "--json", "-q")
     assert result.exit_code == 0, result.output
-    tensors = load_tensors(tmp_path / "out")
-    assert "model.layers.1.self_attn.v_proj.weight_scale" in tensors
-    assert not any("qkv_proj" in n or "gate_up_proj" in n for n in tensors)
+    report = json.loads(result.output)
+    assert report["output_format"] == "compressed-tensors" and report["layout"] == "fused"
+    assert report["loaders"]["transformers"]["verdict"] == "loads"
+    assert report["source_loaders"]["transformers"]["verdict"] == "loads-wrong"
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    source, tensors = load_tensors(EXAMPLE), load_tensors(tmp_path / "out")
+    assert set(tensors) == set(source)
+    for name, t in source.items():
+        assert raw(tensors[name]) == raw(t), name
+        assert tensors[name].shape == (t.shape if t.dim() else (1,)), name
+    kept = run_cli("convert", EXAMPLE, tmp_path / "kept", "--format", "keep", "-q")
+    assert kept.exit_code == 0, kept.output
+    assert "model.layers.1.self_attn.v_proj.weight_scale" in load_tensors(tmp_path / "kept")
 
 
 @pytest.mark.parametrize("layout", ["unfused", "per-shard", "fused"])

@@ -61,7 +61,7 @@ def card_metadata(text: str) -> dict:
 
 def test_convert_a_repo_id_from_the_cache(tmp_path: Path, hub_cache: Path) -> None:
     env = offline_env(tmp_path, hub_cache)
-    proc = fp8fix("convert", "org/tiny-fp8", tmp_path / "out", "-q", "--verify", env=env)
+    proc = fp8fix("convert", "org/tiny-fp8", tmp_path / "out", "--format", "keep", "-q", "--verify", env=env)
     assert proc.returncode == 0, proc.stderr
     snapshot = hub_cache / "models--org--tiny-fp8" / "snapshots" / SHA
     assert "model.layers.0.self_attn.q_proj.weight" in load_tensors(tmp_path / "out")
@@ -97,7 +97,16 @@ def test_a_repo_that_is_not_cached_offline(tmp_path: Path, hub_cache: Path) -> N
 def test_a_local_folder_wins_over_a_repo_id(tmp_path: Path, hub_cache: Path) -> None:
     work = tmp_path / "work"
     build(work / "org" / "tiny-fp8", phi3(layers=1))
-    proc = fp8fix("convert", "org/tiny-fp8", tmp_path / "out", "-q", env=offline_env(tmp_path, hub_cache), cwd=work)
+    proc = fp8fix(
+        "convert",
+        "org/tiny-fp8",
+        tmp_path / "out",
+        "--format",
+        "keep",
+        "-q",
+        env=offline_env(tmp_path, hub_cache),
+        cwd=work,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "base_model" not in card_metadata((tmp_path / "out" / "README.md").read_text())
     assert "model.layers.1.self_attn.q_proj.weight" not in load_tensors(tmp_path / "out")
@@ -121,6 +130,8 @@ def test_convert_and_push(tmp_path: Path, fake_hub: FakeHub) -> None:
         "convert",
         src,
         tmp_path / "out",
+        "--format",
+        "keep",
         "--to",
         "e4m3fnuz",
         "--push-to-hub",
@@ -148,7 +159,7 @@ def test_convert_and_push(tmp_path: Path, fake_hub: FakeHub) -> None:
 def test_push_as_a_pull_request_once(tmp_path: Path, fake_hub: FakeHub) -> None:
     src = build(tmp_path / "src", phi3())
     env = online_env(tmp_path, fake_hub)
-    assert fp8fix("convert", src, tmp_path / "out", "-q", env=env).returncode == 0
+    assert fp8fix("convert", src, tmp_path / "out", "--format", "keep", "-q", env=env).returncode == 0
     first = fp8fix("push", tmp_path / "out", "org/tiny", "--create-pr", "--commit-message", "Fix FP8 scales", env=env)
     assert first.returncode == 0, first.stderr
     assert first.stdout.strip() == f"pushed: {fake_hub.url}/org/tiny/discussions/1"
@@ -222,7 +233,7 @@ def test_inspect_a_repo_id_reads_headers_not_weights(tmp_path: Path, fake_hub: F
 
     report = json.loads(proc.stdout)
     assert report["source"] == "org/remote" and len(report["modules"]) == 8
-    assert {f["code"] for f in report["findings"]} == {"per-shard-scales-on-fused"}
+    assert {f["code"] for f in report["findings"]} == {"per-shard-scales-on-fused", "raw-codes-in-transformers"}
     assert any("headers read from the Hub" in n for n in report["notes"])
     assert not list((tmp_path / "hf-home").rglob("*.safetensors")), "inspect downloaded weights"
     assert any(r.startswith("GET /org/remote/resolve/") and r.endswith(".safetensors") for r in fake_hub.requests)

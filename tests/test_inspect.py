@@ -67,15 +67,18 @@ def test_single_scale_fused_finding_and_loaders(tmp_path: Path) -> None:
     src = build(tmp_path / "src", phi3())
     report = inspect(src)
     finding = next(f for f in report["findings"] if f["code"] == "single-scale-fused")
-    assert finding["fix"] == "--layout unfused" and len(finding["modules"]) == 4
+    assert finding["fix"] == "--layout fused --format compressed-tensors" and len(finding["modules"]) == 4
     assert loads(report) == EXPECTED_LOADS["single-scale fused"]
     assert run_cli("inspect", src, "--strict").exit_code == 1
-    # converted, the finding is gone and the checkpoint passes the CI gate
+    # converted as suggested (convert's own choice), the checkpoint passes the CI gate
     assert run_cli("convert", src, tmp_path / "out", "-q").exit_code == 0
     fixed = inspect(tmp_path / "out")
-    assert "single-scale-fused" not in codes(fixed)
-    assert loads(fixed) == EXPECTED_LOADS["unfused"]
+    assert not [f for f in fixed["findings"] if f["fix"]]
+    assert loads(fixed) == ("fails", "loads", "loads", "loads")  # compressed-tensors, fused
     assert run_cli("inspect", tmp_path / "out", "--strict").exit_code == 0
+    # unfused (AutoFP8 kept): what vLLM <= 0.5.0 needs too
+    assert run_cli("convert", src, tmp_path / "unfused", "--layout", "unfused", "-q").exit_code == 0
+    assert loads(inspect(tmp_path / "unfused")) == EXPECTED_LOADS["unfused"]
 
 
 def test_per_shard_finding_and_loaders(tmp_path: Path) -> None:

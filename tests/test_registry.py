@@ -50,12 +50,12 @@ def dbrx() -> Model:
     return Model("DbrxForCausalLM", config, "transformer.blocks.{i}.norm_attn_norm.", 2, fused)
 
 
-# The layout `convert` picks (--target auto) for single-scale AutoFP8 sources: the one that loads correctly
-# in the most loaders, vLLM >= 0.20 and transformers first (issue 11 items 1 and 2): GLM is served by vLLM
-# 0.32's Transformers backend, which has only the fused names (vllm/model_executor/models/registry.py
-# _TRANSFORMERS_SUPPORTED_MODELS), so unfused fails there; per-shard fails in every vLLM >= 0.5.1; Baichuan
-# loads in no current loader (vLLM removed it in 0.23), so its per-shard and fused outputs tie at one old
-# vLLM each and the architecture's default stands.
+# The layout `convert --format keep` picks (--target auto) for single-scale AutoFP8 sources: the one that
+# loads correctly in the most loaders, vLLM >= 0.20 and transformers first (issue 11 items 1 and 2): GLM is
+# served by vLLM 0.32's Transformers backend, which has only the fused names
+# (vllm/model_executor/models/registry.py _TRANSFORMERS_SUPPORTED_MODELS), so unfused fails there; per-shard
+# fails in every vLLM >= 0.5.1; Baichuan loads in no current loader (vLLM removed it in 0.23), so its
+# per-shard and fused outputs tie at one old vLLM each and the architecture's default stands.
 MODELS = {
     "glm": (glm("GlmForCausalLM"), "fused"),
     "glm4": (glm("Glm4ForCausalLM"), "unfused"),
@@ -71,7 +71,7 @@ MODELS = {
 def test_default_layout_and_shard_rows(tmp_path: Path, name: str) -> None:
     model, layout = MODELS[name]
     src = build(tmp_path / "src", model, scale="tensor")
-    result = run_cli("convert", src, tmp_path / "out", "--json", "-q")
+    result = run_cli("convert", src, tmp_path / "out", "--format", "keep", "--json", "-q")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["layout"] == layout
@@ -153,7 +153,7 @@ def test_arch_file_teaches_an_unknown_architecture(tmp_path: Path) -> None:
     }
     arch_file = tmp_path / "tiny.json"
     arch_file.write_text(json.dumps(entry))
-    result = run_cli("convert", src, tmp_path / "out", "--arch-file", arch_file, "-q")
+    result = run_cli("convert", src, tmp_path / "out", "--layout", "unfused", "--arch-file", arch_file, "-q")
     assert result.exit_code == 0, result.output
     s, o = load_tensors(src), load_tensors(tmp_path / "out")
     assert raw(o["model.layers.1.attn.k.weight"]) == raw(s["model.layers.1.attn.qkv.weight"][64:80])

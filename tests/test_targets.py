@@ -53,8 +53,9 @@ def test_auto_never_loads_in_fewer_loaders_and_strict_is_a_fixpoint(
 
 def test_chatglm_single_scale_is_kept_and_strict_passes(tmp_path: Path) -> None:
     """Issue 11 item 2: a single-scale ChatGLM source already loads in vLLM >= 0.5.1; the default used to
-    write per-shard (fails in 3 of 4 loaders) and --strict could never pass."""
-    src = build(tmp_path / "src", MODELS["chatglm-mqa"][0])
+    write per-shard (fails in 3 of 4 loaders) and --strict could never pass. (compressed-tensors: an
+    AutoFP8 source would be rewritten as compressed-tensors for transformers.)"""
+    src = build(tmp_path / "src", MODELS["chatglm-mqa"][0], fmt="compressed-tensors")
     result = json.loads(run_cli("convert", src, tmp_path / "out", "--json", "-q").output)
     assert result["layout"] == "fused" and {m["action"] for m in result["modules"]} == {"keep"}
     assert run_cli("inspect", src, "--strict").exit_code == 0

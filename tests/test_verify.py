@@ -20,7 +20,7 @@ Q0 = "model.layers.0.self_attn.q_proj"
 @pytest.fixture
 def converted(tmp_path: Path) -> tuple[Path, Path]:
     src = build(tmp_path / "src", phi3())
-    assert run_cli("convert", src, tmp_path / "out", "-q").exit_code == 0
+    assert run_cli("convert", src, tmp_path / "out", "--format", "keep", "-q").exit_code == 0
     return src, tmp_path / "out"
 
 

@@ -35,6 +35,27 @@ def matches(entry: str, name: str, grammar: Grammar) -> bool:
     raise ValueError(f"unknown name-list grammar {grammar!r}")
 
 
+def output_config(
+    config: dict[str, Any],
+    root: Path,
+    name_lists: tuple[NameList, ...],
+    renames: dict[str, list[str]],
+    compressed_tensors: tuple[str, bool] | None = None,
+) -> dict[str, tuple[dict[str, Any], list[str]]]:
+    """The config files OUTPUT gets where they differ from SOURCE's: name lists following `renames`,
+    then, with `compressed_tensors` = (strategy, has kv-cache scales), quantization_config written
+    as compressed-tensors. Convert writes these; verify expects them."""
+    from fp8fix.plan.compressed_tensors import compressed_tensors_config
+
+    out = rewrite_name_lists(config, root, name_lists, renames)
+    if compressed_tensors is not None:
+        content, edits = out.get(CONFIG, (config, []))
+        strategy, kv = compressed_tensors
+        edits = [*edits, f"quantization_config: quant_method fp8 -> compressed-tensors ({strategy} scales, same bytes)"]
+        out[CONFIG] = (compressed_tensors_config(content, strategy, kv), edits)
+    return out
+
+
 def rewrite_name_lists(
     config: dict[str, Any], root: Path, name_lists: tuple[NameList, ...], renames: dict[str, list[str]]
 ) -> dict[str, tuple[dict[str, Any], list[str]]]:

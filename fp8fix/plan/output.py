@@ -7,13 +7,15 @@ time: `--dry-run` prints the same verdicts a real run does.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fp8fix.io.checkpoint import Checkpoint
 from fp8fix.io.safetensors_file import SafetensorsHeader, TensorInfo
 from fp8fix.plan.pieces import ConversionPlan
 
 
-def planned_checkpoint(plan: ConversionPlan, source: Checkpoint) -> Checkpoint:
-    """OUTPUT as headers only (no data), in the source's folder for its side files."""
+def planned_checkpoint(plan: ConversionPlan, source: Checkpoint, config: dict[str, Any]) -> Checkpoint:
+    """OUTPUT as headers only (no data) with its `config`, in the source's folder for its side files."""
     shards: dict[str, SafetensorsHeader] = {}
     tensors: dict[str, TensorInfo] = {}
     for shard in plan.shards:
@@ -25,4 +27,4 @@ def planned_checkpoint(plan: ConversionPlan, source: Checkpoint) -> Checkpoint:
             offset += t.nbytes
         shards[shard.name] = SafetensorsHeader(path, shard.metadata, infos)
         tensors.update(infos)
-    return Checkpoint(source.root, source.config, source.index, shards, tensors, has_data=False)
+    return Checkpoint(source.root, config, source.index, shards, tensors, has_data=False)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dtypes import tensor_nbytes
 from fp8fix.registry.formats import FormatSpec
 from fp8fix.verdicts import LoaderVerdict
-from fp8fix.vocab import Action, Encoding, Layout, ScaleKind, Target
+from fp8fix.vocab import Action, Encoding, Layout, OutputFormat, ScaleKind, Target
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class OutputTensor:
     shape: tuple[int, ...]
     pieces: list[Piece]
     source: str  # the source tensor it is made from
+    reshaped: bool = False  # same bytes under another shape (compressed-tensors' [1] for a per-tensor scale)
 
     def __post_init__(self) -> None:
         expected = tensor_nbytes(self.dtype, self.shape)
@@ -112,6 +114,7 @@ class OutputTensor:
         """True when the tensor is the source tensor, same name, same bytes."""
         return (
             self.name == self.source
+            and not self.reshaped
             and len(self.pieces) == 1
             and isinstance(self.pieces[0], CopyRange)
             and self.pieces[0].nan_check is None
@@ -174,6 +177,8 @@ class ConversionPlan:
     encoding: EncodingChange | None = None
     sources: dict[str, TensorInfo] = field(default_factory=dict)  # the source's tensors, for messages
     target: Target = "auto"
+    output_format: OutputFormat = "keep"
+    config_files: dict[str, tuple[dict[str, Any], list[str]]] = field(default_factory=dict)  # rewritten configs
     loaders: dict[str, LoaderVerdict] = field(default_factory=dict)  # verdicts on the output, by loader
     source_loaders: dict[str, LoaderVerdict] = field(default_factory=dict)  # the same on the source
 

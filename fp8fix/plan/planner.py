@@ -9,8 +9,11 @@ so requantized shards are normalized before they are requantized.
 from __future__ import annotations
 
 from fp8fix.errors import UnsupportedCheckpoint
+from fp8fix.io.checkpoint import CONFIG
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import CheckpointModel, describe_checkpoint
+from fp8fix.plan import compressed_tensors
+from fp8fix.plan.config_edit import output_config
 from fp8fix.plan.encoding import plan_encoding
 from fp8fix.plan.experts import plan_experts
 from fp8fix.plan.fused import plan_fused_module
@@ -18,31 +21,41 @@ from fp8fix.plan.output import planned_checkpoint
 from fp8fix.plan.pieces import ConversionPlan, CopyRange, ModuleChange, OutputShard, OutputTensor
 from fp8fix.plan.targets import best, candidates
 from fp8fix.verdicts import loader_verdicts
-from fp8fix.vocab import Encoding, Layout, Target
+from fp8fix.vocab import Encoding, Layout, OutputFormat, Target
 
 
 def plan_for_target(
-    model: CheckpointModel, layout: Layout | None, to: Encoding | None = None, target: Target = "auto"
+    model: CheckpointModel,
+    layout: Layout | None,
+    to: Encoding | None = None,
+    target: Target = "auto",
+    output_format: OutputFormat | None = None,
 ) -> ConversionPlan:
-    """The conversion `convert` writes: `layout` when given, else the one `target`'s loaders take best."""
-    if layout is None:
+    """The conversion `convert` writes: `layout` and `output_format` where given, the rest what `target`'s
+    loaders take best. An explicit layout alone keeps the source's format: it asks for that change only."""
+    if layout is not None and output_format is None:
+        output_format = "keep"
+    if layout is None or output_format is None:
         model.require_format()
-        model.require_architecture()
+        _, arch = model.require_architecture()
         model.require_convertible()
-        found = candidates(model)
-        if not found:  # every layout refused: plan the architecture's default for its error
-            return plan_conversion(model, model.require_architecture()[1].default_layout, to)
-        layout = best(found, target, model.require_architecture()[1].default_layout).layout
-        plan = plan_conversion(model, layout, to)
-        plan.layout_was_default = True
+        found = candidates(model, layout, output_format)
+        if not found:  # every candidate refused: plan the first for its error
+            return plan_conversion(model, layout or arch.default_layout, to, output_format or "keep")
+        chosen = best(found, target, arch.default_layout)
+        plan = plan_conversion(model, chosen.layout, to, chosen.output_format)
+        plan.layout_was_default = layout is None
     else:
-        plan = plan_conversion(model, layout, to)
+        plan = plan_conversion(model, layout, to, output_format)
     plan.target = target
     return plan
 
 
-def plan_conversion(model: CheckpointModel, layout: Layout, to: Encoding | None = None) -> ConversionPlan:
-    """The whole conversion in `layout`: fused-module layout first, then (with `to`) the FP8 encoding."""
+def plan_conversion(
+    model: CheckpointModel, layout: Layout, to: Encoding | None = None, output_format: OutputFormat = "keep"
+) -> ConversionPlan:
+    """The whole conversion in `layout` and `output_format`: fused-module layout first, then (with `to`)
+    the FP8 encoding, then the tensor names and shapes of the output format."""
     ckpt = model.checkpoint
     fmt = model.require_format()
     arch_name, arch = model.require_architecture()
@@ -74,6 +87,15 @@ def plan_conversion(model: CheckpointModel, layout: Layout, to: Encoding | None 
     shards = [_plan_shard(name, header.metadata, header.tensors, replacements) for name, header in ckpt.shards.items()]
     _check_unique_names(shards)
     encoding = plan_encoding(model, shards, to) if to else None
+    strategy = None
+    if output_format == "compressed-tensors":
+        strategy = compressed_tensors.strategy_of(shards, model) if compressed_tensors.can_write(model) else None
+        if strategy is None:
+            raise UnsupportedCheckpoint(
+                f"{arch_name}: compressed-tensors output needs an AutoFP8 (quant_method fp8) source whose "
+                f"weight scales the {chosen} layout leaves all per tensor or all per channel"
+            )
+        compressed_tensors.rewrite_tensors(shards, model)
     plan = ConversionPlan(
         source=ckpt.root,
         architecture=arch_name,
@@ -87,8 +109,17 @@ def plan_conversion(model: CheckpointModel, layout: Layout, to: Encoding | None 
         encoding=encoding,
         sources=ckpt.tensors,
     )
+    plan.output_format = output_format
+    plan.config_files = output_config(
+        ckpt.config,
+        ckpt.root,
+        fmt.name_lists,
+        renames,
+        (strategy, bool(model.kv_cache_scales)) if strategy else None,
+    )
     plan.source_loaders = loader_verdicts(model)
-    plan.loaders = loader_verdicts(describe_checkpoint(planned_checkpoint(plan, ckpt), model.registry))
+    config = plan.config_files.get(CONFIG, (ckpt.config, []))[0]
+    plan.loaders = loader_verdicts(describe_checkpoint(planned_checkpoint(plan, ckpt, config), model.registry))
     return plan
 
 

@@ -21,7 +21,7 @@ from fp8fix.model import CheckpointModel
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.registry.loaders import TRANSFORMERS, VLLM, VLLM_LEGACY
 from fp8fix.verdicts import LoaderVerdict
-from fp8fix.vocab import LAYOUTS, Layout, Target
+from fp8fix.vocab import LAYOUTS, OUTPUT_FORMATS, Layout, OutputFormat, Target
 
 #: The loaders each target is for, counted first.
 TARGET_LOADERS: dict[Target, tuple[str, ...]] = {
@@ -35,8 +35,9 @@ TARGET_LOADERS: dict[Target, tuple[str, ...]] = {
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
+    output_format: OutputFormat
     plan: ConversionPlan
-    unchanged: bool  # every fused module kept as it is
+    unchanged: bool  # every fused module kept as it is, in the source's format
 
     def score(self, target: Target) -> tuple[int, int]:
         return score(self.plan.loaders, target)
@@ -47,26 +48,31 @@ def score(verdicts: dict[str, LoaderVerdict], target: Target) -> tuple[int, int]
     return sum(verdicts[name].loads for name in TARGET_LOADERS[target]), sum(v.loads for v in verdicts.values())
 
 
-def candidates(model: CheckpointModel) -> list[Candidate]:
-    """Every layout the planner accepts for this checkpoint, planned without an encoding change."""
+def candidates(
+    model: CheckpointModel, layout: Layout | None = None, output_format: OutputFormat | None = None
+) -> list[Candidate]:
+    """Every layout x output format the planner accepts for this checkpoint (only those given, where
+    given), planned without an encoding change."""
     from fp8fix.plan.planner import plan_conversion
 
     found = []
-    for layout in LAYOUTS:
-        try:
-            plan = plan_conversion(model, layout)
-        except (UnsupportedCheckpoint, OSError):  # no unfused names; scale values not readable (Hub headers)
-            continue
-        found.append(Candidate(layout, plan, all(m.action == "keep" for m in plan.modules)))
+    for lay in [layout] if layout else LAYOUTS:
+        for fmt in [output_format] if output_format else OUTPUT_FORMATS:
+            try:
+                plan = plan_conversion(model, lay, output_format=fmt)
+            except (UnsupportedCheckpoint, OSError):  # no unfused names; no such format; Hub headers only
+                continue
+            unchanged = fmt == "keep" and all(m.action == "keep" for m in plan.modules)
+            found.append(Candidate(lay, fmt, plan, unchanged))
     return found
 
 
 def best(found: list[Candidate], target: Target, default: Layout) -> Candidate:
     """The candidate the target's loaders take best; ties as the module docstring says."""
 
-    def rank(c: Candidate) -> tuple[int, int, int]:
+    def rank(c: Candidate) -> tuple[int, int, int, bool]:
         correct, everywhere = c.score(target)
         ties = [c.layout == "unfused", c.layout == default, c.unchanged, c.layout == "fused", True]
-        return (-correct, -everywhere, ties.index(True))
+        return (-correct, -everywhere, ties.index(True), c.output_format != "keep")
 
     return min(found, key=rank)

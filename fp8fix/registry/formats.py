@@ -68,6 +68,9 @@ AUTOFP8 = FormatSpec(
 )
 #: AutoFP8's first releases: `act_scale` for the input scale, one `kv_scale` per attention.
 AUTOFP8_LEGACY = replace(AUTOFP8, label="AutoFP8 (legacy act_scale names)", input_scale="act_scale")
+#: Legacy AutoFP8 tensor suffixes and today's names for them (`kv_scale` is both kv scales: vLLM's
+#: `maybe_remap_kv_scale_name` loads it as k_scale and duplicates it to v_scale).
+LEGACY_RENAMES = {".act_scale": (".input_scale",), ".kv_scale": (".k_scale", ".v_scale")}
 BLOCK_FP8 = FormatSpec(
     name="fp8",
     label="block FP8 (DeepSeek-V3 / Qwen3 / FineGrainedFP8)",

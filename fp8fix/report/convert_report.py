@@ -88,7 +88,8 @@ def plan_lines(plan: ConversionPlan) -> list[str]:
     how = f"best for --target {plan.target}" if plan.layout_was_default else "chosen"
     lines = [
         f"source:  {plan.source} ({plan.architecture}, {plan.format.label})",
-        f"layout:  {plan.layout} ({how})",
+        f"layout:  {plan.layout} ({how})"
+        + (f"; written as {plan.output_format}" if plan.output_format != "keep" else ""),
     ]
     groups = module_groups(plan)
     encoding = encoding_line(plan)
@@ -126,6 +127,7 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
         "layout": plan.layout,
         "layout_was_default": plan.layout_was_default,
         "target": plan.target,
+        "output_format": plan.output_format,
         "modules": [
             {
                 "module": m.module,

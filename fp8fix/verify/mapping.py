@@ -11,7 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from fp8fix.registry.formats import LEGACY_RENAMES
 from fp8fix.verify.context import VerifyContext
+
+
+def current_names(param: str) -> tuple[str, ...]:
+    """Today's names of a legacy AutoFP8 parameter (act_scale, kv_scale); () for any other."""
+    return tuple(new.lstrip(".") for new in LEGACY_RENAMES.get("." + param, ()))
 
 
 @dataclass
@@ -36,9 +42,16 @@ def map_tensors(ctx: VerifyContext) -> dict[str, list[Target]]:
             mapping[name] = [Target(name, 0, rows)]
             continue
         module, _, param = name.rpartition(".")
+        renamed = [f"{module}.{p}" for p in current_names(param)]
+        if renamed and all(n in out.tensors for n in renamed):  # legacy AutoFP8 names, written as today's
+            mapping[name] = [Target(n, 0, rows) for n in renamed]
+            continue
         f = ctx.model.fused.get(module)
         if f is not None and f.spec.can_unfuse:
-            names = [f"{f.spec.unfused_path(module, s)}.{param}" for s in f.spec.shards]
+            out_param = next(iter(current_names(param)), param)
+            names = [f"{f.spec.unfused_path(module, s)}.{out_param}" for s in f.spec.shards]
+            if not all(n in out.tensors for n in names):
+                names = [f"{f.spec.unfused_path(module, s)}.{param}" for s in f.spec.shards]
             if all(n in out.tensors for n in names):
                 per_shard = t.shape == (len(f.rows),)
                 targets: list[Target] = []

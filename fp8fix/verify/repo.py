@@ -8,7 +8,8 @@ from fp8fix.io.checkpoint import CONFIG, INDEX
 from fp8fix.io.safetensors_file import read_values
 from fp8fix.io.source_files import CHUNK
 from fp8fix.numerics.recodings import scale_factor
-from fp8fix.plan.config_edit import rewrite_name_lists
+from fp8fix.plan.config_edit import output_config
+from fp8fix.registry.formats import AUTOFP8, AUTOFP8_LEGACY, COMPRESSED_TENSORS, quantization_config
 from fp8fix.verify.context import VerifyContext
 from fp8fix.verify.mapping import Target
 
@@ -77,7 +78,7 @@ def check_repo(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
     for name, header in out.shards.items():
         if header.metadata.get("format") != "pt":
             report.problem(f"{name}: __metadata__ has no format: pt")
-    rewritten = rewrite_name_lists(src.config, src.root, ctx.fmt.name_lists, renames)
+    rewritten = output_config(src.config, src.root, ctx.fmt.name_lists, renames, _compressed_tensors(ctx))
     if out.config != rewritten.get(CONFIG, (src.config, []))[0]:
         report.problem("config.json: differs from SOURCE's beyond the renamed quantization_config entries")
     for file, (content, _) in rewritten.items():
@@ -87,3 +88,15 @@ def check_repo(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
         copied = out.root / rel
         if not copied.is_file() or copied.read_bytes() != (src.root / rel).read_bytes():
             report.problem(f"{rel}: missing from OUTPUT or not a copy of SOURCE's")
+
+
+def _compressed_tensors(ctx: VerifyContext) -> tuple[str, bool] | None:
+    """(strategy, kv-cache scales) when OUTPUT says it is compressed-tensors and SOURCE is AutoFP8: the
+    strategy read off OUTPUT's weight scales (one value each: tensor; one per row: channel), so a
+    config that claims another is a mismatch."""
+    if (quantization_config(ctx.out.config) or {}).get("quant_method") != COMPRESSED_TENSORS.name:
+        return None
+    if ctx.model.format not in (AUTOFP8, AUTOFP8_LEGACY):
+        return None
+    scales = [t for name, t in ctx.out.tensors.items() if name.endswith("." + ctx.fmt.weight_scale)]
+    return ("tensor" if all(t.numel == 1 for t in scales) else "channel"), bool(ctx.model.kv_cache_scales)

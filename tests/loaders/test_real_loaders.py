@@ -38,12 +38,19 @@ SOURCES = {
     "block-fp8": ("block-fp8", "block"),  # DeepSeek-V3 / Qwen3 style weight_scale_inv per 32x32 block
 }
 LAYOUTS = ("as-exported", "unfused", "per-shard", "fused")
+#: Outputs written as compressed-tensors (AutoFP8 sources only): case name -> convert options.
+AS_COMPRESSED_TENSORS = {
+    "unfused+ct": ("--layout", "unfused", "--format", "compressed-tensors"),
+    "fused+ct": ("--layout", "fused", "--format", "compressed-tensors"),
+}
 #: Cases a real loader cannot run here, for a reason outside weight loading.
 CANNOT_RUN = {
     ("vllm", "block-fp8"): "vLLM 0.32's CPU build selects no ScaledMM kernel for block FP8 on this CPU "
     "('Failed to find a kernel that can implement the ScaledMM linear layer'); not yet patched in vllm_load.py",
 }
-CASES = [(source, layout) for source in SOURCES for layout in LAYOUTS]
+CASES = [(source, layout) for source in SOURCES for layout in LAYOUTS] + [
+    (source, case) for source in SOURCES if source.startswith("fp8") for case in AS_COMPRESSED_TENSORS
+]
 
 
 def loader_model() -> Model:
@@ -105,9 +112,12 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Cas
         src = build(root / name, model, fmt=fmt, scale=scale)
         truth = true_weights(src, model)
         out[(name, "as-exported")] = Case(name, "as-exported", src, truth, {})
-        for layout in LAYOUTS[1:]:
+        options = {layout: ("--layout", layout) for layout in LAYOUTS[1:]}
+        if name.startswith("fp8"):
+            options.update(AS_COMPRESSED_TENSORS)
+        for layout, args in options.items():
             folder = root / f"{name}-{layout}"
-            result = run_cli("convert", src, folder, "--layout", layout, "--json")
+            result = run_cli("convert", src, folder, *args, "--json")
             assert result.exit_code == 0, result.output
             said = {row: v["verdict"] for row, v in json.loads(result.output)["loaders"].items()}
             out[(name, layout)] = Case(name, layout, folder, truth, said)

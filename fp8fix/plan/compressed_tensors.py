@@ -1,0 +1,110 @@
+"""Writing an AutoFP8 (`quant_method: fp8`) checkpoint as compressed-tensors, byte for byte.
+
+transformers 5.x reads `quant_method: fp8` through its fine-grained FP8 quantizer, which
+drops per-tensor `weight_scale`, so an AutoFP8 checkpoint computes with raw codes there
+(tests/loaders). The same weights and scales described as compressed-tensors
+`float-quantized` load exactly in transformers (compressed-tensors decompresses them)
+and in vLLM (its compressed-tensors FP8 scheme): measured in tests/loaders. Nothing is
+recomputed: the FP8 codes and scale bytes are copied; per-tensor scales take
+compressed-tensors' `[1]` shape; the legacy AutoFP8 names become the current ones
+(`act_scale` -> `input_scale`; `kv_scale` -> `k_scale` and `v_scale`, the split vLLM's own
+`maybe_remap_kv_scale_name` makes of it); config.json's quantization_config is rewritten
+as compressed-tensors writes it (llm-compressor's FP8 presets):
+- one group targeting `Linear` with float 8-bit symmetric weights, `strategy` tensor or
+  channel as the scales are, input activations per tensor, static or dynamic as AutoFP8's
+  `activation_scheme` says;
+- `ignore` from AutoFP8's `ignored_layers`; `kv_cache_scheme` when there are kv-cache scales.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from fp8fix.model import CheckpointModel
+from fp8fix.plan.pieces import OutputShard, OutputTensor
+from fp8fix.registry.formats import AUTOFP8, AUTOFP8_LEGACY, LEGACY_RENAMES, quantization_config
+
+COMPRESSED_TENSORS = "compressed-tensors"
+PER_TENSOR_SHAPE = (1,)
+
+
+def can_write(model: CheckpointModel) -> bool:
+    """An AutoFP8 checkpoint whose weight scales are all per tensor or all per channel (or per shard,
+    which a layout may make per tensor), and no substring-matched `modules_to_not_convert`, which
+    compressed-tensors' exact-or-regex `ignore` cannot say."""
+    kinds = {w.scale_kind for w in model.weights.values() if w.is_module_weight}
+    qc = quantization_config(model.checkpoint.config) or {}
+    return (
+        model.format in (AUTOFP8, AUTOFP8_LEGACY)
+        and bool(kinds)
+        and kinds <= {"tensor", "channel", "shard"}
+        and not qc.get("modules_to_not_convert")
+    )
+
+
+def strategy_of(shards: list[OutputShard], model: CheckpointModel) -> str | None:
+    """tensor or channel, as every output weight scale is; None when they are not all one kind
+    (a per-shard scale vector has no compressed-tensors form)."""
+    scale_names = {model.require_format().weight_scale_of(w) for w in model.weights}
+    shapes = {t.shape for s in shards for t in s.tensors if t.source in scale_names}
+    if all(len(shape) <= 1 and _numel(shape) == 1 for shape in shapes):
+        return "tensor"
+    if all(len(shape) == 2 and shape[1] == 1 for shape in shapes):
+        return "channel"
+    return None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def rewrite_tensors(shards: list[OutputShard], model: CheckpointModel) -> None:
+    """In place: per-tensor scales get the `[1]` shape, legacy names the current ones."""
+    fmt = model.require_format()
+    per_tensor = {fmt.weight_scale_of(w) for w in model.weights} | {fmt.input_scale_of(w) for w in model.weights}
+    per_tensor |= {t.name for t in model.kv_cache_scales}
+    for shard in shards:
+        out: list[OutputTensor] = []
+        for t in shard.tensors:
+            if t.source in per_tensor and _numel(t.shape) == 1 and t.shape != PER_TENSOR_SHAPE:
+                t.shape, t.reshaped = PER_TENSOR_SHAPE, True
+            suffix = next((s for s in LEGACY_RENAMES if t.name.endswith(s)), None)
+            if suffix is None:
+                out.append(t)
+                continue
+            for new in LEGACY_RENAMES[suffix]:
+                name = t.name[: -len(suffix)] + new
+                out.append(OutputTensor(name, t.dtype, t.shape, list(t.pieces), t.source))
+        shard.tensors = out
+
+
+def compressed_tensors_config(config: dict[str, Any], strategy: str, kv_scales: bool) -> dict[str, Any]:
+    """config.json with its AutoFP8 quantization_config written as compressed-tensors."""
+    out = copy.deepcopy(config)
+    source = quantization_config(out) or {}
+    float8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    group = {
+        "targets": ["Linear"],
+        "weights": {**float8, "strategy": strategy, "dynamic": False},
+        "input_activations": {
+            **float8,
+            "strategy": "tensor",
+            "dynamic": source.get("activation_scheme", "static") != "static",
+        },
+    }
+    qc: dict[str, Any] = {
+        "quant_method": COMPRESSED_TENSORS,
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+        "ignore": list(source.get("ignored_layers") or []),
+    }
+    if kv_scales:
+        qc["kv_cache_scheme"] = {**float8, "strategy": "tensor", "dynamic": False}
+    out.pop("compression_config", None)
+    out["quantization_config"] = qc
+    return out
