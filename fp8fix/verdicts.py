@@ -21,6 +21,23 @@ VLLM_TRANSFORMERS_BACKEND = frozenset({"GlmForCausalLM", "GPTNeoXForCausalLM"})
 VLLM_REMOVED = frozenset({"BaichuanForCausalLM", "BaiChuanForCausalLM"})
 
 
+#: What each fact means, for the README's table of rules (scripts/loader_tables.py).
+FACT_DESCRIPTIONS = {
+    "unusable_scales": "an FP8 weight without a usable scale",
+    "per_shard_fused": "a fused module with one weight scale per shard",
+    "one_scale_fused": "a fused module with one weight scale (or per-channel / block scales)",
+    "per_shard_input_scales": "a fused module with one static input scale per shard",
+    "unfused_names": "per-shard module names (q_proj, ...) where the model fuses them",
+    "unfused_on_transformers_backend": "per-shard names, and an architecture vLLM serves through its "
+    "Transformers backend (GLM, GPT-NeoX)",
+    "vllm_removed_architecture": "an architecture vLLM removed (Baichuan)",
+    "fp8_per_tensor": "quant_method fp8 without weight_block_size (AutoFP8)",
+    "channel_scales_under_fp8": "quant_method fp8 with per-channel weight scales",
+    "legacy_names": "the legacy AutoFP8 names act_scale / kv_scale",
+    "fbgemm": "quant_method fbgemm_fp8",
+}
+
+
 @dataclass(frozen=True)
 class Facts:
     """What the loaders' rules ask about a checkpoint."""

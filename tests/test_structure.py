@@ -83,3 +83,13 @@ def test_commands_take_the_checkpoint_description_not_each_others_internals(comm
     assert not [
         m for m in verify_imports if m.split(".")[1] in ("inspect", "convert", "plan") and "config_edit" not in m
     ]
+
+
+def test_the_readme_loader_table_is_generated_from_the_rules() -> None:
+    """The README's table of loader rules is scripts/loader_tables.py's rendering of registry/loaders.py."""
+    import subprocess
+    import sys
+
+    script = PACKAGE.parent / "scripts" / "loader_tables.py"
+    proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, "README.md's loader table is stale: run python scripts/loader_tables.py"

@@ -43,7 +43,13 @@ class Rule:
 RULES: tuple[Rule, ...] = (
     # every loader: nothing recovers a weight without its scale
     *(
-        Rule(loader, "unusable_scales", "fails", "FP8 weights without a usable scale", "fp8fix inspect findings")
+        Rule(
+            loader,
+            "unusable_scales",
+            "fails",
+            "FP8 weights without a usable scale",
+            "a weight cannot be dequantized without its scale",
+        )
         for loader in LOADERS
     ),
     Rule(VLLM_LEGACY, "per_shard_fused", "loads", "expects one scale per shard on fused modules", REFERENCE),
@@ -68,7 +74,7 @@ RULES: tuple[Rule, ...] = (
         "legacy_names",
         "fails",
         "no parameter named act_scale / kv_scale: the legacy AutoFP8 names are not loaded",
-        "issue 11 measurement (vLLM 0.32: no module or parameter named '...act_scale')",
+        "vLLM 0.32: no module or parameter named '...act_scale'; " + REAL_LOADER_TESTS,
     ),
     Rule(
         VLLM,
@@ -86,7 +92,7 @@ RULES: tuple[Rule, ...] = (
         "channel_scales_under_fp8",
         "fails",
         "quant_method fp8 (AutoFP8) takes per-tensor or block weight scales, not per-channel ones",
-        "issue 11 measurement (vLLM 0.32 AssertionError, static or dynamic); " + REAL_LOADER_TESTS,
+        "vLLM 0.32 AssertionError, static or dynamic; " + REAL_LOADER_TESTS,
     ),
     Rule(
         TRANSFORMERS,

@@ -48,9 +48,11 @@ CANNOT_RUN = {
     ("vllm", "block-fp8"): "vLLM 0.32's CPU build selects no ScaledMM kernel for block FP8 on this CPU "
     "('Failed to find a kernel that can implement the ScaledMM linear layer'); not yet patched in vllm_load.py",
 }
-CASES = [(source, layout) for source in SOURCES for layout in LAYOUTS] + [
-    (source, case) for source in SOURCES if source.startswith("fp8") for case in AS_COMPRESSED_TENSORS
-]
+CASES = (
+    [(source, layout) for source in SOURCES for layout in LAYOUTS]
+    + [(source, case) for source in SOURCES if source.startswith("fp8") for case in AS_COMPRESSED_TENSORS]
+    + [(source, "auto") for source in SOURCES]  # what `convert SOURCE OUTPUT` writes
+)
 
 
 def loader_model() -> Model:
@@ -112,7 +114,8 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Cas
         src = build(root / name, model, fmt=fmt, scale=scale)
         truth = true_weights(src, model)
         out[(name, "as-exported")] = Case(name, "as-exported", src, truth, {})
-        options = {layout: ("--layout", layout) for layout in LAYOUTS[1:]}
+        options: dict[str, tuple[str, ...]] = {layout: ("--layout", layout) for layout in LAYOUTS[1:]}
+        options["auto"] = ()
         if name.startswith("fp8"):
             options.update(AS_COMPRESSED_TENSORS)
         for layout, args in options.items():
@@ -178,3 +181,17 @@ def test_fp8fix_says_what_the_loader_does(
     assert said == real, f"fp8fix inspect says {said}, the real {loader} {real}: {why[:300]}"
     if case.convert_verdicts:  # convert judged what it wrote, as inspect judges what it reads
         assert case.convert_verdicts[VERDICT_ROWS[loader]] == said
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_the_default_conversion_never_loads_in_fewer_loaders(
+    cases: dict[tuple[str, str], Case], loaded: dict[str, dict], source: str
+) -> None:
+    """What `convert SOURCE OUTPUT` writes loads correctly, for real, in at least the loaders SOURCE does."""
+    runnable = [loader for loader in VERDICT_ROWS if (loader, source) not in CANNOT_RUN]
+
+    def correct(layout: str) -> set[str]:
+        case = cases[(source, layout)]
+        return {loader for loader in runnable if outcome(loaded[loader][(source, layout)], case.truth)[0] == "loads"}
+
+    assert correct("auto") >= correct("as-exported")

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Render the README's loader table from the data in fp8fix/registry/loaders.py, with each row's evidence.
+
+    python scripts/loader_tables.py           # rewrite the table between the README's markers
+    python scripts/loader_tables.py --check   # exit 1 when the README's table is not what the data says
+
+The table is never written by hand: a rule changes in `registry/loaders.py` (or the facts
+in `verdicts.py` it names), and this script carries it into the README; the test suite
+runs `--check`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fp8fix.registry.loaders import LOADERS, LOADS_BECAUSE, RULES
+from fp8fix.verdicts import FACT_DESCRIPTIONS
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+START, END = "<!-- loader-rules:start (scripts/loader_tables.py) -->", "<!-- loader-rules:end -->"
+
+
+def render() -> str:
+    lines = ["| loader | when the checkpoint has | verdict | why | evidence |", "|---|---|---|---|---|"]
+    for loader in LOADERS:
+        for rule in (r for r in RULES if r.loader == loader):
+            reason = rule.reason.replace("{architecture}", "the architecture")
+            lines.append(
+                f"| {loader} | {FACT_DESCRIPTIONS[rule.condition]} | **{rule.verdict}** | {reason} | {rule.evidence} |"
+            )
+        for layout, why in LOADS_BECAUSE[loader].items():
+            lines.append(
+                f"| {loader} | otherwise, {layout} modules | **loads** | {why} | {_default_evidence(loader)} |"
+            )
+    return "\n".join(lines)
+
+
+def _default_evidence(loader: str) -> str:
+    if loader in ("vLLM >= 0.20", "transformers"):
+        return "tests/loaders/test_real_loaders.py"
+    return "shared/reference/fp8-checkpoints.md 2a"
+
+
+def replaced(text: str) -> str:
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{render()}\n{END}{tail}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    text = README.read_text(encoding="utf-8")
+    new = replaced(text)
+    if args.check:
+        sys.exit(0 if new == text else 1)
+    README.write_text(new, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
