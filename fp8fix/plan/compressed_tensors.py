@@ -19,13 +19,13 @@ as compressed-tensors writes it (llm-compressor's FP8 presets):
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 from fp8fix.model import CheckpointModel
 from fp8fix.plan.pieces import OutputShard, OutputTensor
-from fp8fix.registry.formats import AUTOFP8, AUTOFP8_LEGACY, LEGACY_RENAMES, quantization_config
+from fp8fix.registry.formats import AUTOFP8, AUTOFP8_LEGACY, COMPRESSED_TENSORS, LEGACY_RENAMES, quantization_config
 
-COMPRESSED_TENSORS = "compressed-tensors"
 PER_TENSOR_SHAPE = (1,)
 
 
@@ -48,18 +48,11 @@ def strategy_of(shards: list[OutputShard], model: CheckpointModel) -> str | None
     (a per-shard scale vector has no compressed-tensors form)."""
     scale_names = {model.require_format().weight_scale_of(w) for w in model.weights}
     shapes = {t.shape for s in shards for t in s.tensors if t.source in scale_names}
-    if all(len(shape) <= 1 and _numel(shape) == 1 for shape in shapes):
+    if all(len(shape) <= 1 and math.prod(shape) == 1 for shape in shapes):
         return "tensor"
     if all(len(shape) == 2 and shape[1] == 1 for shape in shapes):
         return "channel"
     return None
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def rewrite_tensors(shards: list[OutputShard], model: CheckpointModel) -> None:
@@ -70,7 +63,7 @@ def rewrite_tensors(shards: list[OutputShard], model: CheckpointModel) -> None:
     for shard in shards:
         out: list[OutputTensor] = []
         for t in shard.tensors:
-            if t.source in per_tensor and _numel(t.shape) == 1 and t.shape != PER_TENSOR_SHAPE:
+            if t.source in per_tensor and math.prod(t.shape) == 1 and t.shape != PER_TENSOR_SHAPE:
                 t.shape, t.reshaped = PER_TENSOR_SHAPE, True
             suffix = next((s for s in LEGACY_RENAMES if t.name.endswith(s)), None)
             if suffix is None:
@@ -97,7 +90,7 @@ def compressed_tensors_config(config: dict[str, Any], strategy: str, kv_scales: 
         },
     }
     qc: dict[str, Any] = {
-        "quant_method": COMPRESSED_TENSORS,
+        "quant_method": COMPRESSED_TENSORS.name,
         "format": "float-quantized",
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
