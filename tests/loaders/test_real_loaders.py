@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.builders import Model, build, phi3
+from tests.builders import FusedModule, Model, build, phi3
 from tests.conftest import run_cli
 from tests.loaders.conftest import Loaded, interpreter, run_loader
 
@@ -27,7 +27,8 @@ pytestmark = pytest.mark.loaders
 
 #: fp8fix's loader rows that these real loaders answer for.
 VERDICT_ROWS = {"vllm": "vLLM >= 0.20", "transformers": "transformers"}
-#: Sources as each exporter writes them (tests/builders.py): name -> (format, scale).
+#: Sources as each exporter writes them (tests/builders.py): name -> (format, scale); Phi-3 unless
+#: MODELS names another architecture.
 SOURCES = {
     "fp8-tensor": ("fp8", "tensor"),  # AutoFP8 per-tensor, the shipped example's format
     "fp8-channel": ("fp8", "channel"),  # quant_method fp8 with [out, 1] weight scales
@@ -36,6 +37,8 @@ SOURCES = {
     "ct-channel": ("compressed-tensors", "channel"),
     "fbgemm": ("fbgemm", "channel"),
     "block-fp8": ("block-fp8", "block"),  # DeepSeek-V3 / Qwen3 style weight_scale_inv per 32x32 block
+    "glm-fp8": ("fp8", "tensor"),  # GlmForCausalLM: vLLM 0.32 serves it through its Transformers backend
+    "glm-ct": ("compressed-tensors", "tensor"),
 }
 LAYOUTS = ("as-exported", "unfused", "per-shard", "fused")
 #: Outputs written as compressed-tensors (AutoFP8 sources only): case name -> convert options.
@@ -55,9 +58,36 @@ CASES = (
 )
 
 
-def loader_model() -> Model:
-    model = phi3()
-    # transformers' Phi3Config defaults pad_token_id to 32000, beyond this tiny vocabulary
+def glm() -> Model:
+    """GLM-4-0414's dense predecessor (transformers' GlmForCausalLM): q/k/v/o apart, gate_up_proj fused."""
+    hidden, heads, kv_heads, head_dim, intermediate = 64, 4, 2, 16, 128
+    config = {
+        "architectures": ["GlmForCausalLM"],
+        "model_type": "glm",
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": 2,
+        "vocab_size": 256,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+    }
+    plain = [
+        ("self_attn.q_proj", heads * head_dim, hidden),
+        ("self_attn.k_proj", kv_heads * head_dim, hidden),
+        ("self_attn.v_proj", kv_heads * head_dim, hidden),
+        ("self_attn.o_proj", hidden, heads * head_dim),
+        ("mlp.down_proj", hidden, intermediate),
+    ]
+    fused = [FusedModule("mlp.gate_up_proj", [intermediate, intermediate], hidden)]
+    return Model("GlmForCausalLM", config, "model.layers.{i}.", 2, fused, plain=plain, hidden=hidden)
+
+
+def loader_model(source: str) -> Model:
+    model = glm() if source.startswith("glm") else phi3()
+    # transformers' configs default pad_token_id to ids beyond this tiny vocabulary
     model.config.update(pad_token_id=None, bos_token_id=None, eos_token_id=None)
     return model
 
@@ -108,9 +138,9 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Cas
     for loader in VERDICT_ROWS:  # skip (or, in CI, fail) before building anything
         interpreter(loader)
     root = tmp_path_factory.mktemp("real-loaders")
-    model = loader_model()
     out = {}
     for name, (fmt, scale) in SOURCES.items():
+        model = loader_model(name)
         src = build(root / name, model, fmt=fmt, scale=scale)
         truth = true_weights(src, model)
         out[(name, "as-exported")] = Case(name, "as-exported", src, truth, {})
@@ -139,12 +169,41 @@ def loaded(cases: dict[tuple[str, str], Case], tmp_path_factory: pytest.TempPath
     return results
 
 
-def same_values(got: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Exactly the true values, or the true values rounded once to bf16: on CPU transformers
-    dequantizes FP8 layers into the model's dtype (bf16 here) and computes with that."""
+#: vLLM requantizes shards with different scales to their largest at load, through float16: measured
+#: 0.502-0.516 fp8 step from the true values (issue 14), a bounded loss, not wrong weights.
+REQUANTIZED_STEPS = 0.52
+
+
+def same_values(got: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    """Exactly the true values; or the true values rounded once to bf16 (on CPU transformers dequantizes
+    FP8 layers into the model's dtype, bf16 here); or, for a layer the loader requantized to one `scale`,
+    within REQUANTIZED_STEPS fp8 steps of that scale's grid."""
     if got.shape != expected.shape:
         return False
-    return torch.equal(got, expected) or torch.equal(got, expected.to(torch.bfloat16).float())
+    if torch.equal(got, expected) or torch.equal(got, expected.to(torch.bfloat16).float()):
+        return True
+    if scale is None or scale.numel() != 1:
+        return False
+    codes = expected / scale
+    _, exponent = torch.frexp(codes)
+    step = torch.exp2((exponent - 1).clamp(min=-6).float() - 3) * scale  # e4m3fn: 3 mantissa bits
+    return bool(((got - expected).abs() <= REQUANTIZED_STEPS * step).all())
+
+
+#: Layers a loader packs from several checkpoint modules, rows in this order (vLLM's packed_modules_mapping:
+#: its own models and its Transformers backend fuse q/k/v and gate/up).
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def as_loaded(truth: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The true weights under the loader's layer names: modules it packs are concatenated by rows."""
+    expected = dict(truth)
+    for name in loaded:
+        module, _, leaf = name.rpartition(".")
+        parts = [f"{module}.{p}" for p in PACKED.get(leaf, ())]
+        if name not in expected and parts and all(p in truth for p in parts):
+            expected[name] = torch.cat([expected.pop(p) for p in parts])
+    return expected
 
 
 def outcome(result: Loaded, truth: dict[str, torch.Tensor]) -> tuple[str, str]:
@@ -153,11 +212,11 @@ def outcome(result: Loaded, truth: dict[str, torch.Tensor]) -> tuple[str, str]:
         needs_gpu = "requires a GPU" in result.error
         return ("needs-gpu" if needs_gpu else "fails"), result.error
     wrong = []
-    for module, expected in truth.items():
+    for module, expected in as_loaded(truth, result.weights).items():
         got = result.weights.get(module)
         if got is None:
             wrong.append(f"{module}: not loaded")
-        elif not same_values(got, expected):
+        elif not same_values(got, expected, result.weights.get(f"{module}::scale")):
             error = (got - expected).abs().max().item() if got.shape == expected.shape else float("nan")
             wrong.append(f"{module}: differs (max abs error {error:.3g})")
     return ("loads-wrong", "; ".join(wrong[:3])) if wrong else ("loads", "")

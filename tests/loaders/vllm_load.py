@@ -85,11 +85,16 @@ def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
             ensure_model_parallel_initialized(1, 1)
             _DISTRIBUTED.append(True)
         model = get_model(vllm_config=config)
-    weights = {
-        name: dequantized(module).contiguous()
+    layers = {
+        name: module
         for name, module in model.named_modules()
         if hasattr(module, "weight_scale") and getattr(module, "weight", None) is not None
     }
+    weights = {name: dequantized(module).contiguous() for name, module in layers.items()}
+    # the scale each layer ended with: where vLLM requantized at load, the grid its values lie on
+    weights.update(
+        {f"{name}::scale": module.weight_scale.float().reshape(-1).contiguous() for name, module in layers.items()}
+    )
     return {"loaded": True, "model_class": type(model).__name__}, weights
 
 
