@@ -47,10 +47,7 @@ AS_COMPRESSED_TENSORS = {
     "fused+ct": ("--layout", "fused", "--format", "compressed-tensors"),
 }
 #: Cases a real loader cannot run here, for a reason outside weight loading.
-CANNOT_RUN = {
-    ("vllm", "block-fp8"): "vLLM 0.32's CPU build selects no ScaledMM kernel for block FP8 on this CPU "
-    "('Failed to find a kernel that can implement the ScaledMM linear layer'); not yet patched in vllm_load.py",
-}
+CANNOT_RUN: dict[tuple[str, str], str] = {}
 CASES = (
     [(source, layout) for source in SOURCES for layout in LAYOUTS]
     + [(source, case) for source in SOURCES if source.startswith("fp8") for case in AS_COMPRESSED_TENSORS]

@@ -17,6 +17,10 @@ loading:
   registers `_C::static_scaled_fp8_quant` without arguments. The replacement follows the
   CUDA kernel (csrc/quantization/w8a8/fp8/common.cuh, `scaled_fp8_conversion`): divide by
   the scale in float32, clamp to the e4m3fn range, round to nearest even.
+- `CPUFp8BlockScaledMMKernel` (kernels/linear/scaled_mm/cpu.py), the CPU build's block-FP8
+  matmul, needs AMX tiles and 128-wide K blocks: it is allowed here, and its
+  `process_weights_after_loading`, which only VNNI-packs the weight for AMX, leaves the
+  loaded weight as it is. Block-shape checks and weight loading are vLLM's own.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from vllm.distributed.parallel_state import (  # noqa: E402
     init_distributed_environment,
 )
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel  # noqa: E402
 from vllm.model_executor.model_loader import get_model  # noqa: E402
 
 _scaled_fp8_quant = ops.scaled_fp8_quant
@@ -51,6 +56,9 @@ def static_scaled_fp8_quant(input, scale=None, *args, **kwargs):  # type: ignore
 
 torch.accelerator.empty_cache = lambda: None
 ops.scaled_fp8_quant = static_scaled_fp8_quant
+CPUFp8BlockScaledMMKernel.is_supported = classmethod(lambda cls, compute_capability=None: (True, None))
+CPUFp8BlockScaledMMKernel.can_implement = classmethod(lambda cls, config: (True, None))
+CPUFp8BlockScaledMMKernel.process_weights_after_loading = lambda self, layer: None
 
 
 def dequantized(layer: torch.nn.Module) -> torch.Tensor:
@@ -61,7 +69,12 @@ def dequantized(layer: torch.nn.Module) -> torch.Tensor:
         w = w.t()  # the kernels keep a transposed view
     if tuple(w.shape) != (rows, cols):
         raise ValueError(f"weight {tuple(w.shape)} is not [{rows}, {cols}]")
-    return scaled(w, layer.weight_scale)
+    return scaled(w, scale_of(layer))
+
+
+def scale_of(layer: torch.nn.Module) -> torch.Tensor:
+    scale = getattr(layer, "weight_scale_inv", None)  # block FP8
+    return layer.weight_scale if scale is None else scale
 
 
 _DISTRIBUTED: list[bool] = []
@@ -88,12 +101,13 @@ def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     layers = {
         name: module
         for name, module in model.named_modules()
-        if hasattr(module, "weight_scale") and getattr(module, "weight", None) is not None
+        if (hasattr(module, "weight_scale") or hasattr(module, "weight_scale_inv"))
+        and getattr(module, "weight", None) is not None
     }
     weights = {name: dequantized(module).contiguous() for name, module in layers.items()}
     # the scale each layer ended with: where vLLM requantized at load, the grid its values lie on
     weights.update(
-        {f"{name}::scale": module.weight_scale.float().reshape(-1).contiguous() for name, module in layers.items()}
+        {f"{name}::scale": scale_of(module).float().reshape(-1).contiguous() for name, module in layers.items()}
     )
     return {"loaded": True, "model_class": type(model).__name__}, weights
 
