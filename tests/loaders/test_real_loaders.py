@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from tests.builders import FusedModule, Model, build, phi3
-from tests.conftest import run_cli
+from tests.conftest import patch_bytes, run_cli
 from tests.loaders.conftest import Loaded, interpreter, run_loader
 
 pytestmark = pytest.mark.loaders
@@ -46,12 +46,21 @@ AS_COMPRESSED_TENSORS = {
     "unfused+ct": ("--layout", "unfused", "--format", "compressed-tensors"),
     "fused+ct": ("--layout", "fused", "--format", "compressed-tensors"),
 }
+#: Encoding changes, on every source: case name -> convert options.
+ENCODINGS = {"fnuz": ("--to", "e4m3fnuz"), "fnuz+fused": ("--layout", "fused", "--to", "e4m3fnuz")}
 #: Cases a real loader cannot run here, for a reason outside weight loading.
 CANNOT_RUN: dict[tuple[str, str], str] = {}
+#: Outputs whose verdict for a loader fp8fix does not model yet (followed up on issue 11).
+NOT_JUDGED = {
+    ("vllm", "e4m3fnuz"): "vLLM 0.32 (CPU build) keeps e4m3fnuz's odd subnormal codes exactly with per-tensor "
+    "scales but rounds them with per-channel and block scales and where it requantizes packed modules; "
+    "inspect's e4m3fnuz-for-vllm finding says so, the verdict does not tell these apart yet",
+}
 CASES = (
     [(source, layout) for source in SOURCES for layout in LAYOUTS]
     + [(source, case) for source in SOURCES if source.startswith("fp8") for case in AS_COMPRESSED_TENSORS]
     + [(source, "auto") for source in SOURCES]  # what `convert SOURCE OUTPUT` writes
+    + [(source, case) for source in SOURCES for case in ENCODINGS]
 )
 
 
@@ -139,10 +148,14 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Cas
     for name, (fmt, scale) in SOURCES.items():
         model = loader_model(name)
         src = build(root / name, model, fmt=fmt, scale=scale)
+        # the smallest e4m3fn subnormal (code 0x01), which e4m3fnuz at the doubled scale holds as an odd
+        # subnormal code: what tells a loader that rounds fnuz into e4m3fn apart from one that does not
+        patch_bytes(src, "model.layers.0.mlp.down_proj.weight", {0: 0x01})
         truth = true_weights(src, model)
         out[(name, "as-exported")] = Case(name, "as-exported", src, truth, {})
         options: dict[str, tuple[str, ...]] = {layout: ("--layout", layout) for layout in LAYOUTS[1:]}
         options["auto"] = ()
+        options.update(ENCODINGS)
         if name.startswith("fp8"):
             options.update(AS_COMPRESSED_TENSORS)
         for layout, args in options.items():
@@ -231,6 +244,8 @@ def test_fp8fix_says_what_the_loader_does(
 ) -> None:
     if (loader, source) in CANNOT_RUN:
         pytest.skip(CANNOT_RUN[(loader, source)])
+    if layout in ENCODINGS and (loader, "e4m3fnuz") in NOT_JUDGED:
+        pytest.skip(NOT_JUDGED[(loader, "e4m3fnuz")])
     case = cases[(source, layout)]
     real, why = outcome(loaded[loader][(source, layout)], case.truth)
     said = inspect_verdict(case.folder, loader)
