@@ -108,14 +108,14 @@ def plan_conversion(
         has_index=ckpt.index is not None,
         encoding=encoding,
         sources=ckpt.tensors,
-    )
-    plan.output_format = output_format
-    plan.config_files = output_config(
-        ckpt.config,
-        ckpt.root,
-        fmt.name_lists,
-        renames,
-        (strategy, bool(model.kv_cache_scales)) if strategy else None,
+        output_format=output_format,
+        config_files=output_config(
+            ckpt.config,
+            ckpt.root,
+            fmt.name_lists,
+            renames,
+            (strategy, bool(model.kv_cache_scales)) if strategy else None,
+        ),
     )
     plan.source_loaders = loader_verdicts(model)
     config = plan.config_files.get(CONFIG, (ckpt.config, []))[0]
