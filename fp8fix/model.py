@@ -14,7 +14,7 @@ read here, never tensor data, so a checkpoint known from the Hub's header API wo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import Checkpoint, check_scale_values
@@ -106,6 +106,9 @@ class CheckpointModel:
     fused: dict[str, FusedModule]  # by module path
     weights: dict[str, Fp8Weight]  # every FP8 tensor, in checkpoint order
     kv_cache_scales: list[TensorInfo]
+    # set once require_convertible has passed: --target plans several candidates from one description,
+    # and reading every scale again for each (tens of thousands of block grids) is wasted work
+    _convertible: list[bool] = field(default_factory=list, repr=False, compare=False)
 
     def require_format(self) -> FormatSpec:
         if self.format is None:
@@ -127,6 +130,8 @@ class CheckpointModel:
         """Raise the first reason convert cannot convert this checkpoint faithfully (the linear weights
         first, then stacked experts); read each scale (where the data is here) to refuse values no
         weight can be recovered from."""
+        if self._convertible:
+            return
         if not self.weights:
             ckpt = self.checkpoint
             raise InvalidCheckpoint(
@@ -139,6 +144,7 @@ class CheckpointModel:
             for scale in (w.scale, w.input_scale) if self.checkpoint.has_data else ():  # Hub headers: no values
                 if scale is not None:
                     check_scale_values(scale)
+        self._convertible.append(True)
 
 
 def describe_checkpoint(ckpt: Checkpoint, registry: Registry) -> CheckpointModel:
