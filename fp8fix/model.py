@@ -21,7 +21,7 @@ from fp8fix.io.checkpoint import Checkpoint, check_scale_values
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, SCALE_DTYPES, is_fp8
 from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, Registry, architecture_name
-from fp8fix.registry.formats import AUTOFP8, FormatSpec, detect_format
+from fp8fix.registry.formats import AUTOFP8, AUTOFP8_LEGACY, FormatSpec, detect_format
 from fp8fix.vocab import ScaleKind
 
 Block = tuple[int, int] | None
@@ -109,6 +109,11 @@ class CheckpointModel:
     # set once require_convertible has passed: --target plans several candidates from one description,
     # and reading every scale again for each (tens of thousands of block grids) is wasted work
     _convertible: list[bool] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def is_autofp8(self) -> bool:
+        """`quant_method: fp8` without block scales (AutoFP8, legacy names included)."""
+        return self.format in (AUTOFP8, AUTOFP8_LEGACY)
 
     def require_format(self) -> FormatSpec:
         if self.format is None:

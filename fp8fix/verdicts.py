@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fp8fix.model import CheckpointModel
+from fp8fix.registry.formats import LEGACY_RENAMES
 from fp8fix.registry.loaders import LOADERS, LOADS_BECAUSE, RULES
 from fp8fix.vocab import Verdict
 
@@ -87,7 +88,7 @@ def facts_of(model: CheckpointModel) -> Facts:
     )
     unfused = not fused and bool(unfused_suffixes) and any(w.module.endswith(unfused_suffixes) for w in weights)
     fmt = model.format
-    fp8 = fmt is not None and fmt.name == "fp8" and fmt.block is None
+    fp8 = model.is_autofp8
     architecture = model.architecture or ""
     return Facts(
         architecture=architecture,
@@ -102,9 +103,7 @@ def facts_of(model: CheckpointModel) -> Facts:
         vllm_removed_architecture=architecture in VLLM_REMOVED,
         fp8_per_tensor=fp8,
         channel_scales_under_fp8=fp8 and any(w.scale_kind == "channel" for w in weights),
-        legacy_names=fmt is not None
-        and fmt.input_scale == "act_scale"
-        or any(name.endswith(".kv_scale") for name in model.checkpoint.tensors),
+        legacy_names=any(name.endswith(tuple(LEGACY_RENAMES)) for name in model.checkpoint.tensors),
         fbgemm=fmt is not None and fmt.name == "fbgemm_fp8",
     )
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from fp8fix.model import CheckpointModel
 from fp8fix.plan.pieces import OutputShard, OutputTensor
-from fp8fix.registry.formats import AUTOFP8, AUTOFP8_LEGACY, COMPRESSED_TENSORS, LEGACY_RENAMES, quantization_config
+from fp8fix.registry.formats import COMPRESSED_TENSORS, LEGACY_RENAMES, quantization_config
 
 PER_TENSOR_SHAPE = (1,)
 
@@ -36,7 +36,7 @@ def can_write(model: CheckpointModel) -> bool:
     kinds = {w.scale_kind for w in model.weights.values() if w.is_module_weight}
     qc = quantization_config(model.checkpoint.config) or {}
     return (
-        model.format in (AUTOFP8, AUTOFP8_LEGACY)
+        model.is_autofp8
         and bool(kinds)
         and kinds <= {"tensor", "channel", "shard"}
         and not qc.get("modules_to_not_convert")
@@ -46,7 +46,7 @@ def can_write(model: CheckpointModel) -> bool:
 def strategy_of(shards: list[OutputShard], model: CheckpointModel) -> str | None:
     """tensor or channel, as every output weight scale is; None when they are not all one kind
     (a per-shard scale vector has no compressed-tensors form)."""
-    scale_names = {model.require_format().weight_scale_of(w) for w in model.weights}
+    scale_names = {w.scale.name for w in model.weights.values() if w.scale is not None}
     shapes = {t.shape for s in shards for t in s.tensors if t.source in scale_names}
     if all(len(shape) <= 1 and math.prod(shape) == 1 for shape in shapes):
         return "tensor"
@@ -57,8 +57,7 @@ def strategy_of(shards: list[OutputShard], model: CheckpointModel) -> str | None
 
 def rewrite_tensors(shards: list[OutputShard], model: CheckpointModel) -> None:
     """In place: per-tensor scales get the `[1]` shape, legacy names the current ones."""
-    fmt = model.require_format()
-    per_tensor = {fmt.weight_scale_of(w) for w in model.weights} | {fmt.input_scale_of(w) for w in model.weights}
+    per_tensor = {s.name for w in model.weights.values() for s in (w.scale, w.input_scale) if s is not None}
     per_tensor |= {t.name for t in model.kv_cache_scales}
     for shard in shards:
         out: list[OutputTensor] = []

@@ -9,7 +9,7 @@ from fp8fix.io.safetensors_file import read_values
 from fp8fix.io.source_files import CHUNK
 from fp8fix.numerics.recodings import scale_factor
 from fp8fix.plan.config_edit import output_config
-from fp8fix.registry.formats import AUTOFP8, AUTOFP8_LEGACY, COMPRESSED_TENSORS, quantization_config
+from fp8fix.registry.formats import COMPRESSED_TENSORS, quantization_config
 from fp8fix.verify.context import VerifyContext
 from fp8fix.verify.mapping import Target
 
@@ -96,7 +96,7 @@ def _compressed_tensors(ctx: VerifyContext) -> tuple[str, bool] | None:
     config that claims another is a mismatch."""
     if (quantization_config(ctx.out.config) or {}).get("quant_method") != COMPRESSED_TENSORS.name:
         return None
-    if ctx.model.format not in (AUTOFP8, AUTOFP8_LEGACY):
+    if not ctx.model.is_autofp8:
         return None
     scales = [t for name, t in ctx.out.tensors.items() if name.endswith("." + ctx.fmt.weight_scale)]
     return ("tensor" if all(t.numel == 1 for t in scales) else "channel"), bool(ctx.model.kv_cache_scales)
