@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from fp8fix import __version__
-from fp8fix.errors import RegistryEntryError, user_error
+from fp8fix.errors import DEBUG_VARIABLE, EXIT_BUG, RegistryEntryError, bug_line, user_error
 from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, TARGETS
 
 if TYPE_CHECKING:
@@ -27,7 +28,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def reports_errors(func: F) -> F:
-    """Turn the errors of `errors.ERROR_TABLE` (fp8fix's own, Ctrl-C, OS errors) into one line and an exit code."""
+    """Turn the errors of `errors.ERROR_TABLE` (fp8fix's own, Ctrl-C, OS errors) into one line and an exit code.
+
+    Anything else is a bug: one line saying so and exit 70 (FP8FIX_DEBUG=1 re-raises it for the traceback).
+    """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -36,7 +40,9 @@ def reports_errors(func: F) -> F:
         except (Exception, KeyboardInterrupt) as e:
             known = user_error(e)
             if known is None:
-                raise
+                if os.environ.get(DEBUG_VARIABLE):
+                    raise
+                known = EXIT_BUG, bug_line(e)
             code, line = known
             click.echo(line, err=True)
             sys.exit(code)
@@ -173,6 +179,8 @@ def convert(
         revision=revision,
     )
     result = run_convert(folder, output, settings, registry)
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
     if as_json:
         payload = result_json(result)
     else:

@@ -16,7 +16,14 @@ from typing import Any
 
 from fp8fix.errors import VerificationFailed
 from fp8fix.io.checkpoint import CONFIG, INDEX, Checkpoint, open_checkpoint
-from fp8fix.io.staging import check_output, staging_folder, write_json
+from fp8fix.io.staging import (
+    check_output,
+    output_lock,
+    output_path,
+    remove_stale_staging,
+    staging_folder,
+    write_json,
+)
 from fp8fix.io.writer import WriteStats, write_plan
 from fp8fix.model import describe_checkpoint
 from fp8fix.plan.pieces import ConversionPlan
@@ -59,10 +66,12 @@ class ConvertResult:
     copied_files: list[str] = field(default_factory=list)
     verification: VerifyReport | None = None
     commit_title: str = ""  # what was converted and how, for a Hub commit
+    warnings: list[str] = field(default_factory=list)  # what the user should know but did not stop the conversion
 
 
 def convert(source: Path, output: Path, options: ConvertOptions, registry: Registry | None = None) -> ConvertResult:
     registry = registry or Registry.builtin()
+    output = output_path(output)
     check_output(source, output, options.overwrite)
     ckpt = open_checkpoint(source)
     model = describe_checkpoint(ckpt, registry)
@@ -73,6 +82,24 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
     result = ConvertResult(plan, output, written=False, config_edits=edits, copied_files=copies)
     if options.dry_run:
         return result
+    with output_lock(output):
+        check_output(source, output, options.overwrite)  # again: OUTPUT may have been written meanwhile
+        result.warnings += remove_stale_staging(output)
+        _write(ckpt, plan, output, options, registry, result)
+    result.written = True
+    return result
+
+
+def _write(
+    ckpt: Checkpoint,
+    plan: ConversionPlan,
+    output: Path,
+    options: ConvertOptions,
+    registry: Registry,
+    result: ConvertResult,
+) -> None:
+    """Stream the plan into a staging folder, add index, config, copies and card, verify, rename into place."""
+    source, rewritten, edits, copies = ckpt.root, plan.config_files, result.config_edits, result.copied_files
     with staging_folder(output) as staging:
         _record_stats(plan, write_plan(plan, staging, quiet=options.quiet))
         if plan.has_index:
@@ -94,10 +121,18 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
         name = source.resolve().name
         if options.source_repo:
             name = options.source_repo + (f"@{options.revision}" if options.revision else "")
-        write_card(source, staging, plan, name, options.describe(plan), edits, summary, base_model=options.source_repo)
+        write_card(
+            source,
+            staging,
+            plan,
+            name,
+            options.describe(plan),
+            edits,
+            summary,
+            base_model=options.source_repo,
+            warnings=result.warnings,
+        )
         result.commit_title = commit_title(name, options.describe(plan))
-    result.written = True
-    return result
 
 
 def _record_stats(plan: ConversionPlan, stats: WriteStats) -> None:

@@ -14,7 +14,12 @@ EXIT_MISMATCH = 1
 EXIT_USAGE = 2
 EXIT_INVALID_INPUT = 3
 EXIT_HUB = 4
-EXIT_INTERRUPTED = 130
+EXIT_BUG = 70  # sysexits' EX_SOFTWARE: fp8fix itself failed
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+#: Set to see a bug's traceback instead of its one line.
+DEBUG_VARIABLE = "FP8FIX_DEBUG"
+ISSUES_URL = "https://github.com/fp8fix/fp8fix/issues"
 
 
 class Fp8fixError(Exception):
@@ -49,6 +54,18 @@ class HubError(Fp8fixError):
     """The Hub could not be read or written: not found, no permission, gated, offline, network."""
 
 
+class OutputBusy(Fp8fixError):
+    """Another fp8fix process is writing the same OUTPUT right now."""
+
+
+class SourceChanged(Fp8fixError):
+    """A SOURCE file changed size while it was being read (another process truncated or rewrote it)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so the same cleanup runs (entry.run installs the handler)."""
+
+
 @dataclass(frozen=True)
 class ErrorForm:
     """How one type of error reaches the user: its exit code and its one line."""
@@ -60,11 +77,14 @@ class ErrorForm:
 #: Error type -> what the user sees; the first entry the error is an instance of wins.
 ERROR_TABLE: tuple[tuple[type[BaseException], ErrorForm], ...] = (
     (VerificationFailed, ErrorForm(EXIT_MISMATCH, "Error: {message}")),
+    (OutputBusy, ErrorForm(EXIT_MISMATCH, "Error: {message}")),
+    (SourceChanged, ErrorForm(EXIT_MISMATCH, "Error: {message}")),
     (UsageError, ErrorForm(EXIT_USAGE, "Error: {message}")),
     (HubError, ErrorForm(EXIT_HUB, "Error: {message}")),
     (InvalidCheckpoint, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
     (UnsupportedCheckpoint, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
     (Fp8fixError, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
+    (Terminated, ErrorForm(EXIT_TERMINATED, "Terminated: nothing was written.")),
     (KeyboardInterrupt, ErrorForm(EXIT_INTERRUPTED, "Interrupted: nothing was written.")),
     (OSError, ErrorForm(EXIT_MISMATCH, "Error: {message}")),  # disk full, permissions: OUTPUT not written
 )
@@ -76,6 +96,16 @@ def user_error(error: BaseException) -> tuple[int, str] | None:
         if isinstance(error, kind):
             return form.exit_code, form.template.format(message=_message(error))
     return None
+
+
+def bug_line(error: BaseException) -> str:
+    """The one line for an exception no entry of ERROR_TABLE covers: fp8fix's fault, not the user's."""
+    text = str(error).splitlines()[0][:200] if str(error) else ""
+    return (
+        f"Internal error (a bug in fp8fix, not a problem with your input): {type(error).__name__}"
+        f"{': ' + text if text else ''}. Nothing was written. Please report it at {ISSUES_URL} "
+        f"with the command you ran; {DEBUG_VARIABLE}=1 shows the traceback."
+    )
 
 
 def _message(error: BaseException) -> str:

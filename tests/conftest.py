@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,9 @@ from click.testing import CliRunner, Result
 from safetensors import safe_open
 
 from fp8fix.cli import main
+
+# A bug surfaces as its exception and traceback in tests, not as the CLI's one-line exit 70.
+os.environ.setdefault("FP8FIX_DEBUG", "1")
 
 
 def run_cli(*args: str | Path, check_output: bool = True) -> Result:

@@ -8,7 +8,6 @@ reported here with the file it concerns.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Collection
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint
+from fp8fix.io.json_text import MAX_FILE_BYTES, JsonRefused, parse_json
 from fp8fix.io.safetensors_file import SafetensorsHeader, TensorInfo, read_header, read_values
 
 CONFIG = "config.json"
@@ -77,15 +77,18 @@ def check_scale_values(scale: TensorInfo) -> list[float]:
     return values
 
 
-def read_json(path: Path, what: str) -> Any:
+def read_json(path: Path, what: str = "") -> Any:
+    """A small JSON file (config, index, quantization config), bounded and checked: any problem is one line."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise InvalidCheckpoint(f"{path.name}: {path.stat().st_size} bytes, too large for a JSON config file")
+        return parse_json(path.read_bytes())
     except FileNotFoundError:
-        raise InvalidCheckpoint(f"{path.name}: missing; {what}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InvalidCheckpoint(f"{path.name}: cannot read: {e}") from e
-    except json.JSONDecodeError as e:
-        raise InvalidCheckpoint(f"{path.name}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+        raise InvalidCheckpoint(f"{path.name}: missing; {what}" if what else f"{path.name}: missing") from None
+    except OSError as e:
+        raise InvalidCheckpoint(f"{path.name}: cannot read: {e.strerror or e}") from e
+    except JsonRefused as e:
+        raise InvalidCheckpoint(f"{path.name}: invalid JSON: {e}") from None
 
 
 def open_checkpoint(root: Path) -> Checkpoint:
@@ -128,6 +131,10 @@ def _weight_map(index: Any) -> dict[str, str]:
         raise InvalidCheckpoint(f"{INDEX}: has no weight_map object")
     if not all(isinstance(v, str) for v in weight_map.values()):
         raise InvalidCheckpoint(f"{INDEX}: weight_map values must be file names")
+    if not isinstance(index.get("metadata", {}), (dict, type(None))):
+        raise InvalidCheckpoint(
+            f"{INDEX}: metadata must be an object (it holds total_size), not {index['metadata']!r:.60}"
+        )
     return weight_map
 
 

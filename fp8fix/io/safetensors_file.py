@@ -9,14 +9,16 @@ a file that a runtime would refuse is refused here, before anything is written.
 from __future__ import annotations
 
 import json
-import os
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fp8fix.errors import InvalidCheckpoint
-from fp8fix.numerics.dtypes import ITEM_SIZE, decode_floats, tensor_nbytes
+from fp8fix.io.json_text import JsonRefused, parse_json
+from fp8fix.io.source_files import SourceFiles
+from fp8fix.numerics.dtypes import BITS, decode_floats, tensor_nbytes
 
 #: The safetensors readers refuse headers larger than this.
 MAX_HEADER_BYTES = 100_000_000
@@ -39,7 +41,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        return self.nbytes // ITEM_SIZE[self.dtype]
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -72,14 +74,18 @@ def read_header(path: Path) -> SafetensorsHeader:
     except OSError as e:
         raise InvalidCheckpoint(f"{where}: cannot read: {e.strerror or e}") from e
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidCheckpoint(f"{where}: header is not valid JSON ({e}); the file is corrupt") from e
+        header = parse_json(raw, strict=True)
+    except JsonRefused as e:
+        raise InvalidCheckpoint(f"{where}: header is not valid JSON ({e}); the file is corrupt") from None
     if not isinstance(header, dict):
         raise InvalidCheckpoint(f"{where}: header is not a JSON object; the file is corrupt")
-    metadata = header.pop("__metadata__", None) or {}
+    if "__metadata__" in getattr(header, "duplicates", ()):
+        raise InvalidCheckpoint(f"{where}: header holds __metadata__ twice; the file is corrupt")
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise InvalidCheckpoint(f"{where}: __metadata__ must map strings to strings")
+        raise InvalidCheckpoint(f"{where}: __metadata__ must map strings to strings; the file is corrupt")
     buffer_start = 8 + header_len
     entries = [_parse_entry(where, path, name, entry, buffer_start) for name, entry in header.items()]
     entries.sort(key=lambda t: (t.start, t.end))
@@ -100,28 +106,47 @@ def read_header(path: Path) -> SafetensorsHeader:
     return SafetensorsHeader(path, dict(metadata), {t.name: t for t in entries})
 
 
+#: The fields of a tensor entry; safetensors ignores any other, but refuses these twice.
+ENTRY_FIELDS = ("dtype", "shape", "data_offsets")
+U64_MAX = 2**64 - 1
+
+
+def _is_u64(value: object) -> bool:
+    """A JSON unsigned integer as serde reads usize: not a bool, not a float (2.0, 1e3, -0)."""
+    return type(value) is int and 0 <= value <= U64_MAX
+
+
 def _parse_entry(where: str, path: Path, name: str, entry: object, buffer_start: int) -> TensorInfo:
+    """One tensor's entry, checked by safetensors 0.8's own rules (tests/test_fuzz.py compares with safe_open)."""
     if not isinstance(entry, dict):
         raise InvalidCheckpoint(f"{where}: tensor '{name}' has no dtype/shape/data_offsets entry")
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in ITEM_SIZE:
-        raise InvalidCheckpoint(f"{where}: tensor '{name}' has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise InvalidCheckpoint(f"{where}: tensor '{name}' has invalid shape {shape!r}")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and o >= 0 for o in offsets)
-        or offsets[0] > offsets[1]
-    ):
-        raise InvalidCheckpoint(f"{where}: tensor '{name}' has invalid data_offsets {offsets!r}")
+    twice = set(getattr(entry, "duplicates", ())) & set(ENTRY_FIELDS)
+    missing = [f for f in ENTRY_FIELDS if f not in entry]
+    if twice or missing:
+        problem = f"gives {sorted(twice)[0]} twice" if twice else f"has no {missing[0]}"
+        raise InvalidCheckpoint(f"{where}: tensor '{name}' {problem}; the file is corrupt")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in BITS:
+        raise InvalidCheckpoint(f"{where}: tensor '{name}' has unknown dtype {_short(dtype)}")
+    if not isinstance(shape, list) or not all(_is_u64(d) for d in shape):
+        raise InvalidCheckpoint(f"{where}: tensor '{name}' has invalid shape {_short(shape)}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_u64(o) for o in offsets):
+        raise InvalidCheckpoint(f"{where}: tensor '{name}' has invalid data_offsets {_short(offsets)}")
+    if offsets[0] > offsets[1]:
+        raise InvalidCheckpoint(f"{where}: tensor '{name}' has data_offsets {offsets} that end before they start")
     expected = tensor_nbytes(dtype, shape)
     if offsets[1] - offsets[0] != expected:
+        needs = f"needs {expected}" if expected >= 0 else "does not end on a byte boundary"
         raise InvalidCheckpoint(
             f"{where}: tensor '{name}' spans {offsets[1] - offsets[0]} bytes but {dtype} {shape} "
-            f"needs {expected}; the file is corrupt"
+            f"{needs}; the file is corrupt"
         )
     return TensorInfo(name, path, dtype, tuple(shape), buffer_start + offsets[0], buffer_start + offsets[1])
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def encode_header(
@@ -148,8 +173,5 @@ def encode_header(
 
 def read_values(t: TensorInfo) -> list[float]:
     """A small float tensor's values (scales), read by absolute offset; big tensors are streamed instead."""
-    fd = os.open(t.path, os.O_RDONLY)
-    try:
-        return decode_floats(os.pread(fd, t.end - t.start, t.start), t.dtype)
-    finally:
-        os.close(fd)
+    with SourceFiles() as files:
+        return decode_floats(files.read(t.path, t.start, t.end), t.dtype)

@@ -1,24 +1,35 @@
 """Reading source checkpoint files: one descriptor per file, chunks, and memchr-speed code scans.
 
 Convert's writer and verify both read many ranges of the same few shard files; they
-share this cache of read-only descriptors and these readers. Scans go through a
-sliding read-only memory map, so the resident set is bounded by the window, not the
-file: scanning a 700 GB checkpoint needs no more memory than a 2 GB one.
+share this cache of read-only descriptors and these readers. Everything is read with
+pread into bounded buffers, never through a memory map: a SOURCE file truncated by
+another process mid-run would turn a mapped read into SIGBUS, while a short pread is
+a clean `SourceChanged` naming the file. Scans reuse one window-sized buffer, so the
+resident set is bounded by the window, not the file.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
 
+from fp8fix.errors import SourceChanged
+
 #: Bytes read per step when a range is streamed through Python.
 CHUNK = 16 * 1024 * 1024
-#: Bytes mapped at a time by a scan.
+#: Bytes read at a time by a scan.
 WINDOW = 64 * 1024 * 1024
+
+
+def source_changed(path: Path, offset: int) -> SourceChanged:
+    """The error for a SOURCE file that ends before a byte its header promised."""
+    return SourceChanged(
+        f"{path.name}: ended at byte {offset} while being read, before the end its header gives; another process "
+        "is changing SOURCE. Nothing was written: rerun once SOURCE is complete"
+    )
 
 
 class SourceFiles:
@@ -45,43 +56,54 @@ class SourceFiles:
         return self._fds[path]
 
     def read(self, path: Path, start: int, end: int) -> bytes:
-        return os.pread(self.fd(path), end - start, start)
+        return read_exactly(self.fd(path), path, start, end)
 
     def chunks(self, path: Path, start: int, end: int, size: int = CHUNK) -> Iterator[bytes]:
         """[start, end) of `path` in pieces of at most `size` bytes."""
         fd = self.fd(path)
         for offset in range(start, end, size):
-            yield os.pread(fd, min(size, end - offset), offset)
+            yield read_exactly(fd, path, offset, min(end, offset + size))
+
+    def windows(self, path: Path, start: int, end: int, size: int = WINDOW) -> Iterator[tuple[bytearray, int, int]]:
+        """[start, end) of `path` read into one reused buffer: (buffer, offset, length) per window.
+
+        The buffer holds the file's bytes [offset, offset + length) from index 0; it is
+        overwritten by the next window, so use it before the loop moves on.
+        """
+        fd = self.fd(path)
+        buffer = bytearray(min(size, max(end - start, 0)))
+        for offset in range(start, end, size):
+            length = min(size, end - offset)
+            view = memoryview(buffer)[:length]
+            got = 0
+            while got < length:
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n == 0:
+                    raise source_changed(path, offset + got)
+                got += n
+            yield buffer, offset, length
 
     def contains(self, path: Path, start: int, end: int, codes: tuple[int, ...]) -> bool:
         """True when any byte in [start, end) of `path` is one of `codes`."""
-        return range_contains(self.fd(path), start, end, codes)
+        return any(window_contains(buffer, length, codes) for buffer, _, length in self.windows(path, start, end))
 
 
-def mapped_windows(fd: int, start: int, end: int, size: int = WINDOW) -> Iterator[tuple[mmap.mmap, int, int, int]]:
-    """Read-only maps covering [start, end) of `fd`, `size` bytes at a time.
-
-    Yields (window, first, offset, stop): the window holds the file's bytes [offset, stop)
-    from index `first` (maps start at an allocation-granularity boundary). Each window is
-    unmapped when the loop moves on.
-    """
-    for offset in range(start, end, size):
-        base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        stop = min(end, offset + size)
-        with mmap.mmap(fd, stop - base, prot=mmap.PROT_READ, offset=base) as window:
-            yield window, offset - base, offset, stop
+def read_exactly(fd: int, path: Path, start: int, end: int) -> bytes:
+    """[start, end) of the open file `fd` (named `path`), or SourceChanged if it ends sooner."""
+    data = os.pread(fd, end - start, start)
+    while len(data) < end - start:
+        more = os.pread(fd, end - start - len(data), start + len(data))
+        if not more:
+            raise source_changed(path, start + len(data))
+        data += more
+    return data
 
 
-def window_contains(window: mmap.mmap, first: int, codes: tuple[int, ...]) -> bool:
-    return any(window.find(bytes([c]), first) >= 0 for c in codes)
-
-
-def range_contains(fd: int, start: int, end: int, codes: tuple[int, ...]) -> bool:
-    """True when any byte in [start, end) of the file `fd` is one of `codes`."""
-    return any(window_contains(window, first, codes) for window, first, _, _ in mapped_windows(fd, start, end))
+def window_contains(buffer: bytearray, length: int, codes: tuple[int, ...]) -> bool:
+    return any(buffer.find(c, 0, length) >= 0 for c in codes)
 
 
 def file_contains(path: Path, start: int, end: int, codes: tuple[int, ...]) -> bool:
-    """`range_contains` for a file not yet open."""
+    """`SourceFiles.contains` for a file not yet open."""
     with SourceFiles() as files:
         return files.contains(path, start, end, codes)

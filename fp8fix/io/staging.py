@@ -1,13 +1,18 @@
-"""Safe output: OUTPUT appears complete or not at all, and SOURCE is never touched.
+"""Safe output: OUTPUT appears complete or not at all, SOURCE is never touched, one writer at a time.
 
 Everything is written into a hidden staging folder beside OUTPUT, which is renamed
-into place only when complete; any error or interrupt before that removes it.
+into place only when complete; any error, Ctrl-C or SIGTERM before that removes it.
+A lock file beside OUTPUT (`.NAME.fp8fix.lock`, flock) admits one fp8fix writer per
+OUTPUT; the loser gets `OutputBusy` at once. Because every writer holds that lock,
+staging folders found beside OUTPUT by the lock holder were left by runs that were
+killed (SIGKILL, power loss): `remove_stale_staging` deletes them and says so.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -17,7 +22,66 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fp8fix.errors import OutputError
+from fp8fix.errors import OutputBusy, OutputError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; one writer per OUTPUT is then up to the user
+    fcntl = None  # type: ignore[assignment]
+
+
+def output_path(output: Path) -> Path:
+    """Where OUTPUT is really written: a symbolic link is followed, so the link keeps naming the new checkpoint."""
+    return Path(os.path.realpath(output)) if output.is_symlink() else output
+
+
+def _staging_pattern(output: Path) -> re.Pattern[str]:
+    return re.compile(rf"\.{re.escape(output.name)}\.fp8fix-(old-)?[0-9a-f]{{12}}")
+
+
+@contextmanager
+def output_lock(output: Path) -> Iterator[None]:
+    """Hold `.NAME.fp8fix.lock` beside OUTPUT for the block; raise OutputBusy if another process holds it."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    path = output.parent / f".{output.name}.fp8fix.lock"
+    if fcntl is None:
+        yield
+        return
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputBusy(
+                f"{output}: another fp8fix process is writing it right now ({path.name} is locked); "
+                "wait for it to finish or choose another OUTPUT"
+            ) from None
+        try:  # the holder before us may have unlinked the file we opened: lock the one at `path`
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        try:
+            os.unlink(path)
+        finally:
+            os.close(fd)
+
+
+def remove_stale_staging(output: Path) -> list[str]:
+    """Delete staging folders of killed runs into OUTPUT (call with `output_lock` held); one line per folder."""
+    removed = []
+    pattern = _staging_pattern(output)
+    for entry in sorted(output.parent.iterdir()) if output.parent.is_dir() else []:
+        if pattern.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
+            size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file() and not p.is_symlink())
+            shutil.rmtree(entry)
+            removed.append(f"removed {entry.name} ({size / 1e6:.1f} MB), left beside OUTPUT by an interrupted run")
+    return removed
 
 
 def check_output(source: Path, output: Path, overwrite: bool) -> None:
@@ -65,7 +129,7 @@ def _move_into_place(staging: Path, output: Path) -> None:
     old = output.parent / f".{output.name}.fp8fix-old-{secrets.token_hex(6)}"
     os.rename(output, old)
     os.rename(staging, output)
-    shutil.rmtree(old)
+    shutil.rmtree(old, ignore_errors=True)  # OUTPUT is complete; a leftover is removed by the next run as stale
 
 
 @contextmanager

@@ -8,7 +8,6 @@ chunks whatever the checkpoint's size.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 from fp8fix.errors import InvalidCheckpoint
 from fp8fix.io.progress import NoProgress, Progress, progress_bar
 from fp8fix.io.safetensors_file import TensorInfo, encode_header
-from fp8fix.io.source_files import SourceFiles, mapped_windows, window_contains
+from fp8fix.io.source_files import SourceFiles, source_changed, window_contains
 from fp8fix.numerics.dtypes import NAN_CODES
 from fp8fix.numerics.recodings import RECODINGS, inexact_codes, recode, recoding_table, scale_exactly
 from fp8fix.numerics.requantize import RequantizeStats, requantize
@@ -79,12 +78,10 @@ def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progres
                     copier.add(piece)
                     continue
                 copier.flush()
-                src = sources.fd(piece.path)
                 if isinstance(piece, RepeatRange):
-                    data = os.pread(src, piece.end - piece.start, piece.start)
-                    _write_all(out, data * piece.times)
+                    _write_all(out, sources.read(piece.path, piece.start, piece.end) * piece.times)
                 elif isinstance(piece, Rescale):
-                    _write_all(out, _rescale(src, piece, tensor.name) * piece.times)
+                    _write_all(out, _rescale(sources, piece, tensor.name) * piece.times)
                 elif isinstance(piece, Recode):
                     stats.inexact_codes += _recode(sources, out, piece, tensor.source)
                 else:
@@ -112,7 +109,7 @@ class _RangeCopier:
     def flush(self) -> None:
         if self._pending is not None:
             p, self._pending = self._pending, None
-            _copy(self._sources.fd(p.path), self._out, p.start, p.end, self._bar)
+            _copy(self._sources, p.path, self._out, p.start, p.end, self._bar)
 
 
 def _page_padding(shard: OutputShard, header_size: int) -> int:
@@ -134,9 +131,10 @@ def _page_padding(shard: OutputShard, header_size: int) -> int:
     return max(sorted(weights), key=lambda d: weights[d]) if weights else 0
 
 
-def _copy(src: int, dst: int, start: int, end: int, bar: Progress) -> None:
-    """Copy [start, end) of `src` to the current position of `dst`: in the kernel when the
-    two sit at the same offset within a page, else through one reused buffer."""
+def _copy(sources: SourceFiles, path: Path, dst: int, start: int, end: int, bar: Progress) -> None:
+    """Copy [start, end) of the source file `path` to the current position of `dst`: in the
+    kernel when the two sit at the same offset within a page, else through one reused buffer."""
+    src = sources.fd(path)
     position = os.lseek(dst, 0, os.SEEK_CUR)
     aligned = (start - position) % PAGE == 0
     lead = start % PAGE
@@ -145,14 +143,14 @@ def _copy(src: int, dst: int, start: int, end: int, bar: Progress) -> None:
         # boundary before `start`, then put back the bytes of `dst` that this overwrote.
         kept = os.pread(dst, lead, position - lead)
         os.lseek(dst, position - lead, os.SEEK_SET)
-        _copy_range(src, dst, start - lead, end, aligned, NoProgress())
+        _copy_range(src, path, dst, start - lead, end, aligned, NoProgress())
         os.pwrite(dst, kept, position - lead)
         bar.update(end - start)
         return
-    _copy_range(src, dst, start, end, aligned, bar)
+    _copy_range(src, path, dst, start, end, aligned, bar)
 
 
-def _copy_range(src: int, dst: int, start: int, end: int, aligned: bool, bar: Progress) -> None:
+def _copy_range(src: int, path: Path, dst: int, start: int, end: int, aligned: bool, bar: Progress) -> None:
     offset = start
     while offset < end:
         count = min(end - offset, 1 << 30)
@@ -168,7 +166,7 @@ def _copy_range(src: int, dst: int, start: int, end: int, aligned: bool, bar: Pr
             view = _BUFFER[: min(count, len(_BUFFER))]
             copied = _write_all(dst, view[: os.preadv(src, [view], offset)])
         if copied == 0:
-            raise InvalidCheckpoint(f"source file shrank while reading (offset {offset}); is it being written?")
+            raise source_changed(path, offset)
         offset += copied
         bar.update(copied)
 
@@ -200,8 +198,8 @@ def _recode(sources: _Sources, out: int, piece: Recode, source: str) -> int:
     """Map the codes; return how many could not keep their exact value.
 
     Recodings that change at most one code (fn -> fnuz turns 0x80 into 0x00; fnuz -> fn
-    changes none) are done in the kernel: each window is scanned in a memory map, copied
-    with copy_file_range, and the few changed bytes are patched in place. A window dense
+    changes none) are done in the kernel: each window is read and scanned, copied with
+    copy_file_range, and the few changed bytes are patched in place. A window dense
     with changed codes, and any other recoding, goes through Python's byte maps.
     """
     recoding = RECODINGS[piece.recoding]
@@ -209,31 +207,29 @@ def _recode(sources: _Sources, out: int, piece: Recode, source: str) -> int:
     changed = [c for c in range(256) if table[c] != c and c not in recoding.forbidden]
     if len(changed) > 1:
         return _recode_in_python(sources, out, piece, source)
-    src = sources.fd(piece.path)
-    for window, first, offset, stop in mapped_windows(src, piece.start, piece.end, PATCH_WINDOW):
-        if window_contains(window, first, recoding.forbidden):
+    for window, offset, length in sources.windows(piece.path, piece.start, piece.end, PATCH_WINDOW):
+        if window_contains(window, length, recoding.forbidden):
             _refuse_codes(sources, piece, recoding.forbidden, source, recoding.why)
-        patches = _positions(window, changed[0], first, MAX_PATCHES) if changed else []
+        patches = _positions(window, changed[0], length, MAX_PATCHES) if changed else []
         if patches is None:  # dense: map the bytes in Python
-            _write_all(out, recode(window[first : first + stop - offset], piece.recoding))
+            _write_all(out, recode(bytes(memoryview(window)[:length]), piece.recoding))
             continue
         position = os.lseek(out, 0, os.SEEK_CUR)
-        _copy(src, out, offset, stop, NoProgress())
+        _copy(sources, piece.path, out, offset, offset + length, NoProgress())
         for at in patches:
-            os.pwrite(out, bytes([table[changed[0]]]), position + at - first)
+            os.pwrite(out, bytes([table[changed[0]]]), position + at)
     return 0
 
 
-def _positions(window: mmap.mmap, code: int, start: int, limit: int) -> list[int] | None:
-    """Where `code` occurs in the window from `start`; None past `limit` occurrences."""
+def _positions(window: bytearray, code: int, length: int, limit: int) -> list[int] | None:
+    """Where `code` occurs in the window's first `length` bytes; None past `limit` occurrences."""
     found: list[int] = []
-    needle = bytes([code])
-    at = window.find(needle, start)
+    at = window.find(code, 0, length)
     while at >= 0:
         if len(found) == limit:
             return None
         found.append(at)
-        at = window.find(needle, at + 1)
+        at = window.find(code, at + 1, length)
     return found
 
 
@@ -250,9 +246,9 @@ def _recode_in_python(sources: _Sources, out: int, piece: Recode, source: str) -
     return inexact
 
 
-def _rescale(src: int, piece: Rescale, name: str) -> bytes:
+def _rescale(sources: SourceFiles, piece: Rescale, name: str) -> bytes:
     try:
-        return scale_exactly(os.pread(src, piece.end - piece.start, piece.start), piece.dtype, piece.factor)
+        return scale_exactly(sources.read(piece.path, piece.start, piece.end), piece.dtype, piece.factor)
     except ValueError as e:
         raise InvalidCheckpoint(f"{piece.path.name}: scale '{name}': {e}; cannot convert it exactly") from e
 

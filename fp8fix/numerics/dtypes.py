@@ -11,7 +11,7 @@ import struct
 
 from fp8fix.vocab import Encoding
 
-#: Bytes per element of every dtype string safetensors 0.8 writes.
+#: Bytes per element of every whole-byte dtype string safetensors 0.8 knows.
 ITEM_SIZE: dict[str, int] = {
     "BOOL": 1,
     "U8": 1,
@@ -32,6 +32,10 @@ ITEM_SIZE: dict[str, int] = {
     "U64": 8,
     "F64": 8,
 }
+
+#: Bits per element of every dtype safetensors 0.8 accepts, sub-byte and complex ones included:
+#: a file may hold them (copied as raw bytes); fp8fix computes only on whole-byte dtypes.
+BITS: dict[str, int] = {**{d: 8 * n for d, n in ITEM_SIZE.items()}, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "C64": 64}
 
 E4M3FN = "F8_E4M3"
 E4M3FNUZ = "F8_E4M3FNUZ"
@@ -59,8 +63,13 @@ def is_fp8(dtype: str) -> bool:
 
 
 def tensor_nbytes(dtype: str, shape: list[int] | tuple[int, ...]) -> int:
-    """Bytes of a tensor of `dtype` and `shape` (the size its header entry must span)."""
-    return math.prod(shape) * ITEM_SIZE[dtype]
+    """Bytes of a tensor of `dtype` and `shape` (the size its header entry must span).
+
+    A sub-byte tensor that does not end on a byte boundary is -1: safetensors refuses it,
+    and no byte span can match.
+    """
+    bits = math.prod(shape) * BITS[dtype]
+    return bits // 8 if bits % 8 == 0 else -1
 
 
 _STRUCT = {"F32": "f", "F16": "e", "F64": "d"}

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import json
 import re
 from pathlib import Path
 from typing import Any
 
-from fp8fix.io.checkpoint import CONFIG
-from fp8fix.registry.formats import NameList, quantization_config
+from fp8fix.io.checkpoint import CONFIG, read_json
+from fp8fix.registry.formats import NameList, locations, quantization_config
 from fp8fix.vocab import Grammar
 
 
@@ -73,7 +72,7 @@ def rewrite_name_lists(
             content = copy.deepcopy(config)
             holder, label = quantization_config(content), "quantization_config"
         elif (root / file).is_file():
-            content = json.loads((root / file).read_text(encoding="utf-8"))
+            content = read_json(root / file)
             holder, label = content, file
         else:
             continue
@@ -97,17 +96,7 @@ def _rewrite(root: dict[str, Any], lists: list[NameList], renames: dict[str, lis
 
 def _lists_at(node: Any, parts: list[str], where: str) -> list[tuple[str, dict[str, Any], str]]:
     """(where, holder, key) for every list the dotted `parts` path reaches; '*' matches every key."""
-    if not isinstance(node, dict) or not parts:
-        return []
-    head, rest = parts[0], parts[1:]
-    keys = list(node) if head == "*" else [head] if head in node else []
-    found = []
-    for key in keys:
-        if rest:
-            found += _lists_at(node[key], rest, f"{where}.{key}")
-        elif isinstance(node[key], list):
-            found.append((f"{where}.{key}", node, key))
-    return found
+    return [(w, holder, key) for w, holder, key in locations(node, parts, where) if isinstance(holder[key], list)]
 
 
 def _rename_entries(entries: list[Any], renames: dict[str, list[str]], grammar: Grammar) -> list[Any]:

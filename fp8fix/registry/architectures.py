@@ -14,7 +14,6 @@ whoever needs it, never a module global that one command changes for the next.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint, RegistryEntryError, UnsupportedCheckpoint
+from fp8fix.io.json_text import JsonRefused, parse_json
 from fp8fix.registry.entry_schema import parse_entry
 from fp8fix.registry.expressions import ExpressionError, config_lookup, evaluate
 from fp8fix.vocab import Layout
@@ -176,7 +176,7 @@ def _builtin_entries() -> dict[str, ArchitectureSpec]:
     folder = resources.files("fp8fix.registry") / "architectures"
     for entry in sorted(folder.iterdir(), key=lambda p: p.name):
         if entry.name.endswith(".json"):
-            spec = parse_architecture(json.loads(entry.read_text(encoding="utf-8")), entry.name)
+            spec = parse_architecture(parse_json(entry.read_text(encoding="utf-8")), entry.name)
             entries.update(dict.fromkeys(spec.architectures, spec))
     return entries
 
@@ -184,13 +184,11 @@ def _builtin_entries() -> dict[str, ArchitectureSpec]:
 def read_arch_file(path: Path) -> ArchitectureSpec:
     """A user's registry entry (the format of `architectures/*.json`), validated."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise RegistryEntryError(f"{path}: cannot read the architecture file: {e}") from e
-    except json.JSONDecodeError as e:
-        raise RegistryEntryError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
-    except RecursionError as e:
-        raise RegistryEntryError(f"{path}: JSON nested too deeply") from e
+        data = parse_json(path.read_bytes())
+    except OSError as e:
+        raise RegistryEntryError(f"{path}: cannot read the architecture file: {e.strerror or e}") from e
+    except JsonRefused as e:
+        raise RegistryEntryError(f"{path}: invalid JSON: {e}") from None
     return parse_architecture(data, str(path))
 
 

@@ -9,13 +9,13 @@ instead of a guess.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
+from fp8fix.io.checkpoint import read_json
 from fp8fix.vocab import Grammar
 
 MODELOPT_CONFIG = "hf_quant_config.json"
@@ -121,7 +121,49 @@ def quantization_config(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def detect_format(config: dict[str, Any], root: Path, tensor_names: set[str] | None = None) -> FormatSpec:
-    """The format of the checkpoint in `root`, or an error naming the unsupported one."""
+    """The format of the checkpoint in `root`, or an error naming the unsupported one (or a malformed name list)."""
+    spec = _detect(config, root, tensor_names)
+    _check_name_lists(quantization_config(config) or {}, spec)
+    return spec
+
+
+def locations(node: Any, parts: list[str], where: str) -> list[tuple[str, dict[str, Any], str]]:
+    """(where, holder, key) for every value the dotted-path `parts` reaches in `node`; '*' matches every key."""
+    if not isinstance(node, dict) or not parts:
+        return []
+    head, rest = parts[0], parts[1:]
+    keys = list(node) if head == "*" else [head] if head in node else []
+    found = []
+    for key in keys:
+        if rest:
+            found += locations(node[key], rest, f"{where}.{key}")
+        else:
+            found.append((f"{where}.{key}", node, key))
+    return found
+
+
+def _check_name_lists(qc: dict[str, Any], spec: FormatSpec) -> None:
+    """Every module-name list of quantization_config is absent, null or a list of names (regexes that compile)."""
+    for name_list in spec.name_lists:
+        if name_list.file != "config.json":
+            continue
+        for where, holder, key in locations(qc, name_list.path.split("."), "quantization_config"):
+            value = holder[key]
+            if value is None:
+                continue
+            if not isinstance(value, list) or not all(isinstance(e, str) for e in value):
+                raise InvalidCheckpoint(f"config.json: {where} must be a list of module names, not {value!r:.60}")
+            for entry in value:
+                if name_list.grammar == "exact-or-re" and entry.startswith("re:"):
+                    try:
+                        re.compile(entry[3:])
+                    except re.error as e:
+                        raise InvalidCheckpoint(
+                            f"config.json: {where} entry {entry!r:.60} is not a valid regular expression ({e})"
+                        ) from None
+
+
+def _detect(config: dict[str, Any], root: Path, tensor_names: set[str] | None) -> FormatSpec:
     qc = quantization_config(config)
     modelopt = root / MODELOPT_CONFIG
     if modelopt.exists() and (qc is None or qc.get("quant_method") in (None, "modelopt")):
@@ -150,12 +192,21 @@ def detect_format(config: dict[str, Any], root: Path, tensor_names: set[str] | N
     raise UnsupportedCheckpoint(f"config.json: quant_method {method!r} is not an FP8 format fp8fix knows")
 
 
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    """A JSON object of quantization_config (absent: empty); any other type is an error naming it."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidCheckpoint(f"config.json: {where} must be an object, not {type(value).__name__} {value!r:.60}")
+    return value
+
+
 def _block(value: Any, where: str) -> tuple[int, int]:
     """[128, 128] or "128x128"."""
-    if isinstance(value, str):
+    if isinstance(value, str) and re.fullmatch(r"\d{1,9}[x,]\d{1,9}", value):
         value = [int(v) for v in re.split(r"[x,]", value)]
-    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and v > 0 for v in value)):
-        raise InvalidCheckpoint(f"config.json: {where} {value!r} is not a [rows, columns] block size")
+    if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int and v > 0 for v in value)):
+        raise InvalidCheckpoint(f"config.json: {where} {value!r:.60} is not a [rows, columns] block size")
     return value[0], value[1]
 
 
@@ -168,7 +219,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> FormatSpec:
         raise InvalidCheckpoint("config.json: compressed-tensors quantization_config has no config_groups")
     blocks = set()
     for name, group in groups.items():
-        weights = (group or {}).get("weights") or {}
+        weights = _mapping(_mapping(group, f"config_groups.{name}").get("weights"), f"config_groups.{name}.weights")
         if weights.get("type") != "float" or weights.get("num_bits") != 8:
             raise _not_yet(
                 f"compressed-tensors group {name} with {weights.get('num_bits')}-bit {weights.get('type')} weights"
@@ -184,7 +235,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> FormatSpec:
 
 
 def _quark(qc: dict[str, Any]) -> FormatSpec:
-    weight = ((qc.get("global_quant_config") or {}).get("weight")) or {}
+    weight = _mapping(_mapping(qc.get("global_quant_config"), "global_quant_config").get("weight"), "weight")
     if weight.get("dtype") != "fp8_e4m3":
         raise _not_yet(f"AMD Quark {weight.get('dtype')}")
     if weight.get("qscheme") not in ("per_tensor", "per_channel"):
@@ -193,11 +244,9 @@ def _quark(qc: dict[str, Any]) -> FormatSpec:
 
 
 def _modelopt(path: Path) -> FormatSpec:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise InvalidCheckpoint(f"{MODELOPT_CONFIG}: cannot read: {e}") from e
-    algo = ((data or {}).get("quantization") or {}).get("quant_algo")
+    data = read_json(path)
+    quantization = data.get("quantization") if isinstance(data, dict) else None
+    algo = quantization.get("quant_algo") if isinstance(quantization, dict) else None
     if algo != "FP8":
         raise _not_yet(f"NVIDIA ModelOpt {algo}")
     return MODELOPT

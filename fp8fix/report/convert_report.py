@@ -191,5 +191,6 @@ def result_json(result: ConvertResult) -> dict[str, Any]:
         config_edits=result.config_edits,
         copied_files=result.copied_files,
         verification=result.verification.to_json() if result.verification else None,
+        warnings=result.warnings,
     )
     return payload

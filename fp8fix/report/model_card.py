@@ -25,15 +25,40 @@ CONVERTED = "Converted from `{source}` with fp8fix {version} (`fp8fix convert {o
 CONVERTED_PATTERN = re.compile(r"Converted from `([^`]*)` with fp8fix \S+ \(`fp8fix convert ([^`]*)`\)")
 
 
-def split_card(text: str) -> tuple[dict[str, Any], str]:
-    """(metadata, body) of a model card, as huggingface_hub's ModelCard reads it."""
+def split_card(text: str) -> tuple[dict[str, Any], str, str | None]:
+    """(metadata, body, problem) of a model card, as huggingface_hub's ModelCard reads it.
+
+    Front matter that is not a YAML mapping with string keys gives no metadata and a
+    `problem` to warn about: the card's text is still kept.
+    """
     import yaml
 
     match = FRONT_MATTER.search(text)
     if not match:
-        return {}, text
-    metadata = yaml.safe_load(match.group(2)) or {}
-    return (metadata if isinstance(metadata, dict) else {}), text[match.end() :]
+        return {}, text, None
+    body = text[match.end() :]
+    try:
+        metadata = yaml.safe_load(match.group(2)) or {}
+    except yaml.YAMLError as e:
+        return {}, body, f"its front matter is not valid YAML ({str(e).splitlines()[0]})"
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+        return {}, body, "its front matter is not a mapping with string keys"
+    return metadata, body, None
+
+
+def _card_data(metadata: dict[str, Any], warnings: list[str]) -> Any:
+    """huggingface_hub's ModelCardData of the source's metadata; metadata it cannot take is dropped, with a warning."""
+    from huggingface_hub.repocard_data import ModelCardData
+
+    try:
+        data = ModelCardData(**metadata)
+        data.to_yaml()
+    except Exception as e:  # third-party validation of user data: any failure means "not usable metadata"
+        warnings.append(f"{CARD}: its metadata is not a valid model card ({type(e).__name__}); the card's text is kept")
+        data = ModelCardData()
+    tags = data.tags if isinstance(data.tags, list) else [data.tags] if isinstance(data.tags, str) else []
+    data.tags = [str(t) for t in tags]
+    return data
 
 
 def conversion_section(
@@ -86,14 +111,26 @@ def write_card(
     config_edits: list[str],
     verified: str | None = None,
     base_model: str | None = None,
+    warnings: list[str] | None = None,
 ) -> None:
-    from huggingface_hub.repocard_data import ModelCardData
-
+    """Write OUTPUT's card; what could not be kept of SOURCE's card is appended to `warnings`."""
+    warnings = [] if warnings is None else warnings
     original = source / CARD
-    metadata, body = split_card(original.read_text(encoding="utf-8")) if original.is_file() else ({}, "")
+    metadata: dict[str, Any] = {}
+    body = ""
+    if original.is_file():
+        raw = original.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            text = raw.decode("utf-8", errors="replace")
+            warnings.append(f"{CARD}: not UTF-8 (byte {e.start}); undecodable bytes were replaced in OUTPUT's card")
+        metadata, body, problem = split_card(text)
+        if problem:
+            warnings.append(f"{CARD}: {problem}; its metadata was dropped, its text is kept")
     if base_model:  # converted from a Hub repo: link it, as the Hub's model tree expects
         metadata = {**metadata, "base_model": base_model, "base_model_relation": "quantized"}
-    data = ModelCardData(**metadata)
+    data = _card_data(metadata, warnings)
     rocm = ["e4m3fnuz", "rocm"] if plan.encoding and plan.encoding.target == "e4m3fnuz" else []
     data.tags = list(dict.fromkeys([*(data.tags or []), *TAGS, *rocm]))
     text = conversion_section(plan, source_name, options, config_edits, verified)
@@ -110,5 +147,5 @@ def commit_title(source_name: str, options: str) -> str:
 def commit_message(folder: Path) -> str:
     """The commit title for a folder converted earlier (`fp8fix push`), from the card this module wrote."""
     card = folder / CARD
-    match = CONVERTED_PATTERN.search(card.read_text(encoding="utf-8")) if card.is_file() else None
+    match = CONVERTED_PATTERN.search(card.read_text(encoding="utf-8", errors="replace")) if card.is_file() else None
     return commit_title(match.group(1), match.group(2)) if match else "fp8fix: upload converted FP8 checkpoint"

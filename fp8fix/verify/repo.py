@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
-from fp8fix.io.checkpoint import CONFIG, INDEX
+from fp8fix.io.checkpoint import CONFIG, INDEX, read_json
 from fp8fix.io.safetensors_file import read_values
 from fp8fix.io.source_files import CHUNK
 from fp8fix.numerics.recodings import scale_factor
@@ -82,7 +80,7 @@ def check_repo(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
     if out.config != rewritten.get(CONFIG, (src.config, []))[0]:
         report.problem("config.json: differs from SOURCE's beyond the renamed quantization_config entries")
     for file, (content, _) in rewritten.items():
-        if file != CONFIG and (not (out.root / file).is_file() or json.loads((out.root / file).read_text()) != content):
+        if file != CONFIG and (not (out.root / file).is_file() or read_json(out.root / file) != content):
             report.problem(f"{file}: not SOURCE's with the renamed module entries")
     for rel in src.copied_files(rewritten):
         copied = out.root / rel

@@ -1,0 +1,58 @@
+"""The process entry point (`fp8fix` and `python -m fp8fix`): the CLI plus what no command can do itself.
+
+Importing click and fp8fix takes about a tenth of a second, before any command's
+error handling exists; Ctrl-C in that window, or while click parses options, must
+still be one line and exit 130. SIGTERM is turned into an exception like Ctrl-C, so
+the staging folder is removed instead of being left behind. A bug anywhere is one
+line and exit 70 (FP8FIX_DEBUG=1 shows the traceback). Kept free of imports beyond
+the standard library so the guards are in place almost at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from types import FrameType
+
+from fp8fix.errors import (
+    DEBUG_VARIABLE,
+    EXIT_BUG,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    Terminated,
+    bug_line,
+)
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise Terminated()
+
+
+def run() -> None:
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        import click
+
+        from fp8fix.cli import main
+
+        try:
+            # not standalone: click would turn Ctrl-C during option parsing into "Aborted!" and exit 1
+            code = main(prog_name="fp8fix", standalone_mode=False)
+        except click.Abort as e:
+            raise (e.__context__ if isinstance(e.__context__, KeyboardInterrupt) else KeyboardInterrupt()) from None
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        sys.exit(code if isinstance(code, int) else 0)
+    except Terminated:
+        sys.stderr.write("Terminated: nothing was written.\n")
+        sys.exit(EXIT_TERMINATED)
+    except KeyboardInterrupt:
+        sys.stderr.write("Interrupted: nothing was written.\n")
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as e:
+        if os.environ.get(DEBUG_VARIABLE):
+            raise
+        sys.stderr.write(bug_line(e) + "\n")
+        sys.exit(EXIT_BUG)
