@@ -80,6 +80,7 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
     edits = [edit for _, file_edits in rewritten.values() for edit in file_edits]
     copies = ckpt.copied_files(rewritten)
     result = ConvertResult(plan, output, written=False, config_edits=edits, copied_files=copies)
+    result.warnings += ckpt.warnings
     if options.dry_run:
         return result
     with output_lock(output):

@@ -257,6 +257,8 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
                 "them until an --arch-file entry gives their 'experts' layout",
                 None,
             )
+    for warning in ckpt.warnings:
+        add("checkpoint-files", warning.split(":", 1)[0], warning, None)
     if scan:
         _scan_findings(model, add)
     return [

@@ -187,6 +187,12 @@ def _find_fused_modules(ckpt: Checkpoint, arch: ArchitectureSpec) -> list[FusedM
                 f"{' + '.join(f'{s.shard} {r}' for s, r in zip(spec.shards, rows, strict=True))} = {sum(rows)}: "
                 "the config does not match the weights"
             )
+        bias = params.get("bias")
+        if bias is not None and list(bias.shape) != [weight.shape[0]]:
+            raise InvalidCheckpoint(
+                f"{bias.path.name}: fused bias '{bias.name}' has shape {list(bias.shape)}, but its weight has "
+                f"{weight.shape[0]} rows: a bias needs one value per row; the checkpoint is inconsistent"
+            )
         found.append(FusedModule(path, spec, rows, params, segments))
     return found
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ class Checkpoint:
     shards: dict[str, SafetensorsHeader]  # shard file name (relative to root) -> header, in order
     tensors: dict[str, TensorInfo]  # every tensor of the model, shard by shard in data order
     has_data: bool = True  # False when only the headers are known (read from the Hub)
+    warnings: list[str] = field(default_factory=list)  # oddities that do not stop a conversion (see `_warnings`)
 
     def other_files(self) -> list[str]:
         """Every other file of the folder (tokenizer, generation config, license, card...), hidden ones excepted."""
@@ -122,7 +123,37 @@ def open_checkpoint(root: Path) -> Checkpoint:
                     f"{INDEX}: maps tensor '{tensor_name}' to {file}, which does not contain it; "
                     "the index does not match the shards"
                 )
-    return Checkpoint(root, config, index, shards, tensors)
+    return Checkpoint(root, config, index, shards, tensors, warnings=_warnings(root, index, shards, tensors))
+
+
+def _warnings(
+    root: Path, index: Any, shards: dict[str, SafetensorsHeader], tensors: dict[str, TensorInfo]
+) -> list[str]:
+    """What is odd but not wrong enough to refuse: said out loud rather than fixed silently."""
+    found = []
+    real_root = Path(os.path.realpath(root))
+    # a Hub cache snapshot links every file to ../../blobs/: that is where the repo's files live
+    blobs = real_root.parent.parent / "blobs" if real_root.parent.name == "snapshots" else None
+    for name in [*shards, CONFIG]:
+        path = root / name
+        target = Path(os.path.realpath(path))
+        if path.is_symlink() and not target.is_relative_to(real_root) and not (blobs and target.is_relative_to(blobs)):
+            found.append(f"{name}: a symbolic link to {target}, outside SOURCE; that file was read")
+    if index is not None:
+        unlisted = [t for t in tensors if t not in index["weight_map"]]
+        if unlisted:
+            found.append(
+                f"{INDEX}: {len(unlisted)} tensor(s) of the shards are missing from its weight_map "
+                f"(first: '{unlisted[0]}'); OUTPUT's index lists them"
+            )
+        total = (index.get("metadata") or {}).get("total_size")
+        actual = sum(t.nbytes for t in tensors.values())
+        if total is not None and total != actual:
+            found.append(
+                f"{INDEX}: total_size {total!r:.40} is not the {actual} bytes the shards hold; "
+                "OUTPUT's index gives the right one"
+            )
+    return found
 
 
 def _weight_map(index: Any) -> dict[str, str]:

@@ -11,7 +11,7 @@ The rules (see README "Layouts"):
 
 from __future__ import annotations
 
-from fp8fix.errors import UnsupportedCheckpoint
+from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import check_scale_values
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import FusedModule, scale_kind
@@ -100,6 +100,7 @@ def _unfuse(
                 pieces.append(OutputTensor(name, t.dtype, fmt.scalar_shape, [element], t.name))
             else:  # weight, bias, per-channel or block scale: the shard's rows, moved as bytes
                 block_rows = fmt.block[0] if kind == "block" and fmt.block else 1
+                _check_rows(m, t, -(-m.weight.shape[0] // block_rows))
                 segments = [_block_segment(m, block_rows, a, b) for a, b in m.shard_segments(i)]
                 pieces.append(_row_slices(t, segments, name))
         outputs[t.name] = pieces
@@ -113,6 +114,15 @@ def _unfuse(
         )
     )
     return change, outputs
+
+
+def _check_rows(m: FusedModule, t: TensorInfo, rows: int) -> None:
+    """A tensor split by the weight's rows must have them all (`rows`: of scale blocks for a block scale)."""
+    if not t.shape or t.shape[0] != rows:
+        raise InvalidCheckpoint(
+            f"{t.path.name}: '{t.name}' of fused module '{m.path}' has shape {list(t.shape)}, but splitting "
+            f"it by shard needs {rows} rows, as its weight has; the checkpoint is inconsistent"
+        )
 
 
 def _block_segment(m: FusedModule, block_rows: int, r0: int, r1: int) -> tuple[int, int]:

@@ -8,7 +8,10 @@ so requantized shards are normalized before they are requantized.
 
 from __future__ import annotations
 
-from fp8fix.errors import UnsupportedCheckpoint
+import bisect
+from pathlib import Path
+
+from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import CONFIG
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import CheckpointModel, describe_checkpoint
@@ -96,6 +99,7 @@ def plan_conversion(
                 f"weight scales the {chosen} layout leaves all per tensor or all per channel"
             )
         compressed_tensors.rewrite_tensors(shards, model)
+    check_pieces_inside_sources(shards, ckpt.tensors)
     plan = ConversionPlan(
         source=ckpt.root,
         architecture=arch_name,
@@ -133,6 +137,32 @@ def _plan_shard(
             or [OutputTensor(t.name, t.dtype, t.shape, [CopyRange(t.path, t.start, t.end)], t.name)]
         )
     return OutputShard(name, {**metadata, "format": "pt"}, out)
+
+
+def check_pieces_inside_sources(shards: list[OutputShard], sources: dict[str, TensorInfo]) -> None:
+    """The plan's invariant: every byte range a piece reads lies inside one source tensor's bytes.
+
+    Shape checks upstream name the usual causes; this catches any they miss, so no output
+    tensor is ever filled with the bytes of its neighbours.
+    """
+    by_file: dict[Path, list[TensorInfo]] = {}
+    for t in sources.values():
+        by_file.setdefault(t.path, []).append(t)
+    starts = {path: sorted(ts, key=lambda t: t.start) for path, ts in by_file.items()}
+    for shard in shards:
+        for out in shard.tensors:
+            for piece in out.pieces:
+                tensors = starts.get(piece.path, [])
+                i = bisect.bisect_right([t.start for t in tensors], piece.start) - 1
+                inside = i >= 0 and tensors[i].start <= piece.start <= piece.end <= tensors[i].end
+                if not inside:
+                    src = sources.get(out.source)
+                    raise InvalidCheckpoint(
+                        f"{piece.path.name}: output tensor '{out.name}' would read bytes {piece.start}-{piece.end}, "
+                        f"outside its source tensor '{out.source}'"
+                        + (f" ({src.dtype} {list(src.shape)})" if src else "")
+                        + ": the checkpoint's shapes are inconsistent; nothing was written"
+                    )
 
 
 def _check_unique_names(shards: list[OutputShard]) -> None:

@@ -17,7 +17,9 @@ Then:
   (requantized modules) within half an fp8 step, or at the clamp;
 - static input scales equal the source's (times the encoding's factor, or their max);
 - every other tensor, or its row slice, is byte-identical;
-- index, shard files, config.json and the copied files are what they should be.
+- every OUTPUT tensor has the dtype and shape its SOURCE tensor and mapping give (`shapes`);
+- index, shard files, config.json and the copied files are what they should be, and OUTPUT
+  holds no file besides them.
 Memory stays at one row chunk per tensor whatever the checkpoint's size.
 """
 
@@ -32,8 +34,9 @@ from fp8fix.model import describe_checkpoint
 from fp8fix.registry.architectures import Registry
 from fp8fix.verify.context import VerifyContext
 from fp8fix.verify.mapping import map_tensors, module_renames
-from fp8fix.verify.repo import check_bytes, check_input_scale, check_repo
+from fp8fix.verify.repo import check_bytes, check_input_scale, check_repo, compressed_tensors_output
 from fp8fix.verify.report import VerifyReport, WeightCheck
+from fp8fix.verify.shapes import check_shapes
 from fp8fix.verify.weights import check_stacked_experts, check_weight
 
 __all__ = ["VerifyReport", "WeightCheck", "verify"]
@@ -64,5 +67,6 @@ def verify(source: Path, output: Path, quiet: bool = False, registry: Registry |
                 elif name not in scale_names:
                     check_bytes(ctx, name, targets)
                 bar.update(0 if name in scales else ctx.src.tensors[name].nbytes)
+        check_shapes(ctx, mapping, compressed_tensors_output(ctx) is not None)
         check_repo(ctx, module_renames(ctx, mapping))
     return ctx.report

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fp8fix.io.checkpoint import CONFIG, INDEX, read_json
+from fp8fix.io.checkpoint import CARD, CONFIG, INDEX, read_json
 from fp8fix.io.safetensors_file import read_values
 from fp8fix.io.source_files import CHUNK
 from fp8fix.numerics.recodings import scale_factor
@@ -76,19 +76,25 @@ def check_repo(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
     for name, header in out.shards.items():
         if header.metadata.get("format") != "pt":
             report.problem(f"{name}: __metadata__ has no format: pt")
-    rewritten = output_config(src.config, src.root, ctx.fmt.name_lists, renames, _compressed_tensors(ctx))
+    rewritten = output_config(src.config, src.root, ctx.fmt.name_lists, renames, compressed_tensors_output(ctx))
     if out.config != rewritten.get(CONFIG, (src.config, []))[0]:
         report.problem("config.json: differs from SOURCE's beyond the renamed quantization_config entries")
     for file, (content, _) in rewritten.items():
         if file != CONFIG and (not (out.root / file).is_file() or read_json(out.root / file) != content):
             report.problem(f"{file}: not SOURCE's with the renamed module entries")
-    for rel in src.copied_files(rewritten):
+    copies = src.copied_files(rewritten)
+    for rel in copies:
         copied = out.root / rel
         if not copied.is_file() or copied.read_bytes() != (src.root / rel).read_bytes():
             report.problem(f"{rel}: missing from OUTPUT or not a copy of SOURCE's")
+    expected = {*out.model_files, *rewritten, *copies, CARD}
+    for path in sorted(out.root.rglob("*")):
+        rel = path.relative_to(out.root).as_posix()
+        if (path.is_file() or path.is_symlink()) and rel not in expected:
+            report.problem(f"{rel}: in OUTPUT, but not a file a conversion of SOURCE writes")
 
 
-def _compressed_tensors(ctx: VerifyContext) -> tuple[str, bool] | None:
+def compressed_tensors_output(ctx: VerifyContext) -> tuple[str, bool] | None:
     """(strategy, kv-cache scales) when OUTPUT says it is compressed-tensors and SOURCE is AutoFP8: the
     strategy read off OUTPUT's weight scales (one value each: tensor; one per row: channel), so a
     config that claims another is a mismatch."""

@@ -1,0 +1,69 @@
+"""Every OUTPUT tensor's dtype and shape, against what SOURCE and the mapping make it.
+
+The value checks compare bytes and dequantized values, which a reshape leaves alone
+(`embed_tokens` [256, 64] as [128, 128], a scale [] as [1]) while loaders would read
+the tensor differently or refuse it. The expected shape follows from the source tensor
+and where its rows went: a whole tensor keeps its shape, a row split keeps the other
+dimensions, a single scale (or one entry of a per-shard scale vector) is the format's
+scalar shape, a fused module's single scale repeated per shard is a vector of one per shard,
+stacked experts' scales are [experts, shards] or [experts], and compressed-tensors output
+(from AutoFP8) writes single scales as [1].
+"""
+
+from __future__ import annotations
+
+import math
+
+from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES
+from fp8fix.registry.formats import COMPRESSED_TENSORS
+from fp8fix.verify.context import VerifyContext
+from fp8fix.verify.mapping import Target
+
+
+def check_shapes(ctx: VerifyContext, mapping: dict[str, list[Target]], compressed_tensors: bool) -> None:
+    """Report each OUTPUT tensor whose dtype or shape is not the one its SOURCE tensor and mapping give."""
+    weights = {w.name for w in ctx.model.weights.values()}
+    scales = {s.name for w in ctx.model.weights.values() for s in (w.scale, w.input_scale) if s is not None}
+    scales |= {t.name for t in ctx.model.kv_cache_scales}
+    experts_scales = {  # stacked experts' scales: per-shard [E, shards] or per-expert [E] (plan.experts)
+        w.scale.name: {(w.experts.count, len(w.experts.widths)), (w.experts.count,)}
+        for w in ctx.model.weights.values()
+        if w.experts is not None and w.scale is not None
+    }
+    for name, targets in mapping.items():
+        t = ctx.src.tensors[name]
+        by_output: dict[str, list[Target]] = {}
+        for target in targets:
+            by_output.setdefault(target.name, []).append(target)
+        for out_name, parts in by_output.items():
+            o = ctx.out.tensors[out_name]
+            fused = ctx.model.fused.get(name.rpartition(".")[0])
+            if name in experts_scales and math.prod(o.shape) > 1:
+                expected = {t.shape, *experts_scales[name]}
+            elif name in scales and math.prod(o.shape) == 1:
+                expected = _single_scale_shape(ctx, t.shape, compressed_tensors)
+            elif name in scales and t.numel == 1 and fused is not None:  # per-shard layout: one entry per shard
+                expected = {(len(fused.rows),)}
+            elif out_name == name or len(parts) == 1 and (parts[0].start, parts[0].end) == (0, _rows(t.shape)):
+                expected = {t.shape}
+            else:
+                expected = {(sum(p.end - p.start for p in parts), *t.shape[1:])}
+            dtypes = set(FP8_WEIGHT_DTYPES) if name in weights else {t.dtype}
+            if o.shape not in expected or o.dtype not in dtypes:
+                want = " or ".join(str(list(s)) for s in sorted(expected))
+                ctx.report.problem(
+                    f"'{out_name}' is {o.dtype} {list(o.shape)}; '{name}' ({t.dtype} {list(t.shape)}) makes it "
+                    f"{'/'.join(sorted(dtypes))} {want}"
+                )
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    return shape[0] if shape else 1
+
+
+def _single_scale_shape(ctx: VerifyContext, source: tuple[int, ...], compressed_tensors: bool) -> set[tuple[int, ...]]:
+    """The shape of a one-value scale in OUTPUT: [1] in compressed-tensors output, else the source's own
+    shape when it held one value, or the format's scalar shape for an entry of a per-shard vector."""
+    if compressed_tensors:
+        return {COMPRESSED_TENSORS.scalar_shape}
+    return {source} if math.prod(source) == 1 else {ctx.fmt.scalar_shape}
