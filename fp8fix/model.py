@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import Checkpoint, check_scale_values
 from fp8fix.io.safetensors_file import TensorInfo
-from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, SCALE_DTYPES, is_fp8
+from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, INPUT_SCALE_DTYPES, SCALE_DTYPES, is_fp8
 from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, Registry, architecture_name
 from fp8fix.registry.formats import AUTOFP8, AUTOFP8_LEGACY, FormatSpec, detect_format
 from fp8fix.vocab import ScaleKind
@@ -255,6 +255,13 @@ class _WeightReader:
                 kind = scale_kind(scale, t.shape, n_shards if fused else None, allow_channel=True, block=self.block)
         except Fp8fixError as e:
             problems.append(e)
+        if input_scale is not None and input_scale.dtype not in INPUT_SCALE_DTYPES:
+            problems.append(
+                InvalidCheckpoint(
+                    f"{input_scale.path.name}: input scale '{input_scale.name}' is {input_scale.dtype}; an activation "
+                    f"scale is a float ({', '.join(INPUT_SCALE_DTYPES)}): the checkpoint is corrupt or mislabelled"
+                )
+            )
         problem = problems[0] if problems else None
         return Fp8Weight(
             t, module, scale, kind, input_scale, fused, stacked, experts, unknown_experts, n_shards, problem

@@ -64,6 +64,17 @@ def load_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def safetensors_opens(path: Path) -> bool:
+    """What safetensors itself says of a file: can it be opened and every tensor read? (small files only)"""
+    try:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                f.get_tensor(key)
+    except Exception:
+        return False
+    return True
+
+
 def raw(t: torch.Tensor) -> bytes:
     """A tensor's bytes, dtype-agnostic (FP8 included)."""
     flat = t.reshape(-1).clone()  # clone: a view shares (and would expose) its base storage

@@ -29,11 +29,10 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from safetensors import safe_open
 
 from fp8fix.cli import main
 from tests.builders import build, phi3
-from tests.conftest import folder_digest
+from tests.conftest import folder_digest, safetensors_opens
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "phi3-tiny-fp8"
 CASES = int(os.environ.get("FP8FIX_FUZZ_CASES", "2400"))
@@ -176,17 +175,6 @@ def mutate(folder: Path, rng: random.Random) -> str:
     return f"{path.name}: {mutation.__name__}"
 
 
-def _opens(path: Path) -> bool:
-    """What safetensors itself says of a file: can it be opened and every tensor read?"""
-    try:
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                f.get_tensor(key)
-    except Exception:
-        return False
-    return True
-
-
 def _invoke(*args: str | Path) -> tuple[int, str]:
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=True)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
@@ -217,9 +205,9 @@ def run_case(seed: int, sources: list[Path], work: Path) -> None:
         assert not out.exists(), "OUTPUT written by a failed conversion: " + context
     else:
         model_shards = _model_shards(src)
-        refused = [s for s in model_shards if not _opens(src / s)]
+        refused = [s for s in model_shards if not safetensors_opens(src / s)]
         assert not refused, f"converted {refused}, which safetensors refuses: " + context
-        unloadable = [p.name for p in out.glob("*.safetensors") if not _opens(p)]
+        unloadable = [p.name for p in out.glob("*.safetensors") if not safetensors_opens(p)]
         assert not unloadable, f"wrote {unloadable}, which safetensors refuses: " + context
     if seed % 4 == 0:
         code, text = _invoke("inspect", src)

@@ -48,6 +48,13 @@ def _integer(text: str) -> int | float:
     return -0.0 if text == "-0" else int(text)
 
 
+def _finite_integer(text: str) -> int | float:
+    value = _integer(text)
+    if isinstance(value, float) and math.isinf(value):
+        raise JsonRefused(f"number {text[:20]}... is out of range")
+    return value
+
+
 def _finite(text: str) -> float:
     value = float(text)
     if math.isinf(value):
@@ -74,7 +81,7 @@ def parse_json(text: str | bytes, *, strict: bool = False) -> Any:
         value = json.loads(
             text,
             object_pairs_hook=_object,
-            parse_int=_integer,
+            parse_int=_finite_integer if strict else _integer,
             parse_float=_finite if strict else float,
             parse_constant=_no_constant if strict else None,
         )

@@ -55,6 +55,8 @@ NAN_CODES: dict[str, tuple[int, ...]] = {E4M3FN: (0x7F, 0xFF), E4M3FNUZ: (0x80,)
 
 #: Dtypes a scale may be stored in (F8_E8M0: a bare power-of-two exponent, for block scales).
 SCALE_DTYPES = ("F32", "BF16", "F16", "F64", "F8_E8M0")
+#: Dtypes an activation (input) scale may be stored in: plain floats.
+INPUT_SCALE_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
 def is_fp8(dtype: str) -> bool:
