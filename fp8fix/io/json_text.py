@@ -21,6 +21,8 @@ MAX_DEPTH = 127
 MAX_FILE_BYTES = 100_000_000
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+#: Digits all read as one, so a run of 21 (an integer past u64) is a plain substring search.
+_ONE_DIGIT = str.maketrans("123456789", "000000000")
 
 
 class JsonRefused(ValueError):
@@ -66,11 +68,14 @@ def _no_constant(name: str) -> Any:
     raise JsonRefused(f"{name} is not JSON")
 
 
-def parse_json(text: str | bytes, *, strict: bool = False) -> Any:
+def parse_json(text: str | bytes, *, strict: bool = False, keyed: bool = True, check_depth: bool = True) -> Any:
     """Parse `text` (UTF-8 when bytes: a BOM or UTF-16 is refused, as safetensors does).
 
     strict: no NaN/Infinity, no number out of float range (safetensors headers).
-    Always: nesting at most MAX_DEPTH, no lone surrogate escapes (which cannot be written back as UTF-8).
+    keyed: objects are `KeyedObject`s that remember duplicate keys (a third slower; a caller
+    that can tell duplicates are impossible from counts skips it, see io/safetensors_file.py).
+    check_depth: nesting at most MAX_DEPTH (a caller that knows where nesting can occur checks there).
+    Always: no lone surrogate escapes (which cannot be written back as UTF-8).
     """
     if isinstance(text, bytes):
         try:
@@ -78,10 +83,13 @@ def parse_json(text: str | bytes, *, strict: bool = False) -> Any:
         except UnicodeDecodeError as e:
             raise JsonRefused(f"not UTF-8 (byte {e.start})") from None
     try:
+        # integers Python's int() reads differently from serde_json: past 20 digits, and -0. The
+        # per-integer hook costs a fifth of the parse, so it runs only where such a literal may be.
+        odd_integers = "-0" in text or "0" * 21 in text.translate(_ONE_DIGIT)
         value = json.loads(
             text,
-            object_pairs_hook=_object,
-            parse_int=_finite_integer if strict else _integer,
+            object_pairs_hook=_object if keyed else None,
+            parse_int=(_finite_integer if strict else _integer) if odd_integers else None,
             parse_float=_finite if strict else float,
             parse_constant=_no_constant if strict else None,
         )
@@ -91,14 +99,14 @@ def parse_json(text: str | bytes, *, strict: bool = False) -> Any:
         raise
     except ValueError as e:  # json.JSONDecodeError included
         raise JsonRefused(str(e)) from None
-    if _depth(value) > MAX_DEPTH:
+    if check_depth and depth(value) > MAX_DEPTH:
         raise JsonRefused(f"nested more than {MAX_DEPTH} levels deep")
     if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
         raise JsonRefused("a string holds a lone UTF-16 surrogate escape, which is not Unicode text")
     return value
 
 
-def _depth(value: Any) -> int:
+def depth(value: Any) -> int:
     """Nesting depth of containers, iteratively (never a RecursionError)."""
     deepest, stack = 0, [(value, 1)]
     while stack:
