@@ -12,7 +12,7 @@ safetensors header, the index or config.json) and runs `convert` (and, on some c
 - an exit-0 conversion only ever comes from source shards that `safe_open` accepts,
   and its every output shard opens with `safe_open`, tensor by tensor.
 
-`FP8FIX_FUZZ_CASES` scales the campaign (default 2,400 cases, about a minute).
+`FP8FIX_FUZZ_CASES` scales the campaign (default 2,400 cases, about 15 s; 20,000 take about 2 minutes).
 """
 
 from __future__ import annotations
