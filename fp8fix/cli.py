@@ -143,6 +143,14 @@ or unsupported checkpoint, 4 Hub error.
     help="Change the FP8 encoding: e4m3fnuz for AMD MI300-class GPUs, e4m3fn (OCP) back.",
 )
 @click.option("--verify", "run_verify", is_flag=True, help="Verify OUTPUT against SOURCE before it appears.")
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=os.cpu_count() or 1,
+    show_default="the machine's cores",
+    help="Processes writing shards in parallel where the work is CPU-bound (--to, requantizing); "
+    "capped at the shard count. Output is identical whatever the number.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan (each module: what changes and why); write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists and is not empty.")
 @click.option("--push-to-hub", metavar="REPO_ID", help="Then upload OUTPUT to this Hub repo.")
@@ -175,6 +183,7 @@ def convert(
         overwrite=options["overwrite"],
         quiet=options["quiet"] or as_json,
         verify=options["run_verify"],
+        jobs=options["jobs"],
         source_repo=repo_id,
         revision=revision,
     )

@@ -44,6 +44,7 @@ class ConvertOptions:
     overwrite: bool = False
     quiet: bool = False
     verify: bool = False
+    jobs: int = 1  # processes writing shards where the work is CPU-bound (recoding, requantizing)
     source_repo: str | None = None  # the Hub repo SOURCE came from, for the model card
     revision: str | None = None
 
@@ -102,7 +103,7 @@ def _write(
     """Stream the plan into a staging folder, add index, config, copies and card, verify, rename into place."""
     source, rewritten, edits, copies = ckpt.root, plan.config_files, result.config_edits, result.copied_files
     with staging_folder(output) as staging:
-        _record_stats(plan, write_plan(plan, staging, quiet=options.quiet))
+        _record_stats(plan, write_plan(plan, staging, quiet=options.quiet, jobs=options.jobs))
         if plan.has_index:
             write_json(staging / INDEX, new_index(ckpt, plan))
         if CONFIG not in rewritten:

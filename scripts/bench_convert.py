@@ -11,6 +11,7 @@ is shuffled each round; the page cache is warm (the source was just written) and
     python scripts/bench_convert.py                      # 2 GB, default layout
     python scripts/bench_convert.py --size-gb 0.5 --repeats 3 --layout fused
     python scripts/bench_convert.py --baseline /tmp/fp8fix-main   # also time another checkout, same run
+    python scripts/bench_convert.py --suite --size-gb 1.3 --repeats 3   # every row of the README's table
 """
 
 from __future__ import annotations
@@ -44,27 +45,35 @@ for p in sorted(src.iterdir()):
 """
 
 
-def fp8_codes(rows: int, cols: int, gen):  # type: ignore[no-untyped-def]
-    """Weights as exporters write them: normal values quantized with a per-tensor absmax scale."""
+def fp8_codes(rows: int, cols: int, gen, codes: str = "normal"):  # type: ignore[no-untyped-def]
+    """Weights as exporters write them: normal values quantized with a per-tensor absmax scale;
+    or (codes="random") uniformly random finite e4m3fn codes, 1 in 256 of them 0x80."""
     import torch
 
+    if codes == "random":
+        raw = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
+        raw[(raw & 0x7F) == 0x7F] = 0x7E  # no NaN codes
+        return raw.view(torch.float8_e4m3fn)
     w = torch.randn(rows, cols, generator=gen)
     return (w * (448 / w.abs().max())).clamp(-448, 448).to(torch.float8_e4m3fn)
 
 
-def layer(i: int, gen):  # type: ignore[no-untyped-def]
+def layer(i: int, gen, codes: str = "normal", per_shard: bool = False):  # type: ignore[no-untyped-def]
     import torch
 
     p = f"model.layers.{i}."
     out = {}
-    for module, rows, cols in (
-        ("self_attn.qkv_proj", 3 * HIDDEN, HIDDEN),
-        ("self_attn.o_proj", HIDDEN, HIDDEN),
-        ("mlp.gate_up_proj", 2 * INTERMEDIATE, HIDDEN),
-        ("mlp.down_proj", HIDDEN, INTERMEDIATE),
+    for module, rows, cols, shards in (
+        ("self_attn.qkv_proj", 3 * HIDDEN, HIDDEN, 3),
+        ("self_attn.o_proj", HIDDEN, HIDDEN, 1),
+        ("mlp.gate_up_proj", 2 * INTERMEDIATE, HIDDEN, 2),
+        ("mlp.down_proj", HIDDEN, INTERMEDIATE, 1),
     ):
-        out[p + module + ".weight"] = fp8_codes(rows, cols, gen)
-        out[p + module + ".weight_scale"] = torch.tensor(0.001 + i * 1e-5)
+        out[p + module + ".weight"] = fp8_codes(rows, cols, gen, codes)
+        if per_shard and shards > 1:  # vLLM <= 0.5.0 layout: one scale per shard, all different
+            out[p + module + ".weight_scale"] = torch.tensor([0.001 * (k + 1) + i * 1e-5 for k in range(shards)])
+        else:
+            out[p + module + ".weight_scale"] = torch.tensor(0.001 + i * 1e-5)
         out[p + module + ".input_scale"] = torch.tensor(0.02)
     out[p + "self_attn.k_scale"] = torch.tensor(0.06)
     out[p + "self_attn.v_scale"] = torch.tensor(0.06)
@@ -73,7 +82,9 @@ def layer(i: int, gen):  # type: ignore[no-untyped-def]
     return out
 
 
-def build_checkpoint(root: Path, size_gb: float, shard_gb: float = 0.5) -> None:
+def build_checkpoint(
+    root: Path, size_gb: float, shard_gb: float = 0.5, codes: str = "normal", per_shard: bool = False
+) -> None:
     """Runs in its own process (see main): the parent must stay small, since a forked child's
     peak RSS counts the parent's pages until exec."""
     import torch
@@ -88,7 +99,7 @@ def build_checkpoint(root: Path, size_gb: float, shard_gb: float = 0.5) -> None:
     for i in range(layers):
         if sum(t.numel() * t.element_size() for t in shards[-1].values()) > shard_gb * 1e9:
             shards.append({})
-        shards[-1].update(layer(i, gen))
+        shards[-1].update(layer(i, gen, codes, per_shard))
     shards[-1]["model.norm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
     shards[-1]["lm_head.weight"] = torch.randn(VOCAB, HIDDEN, generator=gen).to(torch.bfloat16)
     weight_map, total = {}, 0
@@ -115,6 +126,45 @@ def build_checkpoint(root: Path, size_gb: float, shard_gb: float = 0.5) -> None:
     (root / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def build_sparse(root: Path, size_gb: float, shards: int = 8) -> None:
+    """A checkpoint of `size_gb` whose weights are holes (zero codes): real headers, no disk blocks.
+    Enough to show memory does not grow with the checkpoint, without writing 20 GB to build it."""
+    root.mkdir(parents=True)
+    rows, cols = 8192, HIDDEN
+    per_tensor = rows * cols
+    tensors_per_shard = max(1, int(size_gb * 1e9 / shards / per_tensor))
+    weight_map = {}
+    for k in range(shards):
+        name = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for j in range(tensors_per_shard):
+            module = f"model.layers.{k * tensors_per_shard + j}.mlp.down_proj"
+            header[module + ".weight"] = {
+                "dtype": "F8_E4M3",
+                "shape": [rows, cols],
+                "data_offsets": [offset, offset + per_tensor],
+            }
+            offset += per_tensor
+            header[module + ".weight_scale"] = {"dtype": "F32", "shape": [], "data_offsets": [offset, offset + 4]}
+            offset += 4
+            weight_map.update(dict.fromkeys([module + ".weight", module + ".weight_scale"], name))
+        body = json.dumps(header).encode()
+        body += b" " * (-len(body) % 8)
+        with open(root / name, "wb") as f:
+            f.write(len(body).to_bytes(8, "little") + body)
+            for j in range(tensors_per_shard):  # the scales: 1.0; the weights stay holes
+                f.seek(8 + len(body) + (j + 1) * per_tensor + j * 4)
+                f.write(b"\x00\x00\x80\x3f")
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": HIDDEN,
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    }
+    (root / "config.json").write_text(json.dumps(config))
+
+
 def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
     """Wall seconds and peak RSS (MB) of one child process."""
     start = time.perf_counter()
@@ -124,6 +174,118 @@ def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, flo
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}")
     return wall, usage.ru_maxrss / 1024
+
+
+def run_group(
+    title: str, src: Path, work: Path, contenders: dict[str, list[str]], repeats: int, envs: dict[str, dict[str, str]]
+) -> list[str]:
+    """Time each contender `repeats` times, shuffled round-robin; markdown rows with medians, spreads, ratios."""
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
+    order = list(contenders)
+    for round_ in range(repeats):
+        random.Random(round_).shuffle(order)  # no contender always runs after the same one
+        for name in order:
+            shutil.rmtree(work / "out", ignore_errors=True)
+            subprocess.run(["sync"], check=False)
+            results[name].append(timed(contenders[name], envs.get(name)))
+    shutil.rmtree(work / "out", ignore_errors=True)
+    size = sum(p.stat().st_size for p in src.iterdir())
+    shards = len(list(src.glob("*.safetensors")))
+    base = statistics.median(w for w, _ in results["cp -r"]) if "cp -r" in results else None
+    rows = []
+    for name, runs in results.items():
+        walls = [w for w, _ in runs]
+        wall = statistics.median(walls)
+        ratio = f"{wall / base:.2f}" if base else "-"
+        rate = f"{size / wall / 1e9:.2f}"
+        rss = max(r for _, r in runs)
+        rows.append(
+            f"| {title} ({size / 1e9:.2f} GB, {shards} shards) | {name} | {wall:.2f} "
+            f"| {min(walls):.2f}-{max(walls):.2f} | {ratio} | {rate} | {rss:.0f} |"
+        )
+    return rows
+
+
+HEADER = [
+    "| checkpoint | command | median s | min-max s | x cp -r | GB/s | peak RSS MB |",
+    "|---|---|---|---|---|---|---|",
+]
+
+
+def suite(args: argparse.Namespace, work: Path) -> None:
+    """Every row of the performance table (README, Benchmark), in one run."""
+    py = [sys.executable, "-m", "fp8fix"]
+    envs: dict[str, dict[str, str]] = {}
+
+    def build(name: str, *extra: str) -> Path:
+        root = work / name
+        subprocess.run([sys.executable, __file__, "--build-only", str(root), *extra], check=True)
+        return root
+
+    def convert(src: Path, *options: str) -> list[str]:
+        return [*py, "convert", str(src), str(work / "out"), "-q", *options]
+
+    def cp(src: Path) -> list[str]:
+        return ["cp", "-r", str(src), str(work / "out")]
+
+    rows = list(HEADER)
+    shard_gb = str(args.size_gb / 4)
+    real = build("realistic", "--size-gb", str(args.size_gb), "--shard-gb", shard_gb)
+    ref_fnuz = work / "ref-fnuz"
+    subprocess.run([*py, "convert", str(real), str(ref_fnuz), "-q", "--to", "e4m3fnuz"], check=True)
+    group = {
+        "cp -r": cp(real),
+        "convert (byte moves)": convert(real),
+        "convert --to e4m3fnuz": convert(real, "--to", "e4m3fnuz"),
+        "convert --to e4m3fnuz --jobs 1": convert(real, "--to", "e4m3fnuz", "--jobs", "1"),
+        "verify (e4m3fnuz output)": [*py, "verify", str(real), str(ref_fnuz), "-q"],
+    }
+    if not args.skip_naive:
+        group["naive load_file/save_file"] = [sys.executable, "-c", NAIVE, str(real), str(work / "out")]
+    rows += run_group("realistic weights", real, work, group, args.repeats, envs)
+    shutil.rmtree(ref_fnuz)
+
+    rand = build("random", "--size-gb", str(args.size_gb), "--shard-gb", shard_gb, "--codes", "random")
+    group = {
+        "cp -r": cp(rand),
+        "convert --to e4m3fnuz": convert(rand, "--to", "e4m3fnuz"),
+        "convert --to e4m3fnuz --jobs 1": convert(rand, "--to", "e4m3fnuz", "--jobs", "1"),
+    }
+    rows += run_group("uniformly random codes", rand, work, group, args.repeats, envs)
+    shutil.rmtree(rand)
+
+    req = build("per-shard", "--size-gb", str(args.requant_gb), "--shard-gb", str(args.requant_gb / 4), "--per-shard")
+    ref_fused = work / "ref-fused"
+    subprocess.run([*py, "convert", str(req), str(ref_fused), "-q", "--layout", "fused"], check=True)
+    group = {
+        "cp -r": cp(req),
+        "convert --layout fused (requantizes)": convert(req, "--layout", "fused"),
+        "convert --layout fused --jobs 1": convert(req, "--layout", "fused", "--jobs", "1"),
+        "verify (requantized output)": [*py, "verify", str(req), str(ref_fused), "-q"],
+    }
+    rows += run_group("per-shard scales, all different", req, work, group, args.repeats, envs)
+    shutil.rmtree(ref_fused)
+    shutil.rmtree(req)
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "phi3-tiny-fp8"
+    group = {
+        "convert (start-up: imports, planning, 0.1 MB)": convert(example),
+        "python -c pass": [sys.executable, "-c", "pass"],
+    }
+    rows += run_group("shipped example", example, work, group, args.repeats, envs)
+
+    if args.large_gb:
+        large = build("large", "--size-gb", str(args.large_gb), "--shard-gb", str(args.large_gb / 8))
+        rows += run_group(
+            "large", large, work, {"cp -r": cp(large), "convert (byte moves)": convert(large)}, args.repeats, envs
+        )
+        shutil.rmtree(large)
+    if args.flat_gb:
+        flat = work / "flat"
+        build_sparse(flat, args.flat_gb)
+        group = {"convert (byte moves)": convert(flat), "convert --to e4m3fnuz": convert(flat, "--to", "e4m3fnuz")}
+        rows += run_group("sparse, memory flatness", flat, work, group, 1, envs)
+    print("\n".join(rows))
 
 
 def main() -> None:
@@ -137,18 +299,27 @@ def main() -> None:
     parser.add_argument(
         "--baseline", type=Path, help="another fp8fix checkout (a git worktree) to time beside this one"
     )
+    parser.add_argument("--suite", action="store_true", help="every row of the README's performance table")
+    parser.add_argument("--requant-gb", type=float, default=0.35, help="--suite: the requantizing checkpoint's size")
+    parser.add_argument("--large-gb", type=float, default=4.0, help="--suite: the large checkpoint (0: skip)")
+    parser.add_argument("--flat-gb", type=float, default=20.0, help="--suite: the sparse checkpoint (0: skip)")
     parser.add_argument("--build-only", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--shard-gb", type=float, default=0.5, help=argparse.SUPPRESS)
+    parser.add_argument("--codes", default="normal", help=argparse.SUPPRESS)
+    parser.add_argument("--per-shard", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build_only:
-        build_checkpoint(args.build_only, args.size_gb)
+        build_checkpoint(args.build_only, args.size_gb, args.shard_gb, args.codes, args.per_shard)
         return
 
     work = Path(tempfile.mkdtemp(prefix="fp8fix-bench-", dir=args.workdir))
     try:
+        if args.suite:
+            suite(args, work)
+            return
         src = work / "src"
         build = [sys.executable, __file__, "--build-only", str(src), "--size-gb", str(args.size_gb)]
         subprocess.run(build, check=True)
-        size = sum(p.stat().st_size for p in src.iterdir())
         fp8fix = [sys.executable, "-m", "fp8fix", "convert", str(src), str(work / "out"), "-q"]
         if args.layout:
             fp8fix += ["--layout", args.layout]
@@ -161,26 +332,8 @@ def main() -> None:
             envs["fp8fix convert (baseline)"] = {**os.environ, "PYTHONPATH": str(args.baseline.resolve())}
         if not args.skip_naive:
             contenders["naive load_file/save_file"] = [sys.executable, "-c", NAIVE, str(src), str(work / "out")]
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
-        order = list(contenders)
-        for round_ in range(args.repeats):
-            random.Random(round_).shuffle(order)  # no contender always runs after the same one
-            for name in order:
-                cmd = contenders[name]
-                shutil.rmtree(work / "out", ignore_errors=True)
-                subprocess.run(["sync"], check=False)
-                results[name].append(timed(cmd, envs.get(name)))
-        shutil.rmtree(work / "out", ignore_errors=True)
-        base = statistics.median(w for w, _ in results["cp -r"])
-        print(
-            f"checkpoint: {size / 1e9:.2f} GB in {len(list(src.glob('*.safetensors')))} shards; "
-            f"{args.repeats} runs each, shuffled round-robin; fp8fix args: {' '.join(fp8fix[3:])}"
-        )
-        print(f"{'contender':<28} {'median s':>9} {'x cp -r':>8} {'peak RSS MB':>12}")
-        for name, runs in results.items():
-            wall = statistics.median(w for w, _ in runs)
-            rss = max(r for _, r in runs)
-            print(f"{name:<28} {wall:>9.2f} {wall / base:>8.2f} {rss:>12.0f}")
+        print(f"fp8fix args: {' '.join(fp8fix[3:])}")
+        print("\n".join(HEADER + run_group("synthetic Phi-3", src, work, contenders, args.repeats, envs)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

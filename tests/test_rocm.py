@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from tests.builders import build, phi3
-from tests.conftest import dequant, load_tensors, patch_bytes, raw, run_cli, shard_files
+from tests.conftest import dequant, folder_digest, load_tensors, patch_bytes, raw, run_cli, shard_files
 from tests.test_convert_layouts import fused_modules
 
 FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
@@ -261,3 +261,17 @@ def test_fn_to_fnuz_with_many_negative_zeros(tmp_path: Path) -> None:
     s, o = load_tensors(src), load_tensors(tmp_path / "out")
     assert int((codes(s[name]) == 0x80).sum()) > 800
     assert torch.equal(codes(o[name]), torch.where(codes(s[name]) == 0x80, 0, codes(s[name])))
+
+
+@pytest.mark.parametrize("options", [["--to", "e4m3fnuz"], ["--layout", "fused"]])
+def test_jobs_do_not_change_a_byte(tmp_path: Path, options: list[str]) -> None:
+    """Shards written by parallel workers are the bytes one process writes (fnuz recoding; requantizing)."""
+    src = build(tmp_path / "src", phi3(layers=4), scale="shard", files=4)
+    outputs = []
+    for jobs in ("1", "2", "3"):
+        out = tmp_path / f"out{jobs}"
+        result = run_cli("convert", src, out, "-q", "--jobs", jobs, *options)
+        assert result.exit_code == 0, result.output
+        outputs.append(folder_digest(out))
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert len([f for f in outputs[0] if f.endswith(".safetensors")]) == 4

@@ -32,6 +32,44 @@ def test_requantize_matches_the_formula_on_every_code(scale: float, target: floa
     assert error.max_steps <= 0.5
 
 
+def _torch_requantize(codes: bytes, dtype: torch.dtype, scale: float, target: float, out: torch.dtype, limit: float):
+    """What fp8fix computed with torch before the byte maps: float32 dequantize, divide, clamp, cast."""
+    from fp8fix.numerics.fp8 import steps_at
+
+    s, t = torch.tensor(scale, dtype=torch.float32), torch.tensor(target, dtype=torch.float32)
+    value = torch.frombuffer(bytearray(codes), dtype=torch.uint8).view(dtype).float() * s
+    exact = (value / t).clamp(-limit, limit)
+    new = exact.to(out)
+    error = (new.float() * t - value).abs()
+    steps = (new.float() - exact).abs() / steps_at(exact, "F8_E4M3" if out == torch.float8_e4m3fn else "F8_E4M3FNUZ")
+    return bytes(new.view(torch.uint8).numpy().tobytes()), float(error.max()), float(steps.max())
+
+
+@pytest.mark.parametrize(
+    "dtype,out,limit",
+    [
+        ("F8_E4M3", "F8_E4M3", 448.0),
+        ("F8_E4M3FNUZ", "F8_E4M3FNUZ", 224.0),
+    ],
+)
+def test_requantize_byte_maps_equal_torch_float32_on_every_code(dtype: str, out: str, limit: float) -> None:
+    """The byte maps emulate float32 exactly: 400 random scale pairs (overflowing the clamp, reaching
+    subnormals, negative zero included) give torch's codes byte for byte and its worst errors."""
+    from fp8fix.numerics.fp8 import torch_dtype
+
+    finite = bytes(c for c in range(256) if c not in NAN_CODES[dtype])
+    gen = torch.Generator().manual_seed(12)
+    for _ in range(400):
+        scale, target = (2.0 ** (torch.rand(2, generator=gen) * 24 - 12)).tolist()
+        codes, error = requantize(finite, dtype, scale, target, out)
+        ref_codes, ref_abs, ref_steps = _torch_requantize(
+            finite, torch_dtype(dtype), scale, target, torch_dtype(out), limit
+        )
+        assert codes == ref_codes, (scale, target)
+        assert error.max_abs == pytest.approx(ref_abs, rel=1e-6, abs=1e-30)
+        assert error.max_steps == pytest.approx(ref_steps, rel=1e-6, abs=1e-12)
+
+
 def test_requantize_to_the_same_scale_is_the_identity() -> None:
     codes, error = requantize(FINITE_FN, "F8_E4M3", 0.25, 0.25)
     # -0 stays -0, every other code is itself

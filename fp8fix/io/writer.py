@@ -2,15 +2,20 @@
 
 Unchanged byte ranges go through `os.copy_file_range` (the kernel copies, nothing is
 decoded); rewritten weights are read in fixed-size chunks, so memory stays at a few
-chunks whatever the checkpoint's size.
+chunks whatever the checkpoint's size. Shards are independent files, so where the work
+is CPU-bound (recoding, requantizing) `jobs` worker processes write one shard each; a
+shard's bytes do not depend on who writes it.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint
 from fp8fix.io.progress import NoProgress, Progress, progress_bar
@@ -42,6 +47,11 @@ class WriteStats:
     requantized: dict[str, RequantizeStats] = field(default_factory=dict)
     inexact_codes: int = 0
 
+    def merge(self, other: WriteStats) -> None:
+        for name, error in other.requantized.items():
+            self.requantized.setdefault(name, RequantizeStats()).update(error)
+        self.inexact_codes += other.inexact_codes
+
 
 class _Sources(SourceFiles):
     """The source files, and the source tensors (to name and count codes in a whole tensor)."""
@@ -51,14 +61,87 @@ class _Sources(SourceFiles):
         self.tensors = tensors
 
 
-def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False) -> WriteStats:
-    """Write every shard of `plan` into `out_dir`."""
+def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False, jobs: int = 1) -> WriteStats:
+    """Write every shard of `plan` into `out_dir`, in up to `jobs` processes where the work is CPU-bound."""
+    workers = min(jobs, len(plan.shards)) if _cpu_bound(plan) and _can_fork() else 1
+    with progress_bar(plan.total_bytes, "fp8fix convert", quiet) as bar:
+        if workers > 1:
+            return _write_in_parallel(plan, out_dir, workers, bar)
+        stats = WriteStats()
+        sources = _Sources(plan.sources)
+        with sources:
+            for shard in plan.shards:
+                _write_shard(shard, out_dir / shard.name, sources, bar, stats)
+        return stats
+
+
+def _cpu_bound(plan: ConversionPlan) -> bool:
+    """Recoding and requantizing pass bytes through Python; plain copies are the kernel's (and the disk's)."""
+    return any(isinstance(p, Recode | Requantize) for s in plan.shards for t in s.tensors for p in t.pieces)
+
+
+def _can_fork() -> bool:
+    import multiprocessing  # here, not at the top: a byte-moving conversion never needs it
+
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+#: Bytes written by all workers, shared with the parent (which draws the one progress bar).
+_written: Any = None
+
+
+def _init_worker(counter: Any) -> None:
+    """Workers leave Ctrl-C and SIGTERM to the parent, which reports once and terminates them."""
+    global _written
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _written = counter
+
+
+class _SharedProgress:
+    def update(self, n: int) -> None:
+        with _written.get_lock():
+            _written.value += n
+
+
+def _write_shard_job(shard: OutputShard, path: Path, tensors: dict[str, TensorInfo]) -> WriteStats:
     stats = WriteStats()
-    sources = _Sources(plan.sources)
-    with sources, progress_bar(plan.total_bytes, "fp8fix convert", quiet) as bar:
-        for shard in plan.shards:
-            _write_shard(shard, out_dir / shard.name, sources, bar, stats)
+    sources = _Sources(tensors)
+    with sources:
+        _write_shard(shard, path, sources, _SharedProgress(), stats)
     return stats
+
+
+def _write_in_parallel(plan: ConversionPlan, out_dir: Path, workers: int, bar: Progress) -> WriteStats:
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    counter = context.Value("q", 0)
+    pool = context.Pool(workers, initializer=_init_worker, initargs=(counter,))
+    try:
+        # biggest shards first, so the last one to start is a small one
+        order = sorted(plan.shards, key=lambda s: -s.nbytes)
+        results = [pool.apply_async(_write_shard_job, (s, out_dir / s.name, plan.sources)) for s in order]
+        shown = 0
+        while not all(r.ready() for r in results):
+            time.sleep(0.05)
+            shown = _show(bar, counter, shown)
+        stats = WriteStats()
+        for r in results:
+            stats.merge(r.get())  # re-raises a worker's error here, in the parent
+        _show(bar, counter, shown)
+        pool.close()
+        return stats
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def _show(bar: Progress, counter: Any, shown: int) -> int:
+    value = int(counter.value)
+    if value > shown:
+        bar.update(value - shown)
+    return value
 
 
 def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progress, stats: WriteStats) -> None:

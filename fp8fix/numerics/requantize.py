@@ -1,15 +1,27 @@
 """Requantization: FP8 codes re-expressed at another scale. The only float math of a conversion.
 
-torch is imported inside the functions, so conversions that only move bytes never
-load it.
+An FP8 code has 256 values, so requantizing from one scale to another is a 256-entry
+byte map: each code's new code (and its error) is worked out once, in float32
+arithmetic emulated exactly with Python floats, and the weight bytes then go through
+`bytes.translate` at memory speed. No torch, no float tensor the size of the weight:
+memory stays at one chunk whatever the tensor's size. The worst error of a chunk is the
+worst error among the codes it holds, found with numpy in one pass.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+import struct
 from dataclasses import dataclass
+from functools import cache
 
-from fp8fix.numerics.dtypes import REQUANT_CLAMP
-from fp8fix.numerics.fp8 import steps_at, torch_dtype
+from fp8fix.numerics.dtypes import E4M3FN, REQUANT_CLAMP
+from fp8fix.numerics.fp8 import MANTISSA_BITS, MIN_NORMAL_EXPONENT, e4m3_value
+
+_F32 = struct.Struct("<f")
+#: Codes counted at a time: numpy's bincount makes an int64 copy of its input (8 bytes per code).
+_COUNT_SLICE = 1 << 20
 
 
 @dataclass
@@ -24,29 +36,98 @@ class RequantizeStats:
         self.max_steps = max(self.max_steps, other.max_steps)
 
 
+@dataclass(frozen=True)
+class RequantizeMap:
+    """One requantization as byte maps: `codes` maps each source code to its new code;
+    `abs_error` and `steps` give each source code's error (NaN codes: 0, they are refused before)."""
+
+    codes: bytes
+    abs_error: tuple[float, ...]
+    steps: tuple[float, ...]
+
+    def worst(self, data: bytes) -> RequantizeStats:
+        """The worst errors among the codes `data` holds."""
+        import numpy as np
+
+        codes = np.frombuffer(data, dtype=np.uint8)
+        counts = np.zeros(256, dtype=np.int64)
+        for start in range(0, len(codes), _COUNT_SLICE):  # bincount widens to int64: slices keep that small
+            counts += np.bincount(codes[start : start + _COUNT_SLICE], minlength=256)
+        present = counts.nonzero()[0].tolist()
+        return RequantizeStats(
+            max_abs=max((self.abs_error[c] for c in present), default=0.0),
+            max_steps=max((self.steps[c] for c in present), default=0.0),
+        )
+
+
+def f32(x: float) -> float:
+    """`x` rounded to float32 (to nearest even), as torch's float32 arithmetic rounds each result.
+
+    Products and quotients of two float32 values are computed exactly enough in float64
+    (53 >= 2 * 24 + 2 bits) that rounding them once more to float32 is the float32 result.
+    """
+    return float(_F32.unpack(_F32.pack(x))[0])
+
+
+@cache
+def _magnitudes(dtype: str) -> tuple[float, ...]:
+    """The values of the positive codes 0x00, 0x01, ... in order: they ascend with the code."""
+    values = [e4m3_value(c, dtype) for c in range(0x80)]
+    finite = tuple(v for v in values if not math.isnan(v))
+    assert list(finite) == sorted(finite)
+    return finite
+
+
+def _to_fp8(value: float, dtype: str) -> int:
+    """The code a float32 `value` (already within the clamp) casts to, as torch casts: nearest, ties to
+    even; a negative value that rounds to zero is -0 (0x80) in e4m3fn, +0 in e4m3fnuz (which has no -0)."""
+    magnitudes = _magnitudes(dtype)
+    x = abs(value)
+    above = min(bisect.bisect_left(magnitudes, x), len(magnitudes) - 1)
+    code = above
+    if above > 0:
+        below = above - 1
+        gap_below, gap_above = x - magnitudes[below], magnitudes[above] - x
+        if gap_below < gap_above or (gap_below == gap_above and below % 2 == 0):
+            code = below
+    negative = math.copysign(1.0, value) < 0
+    if negative and (code != 0 or dtype == E4M3FN):
+        code |= 0x80
+    return code
+
+
+def _step(value: float, dtype: str) -> float:
+    """The fp8 step of `dtype` at `value` (code units), as `fp8.steps_at` computes it."""
+    _, exponent = math.frexp(value)
+    return 2.0 ** (max(exponent - 1, MIN_NORMAL_EXPONENT[dtype]) - MANTISSA_BITS)
+
+
+@cache
+def requantize_map(dtype: str, scale: float, target_scale: float, out_dtype: str) -> RequantizeMap:
+    """The byte map of requantizing `dtype` codes at `scale` into `out_dtype` at `target_scale`:
+    dequantize in float32, divide by the target scale, clamp (+-448 for e4m3fn, +-224 for
+    e4m3fnuz, as vLLM's ROCm kernels do), round to nearest even."""
+    limit = REQUANT_CLAMP[out_dtype]
+    s, t = f32(scale), f32(target_scale)
+    codes, errors, steps = bytearray(range(256)), [0.0] * 256, [0.0] * 256
+    for c in range(256):
+        source = e4m3_value(c, dtype)
+        if math.isnan(source):
+            continue
+        value = f32(source * s)
+        exact = min(max(f32(value / t), -limit), limit)
+        code = _to_fp8(exact, out_dtype)
+        out = e4m3_value(code, out_dtype)
+        codes[c] = code
+        errors[c] = abs(f32(f32(out * t) - value))
+        steps[c] = f32(abs(f32(out - exact)) / _step(exact, out_dtype))
+    return RequantizeMap(bytes(codes), tuple(errors), tuple(steps))
+
+
 def requantize(
     codes: bytes, dtype: str, scale: float, target_scale: float, out_dtype: str | None = None
 ) -> tuple[bytes, RequantizeStats]:
-    """Re-express FP8 `codes` (`dtype`, at `scale`) in `out_dtype` at `target_scale`.
-
-    Dequantize in float32, divide by the target scale, clamp (to +-448 for e4m3fn,
-    +-224 for e4m3fnuz, as vLLM's ROCm kernels do; torch's cast does not saturate),
-    round to nearest even. Returns the new codes and the worst error against the
-    float32 source value.
-    """
-    import torch
-
-    out_dtype = out_dtype or dtype
-    limit = REQUANT_CLAMP[out_dtype]
-    src = torch.frombuffer(bytearray(codes), dtype=torch.uint8).view(torch_dtype(dtype)).to(torch.float32)
-    value = src * torch.tensor(scale, dtype=torch.float32)
-    target = torch.tensor(target_scale, dtype=torch.float32)
-    exact = (value / target).clamp(-limit, limit)
-    out = exact.to(torch_dtype(out_dtype))
-    error = (out.to(torch.float32) * target - value).abs()
-    steps = (out.to(torch.float32) - exact).abs() / steps_at(exact, out_dtype)
-    stats = RequantizeStats(
-        max_abs=float(error.max()) if error.numel() else 0.0,
-        max_steps=float(steps.max()) if steps.numel() else 0.0,
-    )
-    return bytes(out.view(torch.uint8).untyped_storage()), stats
+    """Re-express FP8 `codes` (`dtype`, at `scale`) in `out_dtype` at `target_scale`; return the new
+    codes and the worst error against the float32 source value (see `requantize_map`)."""
+    table = requantize_map(dtype, scale, target_scale, out_dtype or dtype)
+    return codes.translate(table.codes), table.worst(codes)
