@@ -7,7 +7,9 @@ must agree on all three, so neither keeps its own copy.
 
 from __future__ import annotations
 
+import bisect
 import math
+from functools import cache
 from typing import Any
 
 from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ
@@ -29,10 +31,22 @@ def e4m3_value(code: int, dtype: str) -> float:
     return sign * (1 + mantissa / 8) * 2.0 ** (exponent - bias)
 
 
+@cache
+def _magnitudes(dtype: str) -> tuple[float, ...]:
+    """The values of the finite positive codes 0x00, 0x01, ... in order: they ascend with the code."""
+    return tuple(v for v in (e4m3_value(c, dtype) for c in range(0x80)) if not math.isnan(v))
+
+
 def nearest_code(value: float, dtype: str) -> int:
-    """The finite code of `dtype` nearest to `value`, ties to the even code (round to nearest even)."""
-    finite = [c for c in range(256) if not math.isnan(e4m3_value(c, dtype))]
-    return min(finite, key=lambda c: (abs(e4m3_value(c, dtype) - value), c & 1, c))
+    """The finite code of `dtype` nearest to `value`, ties to the even code (round to nearest even);
+    past the largest finite value, the largest. A result of zero is +0 (0x00) whatever the sign of
+    `value` (requantization applies torch's signed zero on top)."""
+    magnitudes = _magnitudes(dtype)
+    x = abs(value)
+    code = min(bisect.bisect_left(magnitudes, x), len(magnitudes) - 1)
+    if code > 0 and (x - magnitudes[code - 1], (code - 1) & 1) <= (magnitudes[code] - x, code & 1):
+        code -= 1
+    return code | 0x80 if value < 0 and code else code
 
 
 def is_power_of_two(ratio: float) -> bool:

@@ -10,14 +10,13 @@ worst error among the codes it holds, found with numpy in one pass.
 
 from __future__ import annotations
 
-import bisect
 import math
 import struct
 from dataclasses import dataclass
 from functools import cache
 
 from fp8fix.numerics.dtypes import E4M3FN, REQUANT_CLAMP
-from fp8fix.numerics.fp8 import MANTISSA_BITS, MIN_NORMAL_EXPONENT, e4m3_value
+from fp8fix.numerics.fp8 import MANTISSA_BITS, MIN_NORMAL_EXPONENT, e4m3_value, nearest_code
 
 _F32 = struct.Struct("<f")
 #: Codes counted at a time: numpy's bincount makes an int64 copy of its input (8 bytes per code).
@@ -69,31 +68,11 @@ def f32(x: float) -> float:
     return float(_F32.unpack(_F32.pack(x))[0])
 
 
-@cache
-def _magnitudes(dtype: str) -> tuple[float, ...]:
-    """The values of the positive codes 0x00, 0x01, ... in order: they ascend with the code."""
-    values = [e4m3_value(c, dtype) for c in range(0x80)]
-    finite = tuple(v for v in values if not math.isnan(v))
-    assert list(finite) == sorted(finite)
-    return finite
-
-
 def _to_fp8(value: float, dtype: str) -> int:
-    """The code a float32 `value` (already within the clamp) casts to, as torch casts: nearest, ties to
-    even; a negative value that rounds to zero is -0 (0x80) in e4m3fn, +0 in e4m3fnuz (which has no -0)."""
-    magnitudes = _magnitudes(dtype)
-    x = abs(value)
-    above = min(bisect.bisect_left(magnitudes, x), len(magnitudes) - 1)
-    code = above
-    if above > 0:
-        below = above - 1
-        gap_below, gap_above = x - magnitudes[below], magnitudes[above] - x
-        if gap_below < gap_above or (gap_below == gap_above and below % 2 == 0):
-            code = below
-    negative = math.copysign(1.0, value) < 0
-    if negative and (code != 0 or dtype == E4M3FN):
-        code |= 0x80
-    return code
+    """The code a float32 `value` (already within the clamp) casts to, as torch casts: the nearest code,
+    ties to even, and a negative value that rounds to zero is -0 (0x80) in e4m3fn (e4m3fnuz has no -0)."""
+    code = nearest_code(value, dtype)
+    return 0x80 if code == 0 and dtype == E4M3FN and math.copysign(1.0, value) < 0 else code
 
 
 def _step(value: float, dtype: str) -> float:
