@@ -81,8 +81,9 @@ def check_scale_values(scale: TensorInfo) -> list[float]:
 def read_json(path: Path, what: str = "") -> Any:
     """A small JSON file (config, index, quantization config), bounded and checked: any problem is one line."""
     try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise InvalidCheckpoint(f"{path.name}: {path.stat().st_size} bytes, too large for a JSON config file")
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise InvalidCheckpoint(f"{path.name}: {size} bytes, too large for a JSON config file")
         return parse_json(path.read_bytes())
     except FileNotFoundError:
         raise InvalidCheckpoint(f"{path.name}: missing; {what}" if what else f"{path.name}: missing") from None

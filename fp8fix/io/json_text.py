@@ -50,18 +50,19 @@ def _integer(text: str) -> int | float:
     return -0.0 if text == "-0" else int(text)
 
 
-def _finite_integer(text: str) -> int | float:
-    value = _integer(text)
+def _in_range(value: int | float, text: str) -> int | float:
+    """serde_json refuses a number past the float range (~1.8e308), where Python reads inf."""
     if isinstance(value, float) and math.isinf(value):
         raise JsonRefused(f"number {text[:20]}... is out of range")
     return value
 
 
+def _finite_integer(text: str) -> int | float:
+    return _in_range(_integer(text), text)
+
+
 def _finite(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):
-        raise JsonRefused(f"number {text[:20]}... is out of range")
-    return value
+    return float(_in_range(float(text), text))
 
 
 def _no_constant(name: str) -> Any:
@@ -110,15 +111,15 @@ def depth(value: Any) -> int:
     """Nesting depth of containers, iteratively (never a RecursionError)."""
     deepest, stack = 0, [(value, 1)]
     while stack:
-        node, depth = stack.pop()
+        node, level = stack.pop()
         if isinstance(node, dict):
             children: Any = node.values()
         elif isinstance(node, list):
             children = node
         else:
             continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
     return deepest
 
 

@@ -35,8 +35,18 @@ def output_path(output: Path) -> Path:
     return Path(os.path.realpath(output)) if output.is_symlink() else output
 
 
+#: Random hex bytes in a staging folder's name (`.NAME.fp8fix-<hex>`, `.NAME.fp8fix-old-<hex>`).
+_TOKEN_BYTES = 6
+
+
+def _staging_name(output: Path, old: bool = False) -> Path:
+    """A fresh hidden folder name beside OUTPUT: for the new checkpoint, or (old) for the one it replaces."""
+    return output.parent / f".{output.name}.fp8fix-{'old-' if old else ''}{secrets.token_hex(_TOKEN_BYTES)}"
+
+
 def _staging_pattern(output: Path) -> re.Pattern[str]:
-    return re.compile(rf"\.{re.escape(output.name)}\.fp8fix-(old-)?[0-9a-f]{{12}}")
+    """Every name `_staging_name` can give for OUTPUT, and no other."""
+    return re.compile(rf"\.{re.escape(output.name)}\.fp8fix-(old-)?[0-9a-f]{{{2 * _TOKEN_BYTES}}}")
 
 
 @contextmanager
@@ -110,7 +120,7 @@ def staging_folder(output: Path) -> Iterator[Path]:
     interrupt cannot fall between moving an old OUTPUT aside and moving the new one in.
     """
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.parent / f".{output.name}.fp8fix-{secrets.token_hex(6)}"
+    staging = _staging_name(output)
     try:
         staging.mkdir(mode=0o700)
         yield staging
@@ -126,7 +136,7 @@ def _move_into_place(staging: Path, output: Path) -> None:
     if not output.exists():
         os.rename(staging, output)
         return
-    old = output.parent / f".{output.name}.fp8fix-old-{secrets.token_hex(6)}"
+    old = _staging_name(output, old=True)
     os.rename(output, old)
     os.rename(staging, output)
     shutil.rmtree(old, ignore_errors=True)  # OUTPUT is complete; a leftover is removed by the next run as stale
