@@ -74,6 +74,17 @@ def source_options(func: F) -> F:
     return click.argument("source")(func)
 
 
+def jobs_option(help_text: str) -> Callable[[F], F]:
+    """--jobs for the commands whose work can run in several processes (convert, verify)."""
+    return click.option(
+        "--jobs",
+        type=click.IntRange(min=1),
+        default=os.cpu_count() or 1,
+        show_default="the machine's cores",
+        help=help_text,
+    )
+
+
 def push_options(func: F) -> F:
     for option in reversed(
         [
@@ -143,13 +154,9 @@ or unsupported checkpoint, 4 Hub error.
     help="Change the FP8 encoding: e4m3fnuz for AMD MI300-class GPUs, e4m3fn (OCP) back.",
 )
 @click.option("--verify", "run_verify", is_flag=True, help="Verify OUTPUT against SOURCE before it appears.")
-@click.option(
-    "--jobs",
-    type=click.IntRange(min=1),
-    default=os.cpu_count() or 1,
-    show_default="the machine's cores",
-    help="Processes writing shards in parallel where the work is CPU-bound (--to, requantizing); "
-    "capped at the shard count. Output is identical whatever the number.",
+@jobs_option(
+    "Processes writing shards in parallel where the work is CPU-bound (--to, requantizing), and "
+    "verifying with --verify; capped at the shard count. Output is identical whatever the number."
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan (each module: what changes and why); write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists and is not empty.")
@@ -298,11 +305,12 @@ Exit codes: 0 faithful, 1 mismatch (the tensors are named), 2 usage error,
 @main.command("verify", epilog=VERIFY_EPILOG)
 @source_options
 @click.argument("output", type=click.Path(path_type=Path))
+@jobs_option("Processes checking tensors in parallel. The report is identical whatever the number.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @reports_errors
 def verify_command(
-    source: str, registry: Registry, revision: str | None, output: Path, as_json: bool, quiet: bool
+    source: str, registry: Registry, revision: str | None, output: Path, jobs: int, as_json: bool, quiet: bool
 ) -> None:
     """Prove OUTPUT a faithful conversion of SOURCE, tensor by tensor.
 
@@ -314,7 +322,7 @@ def verify_command(
     from fp8fix.report.verify_report import verify_lines
     from fp8fix.verify import verify
 
-    report = verify(resolve_source(source, revision)[0], output, quiet=quiet or as_json, registry=registry)
+    report = verify(resolve_source(source, revision)[0], output, quiet=quiet or as_json, registry=registry, jobs=jobs)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:

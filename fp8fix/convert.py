@@ -44,7 +44,7 @@ class ConvertOptions:
     overwrite: bool = False
     quiet: bool = False
     verify: bool = False
-    jobs: int = 1  # processes writing shards where the work is CPU-bound (recoding, requantizing)
+    jobs: int = 1  # processes writing shards where the work is CPU-bound (recoding, requantizing), and verifying
     source_repo: str | None = None  # the Hub repo SOURCE came from, for the model card
     revision: str | None = None
 
@@ -114,7 +114,7 @@ def _write(
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source / name, staging / name)
         if options.verify:
-            result.verification = verify(source, staging, quiet=options.quiet, registry=registry)
+            result.verification = verify(source, staging, quiet=options.quiet, registry=registry, jobs=options.jobs)
             if not result.verification.ok:
                 raise VerificationFailed(
                     "verification failed, nothing written: " + "; ".join(result.verification.problems[:5])

@@ -11,6 +11,7 @@ is shuffled each round; the page cache is warm (the source was just written) and
     python scripts/bench_convert.py                      # 2 GB, default layout
     python scripts/bench_convert.py --size-gb 0.5 --repeats 3 --layout fused
     python scripts/bench_convert.py --baseline /tmp/fp8fix-main   # also time another checkout, same run
+    python scripts/bench_convert.py --codes random --to e4m3fnuz --jobs 1 --baseline /tmp/fp8fix-main
     python scripts/bench_convert.py --suite --size-gb 1.3 --repeats 3   # every row of the README's table
 """
 
@@ -165,10 +166,21 @@ def build_sparse(root: Path, size_gb: float, shards: int = 8) -> None:
     (root / "config.json").write_text(json.dumps(config))
 
 
+#: Children run with bytecode caches, as an installed fp8fix does (pip compiles at install); a
+#: PYTHONDONTWRITEBYTECODE left in the environment would time the compiling of every module.
+BASE_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
+def compile_sources(*roots: Path) -> None:
+    """Write the bytecode caches of fp8fix's checkouts before anything is timed."""
+    for root in roots:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(root / "fp8fix")], check=True, env=BASE_ENV)
+
+
 def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
     """Wall seconds and peak RSS (MB) of one child process."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env or BASE_ENV)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
@@ -239,6 +251,7 @@ def suite(args: argparse.Namespace, work: Path) -> None:
         "convert --to e4m3fnuz": convert(real, "--to", "e4m3fnuz"),
         "convert --to e4m3fnuz --jobs 1": convert(real, "--to", "e4m3fnuz", "--jobs", "1"),
         "verify (e4m3fnuz output)": [*py, "verify", str(real), str(ref_fnuz), "-q"],
+        "verify (e4m3fnuz output) --jobs 1": [*py, "verify", str(real), str(ref_fnuz), "-q", "--jobs", "1"],
     }
     if not args.skip_naive:
         group["naive load_file/save_file"] = [sys.executable, "-c", NAIVE, str(real), str(work / "out")]
@@ -262,6 +275,7 @@ def suite(args: argparse.Namespace, work: Path) -> None:
         "convert --layout fused (requantizes)": convert(req, "--layout", "fused"),
         "convert --layout fused --jobs 1": convert(req, "--layout", "fused", "--jobs", "1"),
         "verify (requantized output)": [*py, "verify", str(req), str(ref_fused), "-q"],
+        "verify (requantized output) --jobs 1": [*py, "verify", str(req), str(ref_fused), "-q", "--jobs", "1"],
     }
     rows += run_group("per-shard scales, all different", req, work, group, args.repeats, envs)
     shutil.rmtree(ref_fused)
@@ -305,13 +319,15 @@ def main() -> None:
     parser.add_argument("--flat-gb", type=float, default=20.0, help="--suite: the sparse checkpoint (0: skip)")
     parser.add_argument("--build-only", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--shard-gb", type=float, default=0.5, help=argparse.SUPPRESS)
-    parser.add_argument("--codes", default="normal", help=argparse.SUPPRESS)
+    parser.add_argument("--codes", default="normal", choices=["normal", "random"], help="realistic or random codes")
+    parser.add_argument("--jobs", type=int, default=None, help="fp8fix --jobs")
     parser.add_argument("--per-shard", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build_only:
         build_checkpoint(args.build_only, args.size_gb, args.shard_gb, args.codes, args.per_shard)
         return
 
+    compile_sources(Path(__file__).resolve().parent.parent, *([args.baseline] if args.baseline else []))
     work = Path(tempfile.mkdtemp(prefix="fp8fix-bench-", dir=args.workdir))
     try:
         if args.suite:
@@ -319,17 +335,20 @@ def main() -> None:
             return
         src = work / "src"
         build = [sys.executable, __file__, "--build-only", str(src), "--size-gb", str(args.size_gb)]
+        build += ["--codes", args.codes]
         subprocess.run(build, check=True)
         fp8fix = [sys.executable, "-m", "fp8fix", "convert", str(src), str(work / "out"), "-q"]
         if args.layout:
             fp8fix += ["--layout", args.layout]
         if args.to:
             fp8fix += ["--to", args.to]
+        if args.jobs:
+            fp8fix += ["--jobs", str(args.jobs)]
         contenders = {"fp8fix convert": fp8fix, "cp -r": ["cp", "-r", str(src), str(work / "out")]}
         envs: dict[str, dict[str, str]] = {}
         if args.baseline:  # the same command, importing fp8fix from the other checkout first
             contenders["fp8fix convert (baseline)"] = fp8fix
-            envs["fp8fix convert (baseline)"] = {**os.environ, "PYTHONPATH": str(args.baseline.resolve())}
+            envs["fp8fix convert (baseline)"] = {**BASE_ENV, "PYTHONPATH": str(args.baseline.resolve())}
         if not args.skip_naive:
             contenders["naive load_file/save_file"] = [sys.executable, "-c", NAIVE, str(src), str(work / "out")]
         print(f"fp8fix args: {' '.join(fp8fix[3:])}")

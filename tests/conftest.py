@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,14 @@ def run_cli(*args: str | Path, check_output: bool = True) -> Result:
         checked = _invoke("verify", args[1], args[2], "-q", *arch_files)
         assert checked.exit_code == 0, f"fp8fix verify rejects this conversion:\n{checked.output}"
     return result
+
+
+def run_process(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m fp8fix ARGS` in a new process: for what an in-process run cannot show (`--jobs`
+    forks only where torch is not loaded, and this test process has it loaded)."""
+    return subprocess.run(
+        [sys.executable, "-m", "fp8fix", *map(str, args)], capture_output=True, text=True, env=env, timeout=600
+    )
 
 
 def _invoke(*args: str | Path) -> Result:

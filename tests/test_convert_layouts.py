@@ -247,3 +247,28 @@ def test_unfused_moves_nan_codes_as_they_are(tmp_path: Path) -> None:
     assert run_cli("convert", src, tmp_path / "out", "--format", "keep", "-q").exit_code == 0
     q = load_tensors(tmp_path / "out")["model.layers.0.self_attn.q_proj.weight"]
     assert raw(q)[1] == 0x7F
+
+
+def test_card_metadata_is_what_the_hub_reads(tmp_path: Path) -> None:
+    """OUTPUT's front matter is SOURCE's metadata as huggingface_hub normalizes it, plus fp8fix's tags,
+    read back by huggingface_hub's own ModelCard; rendered as `CardData.to_yaml` renders it."""
+    from huggingface_hub import ModelCard
+    from huggingface_hub.repocard_data import ModelCardData
+
+    from fp8fix.report.model_card import metadata_yaml
+
+    src = build(tmp_path / "src", phi3())
+    front = (
+        "---\nlicense: apache-2.0\nlanguage: [en, ja]\ntags: [phi3, chat]\nwidget:\n- text: こんにちは\n"
+        "model-index:\n- name: tiny\n  results:\n  - task: {type: text-generation}\n"
+        "    dataset: {name: wiki, type: wikitext}\n    metrics: [{type: perplexity, value: 9.5}]\n---\nText.\n"
+    )
+    (src / "README.md").write_text(front, encoding="utf-8")
+    assert run_cli("convert", src, tmp_path / "out", "-q", "--to", "e4m3fnuz").exit_code == 0
+    written = ModelCard.load(tmp_path / "out" / "README.md").data.to_dict()
+    expected = ModelCard.load(src / "README.md").data.to_dict()
+    expected["tags"] = ["phi3", "chat", "fp8", "fp8fix", "e4m3fnuz", "rocm"]
+    assert written == expected
+    assert written["widget"] == [{"text": "こんにちは"}] and written["model-index"][0]["name"] == "tiny"
+    data = ModelCardData(license="mit", tags=["ü", "b"], base_model="org/x", zeta=1, alpha=[1, 2])
+    assert metadata_yaml(data.to_dict()) == data.to_yaml()

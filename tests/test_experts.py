@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.builders import FP8, FP8_MAX, quantize
-from tests.conftest import load_tensors, run_cli
+from tests.conftest import load_tensors, run_cli, run_process
 
 E, HIDDEN, INTER = 4, 32, 48
 PREFIX = "language_model.model.layers.{i}.feed_forward.experts."
@@ -234,3 +234,14 @@ def test_inspect_flags_a_zero_expert_scale(tmp_path: Path) -> None:
     result = run_cli("convert", src, tmp_path / "out", "--to", "e4m3fnuz")
     assert result.exit_code == 3 and f"'{GATE_UP}_scale' holds 0.0" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_verify_jobs_check_experts_in_forked_processes(tmp_path: Path) -> None:
+    """Stacked experts are checked with torch; in forked workers of a CLI process (which has not loaded
+    torch) that works, and the report is the one-process report."""
+    src = build_llama4(tmp_path / "src", "expert")
+    assert run_cli("convert", src, tmp_path / "out", "--to", "e4m3fnuz").exit_code == 0
+    one, two = (run_process("verify", src, tmp_path / "out", "--json", "--jobs", n) for n in ("1", "2"))
+    assert one.returncode == two.returncode == 0, two.stderr
+    assert json.loads(one.stdout) == json.loads(two.stdout)
+    assert any(w["tensor"] == GATE_UP for w in json.loads(two.stdout)["weights"])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from tests.builders import build, phi3
-from tests.conftest import dequant, folder_digest, load_tensors, patch_bytes, raw, run_cli, shard_files
+from tests.conftest import dequant, folder_digest, load_tensors, patch_bytes, raw, run_cli, run_process, shard_files
 from tests.test_convert_layouts import fused_modules
 
 FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
@@ -253,7 +255,7 @@ def test_fnuz_conversion_does_not_import_torch(tmp_path: Path) -> None:
 
 
 def test_fn_to_fnuz_with_many_negative_zeros(tmp_path: Path) -> None:
-    """A weight dense with -0 takes the byte-map path instead of kernel copies plus patches: same result."""
+    """A weight dense with -0: every 0x80 becomes 0x00, whatever the density (one bytes.replace per window)."""
     src = build(tmp_path / "src", phi3())
     name = "model.layers.0.mlp.gate_up_proj.weight"
     patch_bytes(src, name, {i: 0x80 for i in range(0, 6000, 7)})
@@ -265,13 +267,24 @@ def test_fn_to_fnuz_with_many_negative_zeros(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("options", [["--to", "e4m3fnuz"], ["--layout", "fused"]])
 def test_jobs_do_not_change_a_byte(tmp_path: Path, options: list[str]) -> None:
-    """Shards written by parallel workers are the bytes one process writes (fnuz recoding; requantizing)."""
+    """Shards written by parallel workers are the bytes one process writes (fnuz recoding; requantizing).
+    In new processes: this one has torch loaded, where fp8fix does not fork."""
     src = build(tmp_path / "src", phi3(layers=4), scale="shard", files=4)
     outputs = []
     for jobs in ("1", "2", "3"):
         out = tmp_path / f"out{jobs}"
-        result = run_cli("convert", src, out, "-q", "--jobs", jobs, *options)
-        assert result.exit_code == 0, result.output
+        result = run_process("convert", src, out, "-q", "--jobs", jobs, "--verify", *options)
+        assert result.returncode == 0, result.stderr
         outputs.append(folder_digest(out))
     assert outputs[0] == outputs[1] == outputs[2]
     assert len([f for f in outputs[0] if f.endswith(".safetensors")]) == 4
+
+
+def test_workers_are_forked_only_without_torch() -> None:
+    """--jobs forks where torch is not loaded (the CLI), and runs in one process where it is."""
+    from fp8fix.io.workers import worker_count
+
+    assert worker_count(3, 4) == 1  # this process has torch
+    probe = "from fp8fix.io.workers import worker_count as w; print(w(3, 4), w(3, 2), w(1, 4), w(3, 1))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert proc.stdout.split() == ["3", "2", "1", "1"]

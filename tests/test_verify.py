@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests.builders import build, phi3
-from tests.conftest import patch_bytes, run_cli, shard_files
+from tests.conftest import patch_bytes, run_cli, run_process, shard_files
 
 Q0 = "model.layers.0.self_attn.q_proj"
 
@@ -108,6 +108,37 @@ def test_verify_reports_requantization_errors(tmp_path: Path) -> None:
     assert text.startswith("faithful") and "requantized" in text
 
 
+def test_requantized_errors_are_those_of_torch_float32(tmp_path: Path) -> None:
+    """verify checks requantized rows through byte maps; its errors must be the float32 errors torch
+    computes from the two checkpoints, and one changed code or a source NaN must be caught."""
+    import torch
+
+    from tests.conftest import load_tensors
+
+    src = build(tmp_path / "src", phi3(), scale="shard")
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "--layout", "fused", "-q").exit_code == 0
+    code, report = verify(src, out)
+    assert code == 0
+    s, o = load_tensors(src), load_tensors(out)
+    rows = {"qkv_proj": [64, 32, 32], "gate_up_proj": [128, 128]}
+    for w in (w for w in report["weights"] if w["kind"] == "requantized"):
+        module = w["tensor"].removesuffix(".weight")
+        per_row = torch.repeat_interleave(s[module + ".weight_scale"], torch.tensor(rows[module.split(".")[-1]]))
+        source = s[w["tensor"]].float() * per_row.reshape(-1, 1)
+        codes, scale = o[w["tensor"]].float(), o[module + ".weight_scale"].float()
+        q = source / scale  # the exact code at the output scale; its fp8 step is 2^(exponent - 1 - 3)
+        step = torch.exp2((torch.frexp(q)[1] - 1).clamp(min=-6).float() - 3)
+        assert w["max_error"] == float((codes * scale - source).abs().max())
+        assert w["max_error_steps"] == float(((codes - q).abs() / step).max())
+    flip(out, "model.layers.1.mlp.gate_up_proj.weight", 300)
+    code, report = verify(src, out)
+    assert code == 1 and any("model.layers.1.mlp.gate_up_proj.weight" in p for p in report["problems"])
+    patch_bytes(src, "model.layers.0.self_attn.qkv_proj.weight", {5: 0x7F})
+    code, report = verify(src, out)
+    assert code == 1 and any("NaN codes" in p and "qkv_proj" in p for p in report["problems"])
+
+
 def test_convert_verify_fails_without_leaving_output(tmp_path: Path) -> None:
     """--verify runs on the staged output before the rename: faithful output appears, with the summary in the card."""
     src = build(tmp_path / "src", phi3())
@@ -120,3 +151,20 @@ def test_convert_verify_fails_without_leaving_output(tmp_path: Path) -> None:
 def test_verify_invalid_input_is_exit_3(tmp_path: Path) -> None:
     src = build(tmp_path / "src", phi3())
     assert run_cli("verify", src, tmp_path / "missing").exit_code == 3
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_jobs_give_the_same_report(tmp_path: Path, damaged: bool) -> None:
+    """verify --jobs N checks runs of tensors in N processes; the report, problems in order, is --jobs 1's."""
+    src = build(tmp_path / "src", phi3(layers=4), scale="shard", files=3)
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "--layout", "fused", "--to", "e4m3fnuz", "-q").exit_code == 0
+    if damaged:
+        flip(out, "model.layers.3.mlp.down_proj.weight", 7)
+        flip(out, Q0.replace("q_proj", "qkv_proj") + ".weight", 9)
+        flip(out, "model.layers.2.input_layernorm.weight", 0)
+    reports = [run_process("verify", src, out, "--json", "--jobs", str(n)) for n in (1, 2, 3)]
+    assert {r.returncode for r in reports} == {1 if damaged else 0}
+    first = json.loads(reports[0].stdout)
+    assert all(json.loads(r.stdout) == first for r in reports[1:])
+    assert len(first["weights"]) == 16 and len(first["problems"]) == (3 if damaged else 0)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import threading
@@ -41,7 +40,7 @@ _TOKEN_BYTES = 6
 
 def _staging_name(output: Path, old: bool = False) -> Path:
     """A fresh hidden folder name beside OUTPUT: for the new checkpoint, or (old) for the one it replaces."""
-    return output.parent / f".{output.name}.fp8fix-{'old-' if old else ''}{secrets.token_hex(_TOKEN_BYTES)}"
+    return output.parent / f".{output.name}.fp8fix-{'old-' if old else ''}{os.urandom(_TOKEN_BYTES).hex()}"
 
 
 def _staging_pattern(output: Path) -> re.Pattern[str]:

@@ -72,10 +72,11 @@ def inexact_codes(name: str) -> bytes:
     )
 
 
-def recode(codes: bytes, name: str) -> bytes:
-    """Apply a recoding to FP8 `codes` (forbidden codes must have been refused already)."""
-    if name == FN_TO_FNUZ.name:
-        return codes.replace(b"\x80", b"\x00")  # memchr-fast where -0 is rare
+def recode(codes: bytes | bytearray, name: str) -> bytes | bytearray:
+    """Apply a recoding to FP8 `codes` (forbidden codes must have been refused already); codes
+    that need no change come back as they are, not copied."""
+    if name == FN_TO_FNUZ.name:  # -0 is rare in real weights: memchr finds there is nothing to do
+        return codes.replace(b"\x80", b"\x00") if codes.find(0x80) >= 0 else codes
     if name == FNUZ_TO_FN.name:
         return codes
     return codes.translate(recoding_table(name))

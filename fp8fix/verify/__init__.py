@@ -28,12 +28,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from fp8fix.io.checkpoint import open_checkpoint
-from fp8fix.io.progress import progress_bar
+from fp8fix.io.progress import Progress, progress_bar
 from fp8fix.io.source_files import SourceFiles
+from fp8fix.io.workers import run_tasks, worker_count
 from fp8fix.model import describe_checkpoint
 from fp8fix.registry.architectures import Registry
 from fp8fix.verify.context import VerifyContext
-from fp8fix.verify.mapping import map_tensors, module_renames
+from fp8fix.verify.mapping import Target, map_tensors, module_renames
 from fp8fix.verify.repo import check_bytes, check_input_scale, check_repo, compressed_tensors_output
 from fp8fix.verify.report import VerifyReport, WeightCheck
 from fp8fix.verify.shapes import check_shapes
@@ -42,31 +43,88 @@ from fp8fix.verify.weights import check_stacked_experts, check_weight
 __all__ = ["VerifyReport", "WeightCheck", "verify"]
 
 
-def verify(source: Path, output: Path, quiet: bool = False, registry: Registry | None = None) -> VerifyReport:
-    """Check OUTPUT against SOURCE; the report's `problems` say what is wrong (empty: faithful)."""
+def verify(
+    source: Path, output: Path, quiet: bool = False, registry: Registry | None = None, jobs: int = 1
+) -> VerifyReport:
+    """Check OUTPUT against SOURCE; the report's `problems` say what is wrong (empty: faithful).
+
+    With `jobs` > 1 the tensors are checked in forked processes, in runs of consecutive
+    tensors; their reports are merged in order, so the report is the same whatever `jobs`.
+    """
+    global _checks
     model = describe_checkpoint(open_checkpoint(source), registry or Registry.builtin())
     out = open_checkpoint(output)
     fmt = model.require_format()
     with SourceFiles() as files:
         ctx = VerifyContext(model, out, fmt, VerifyReport(str(source), str(output)), files)
-        mapping = map_tensors(ctx)
-        weights = {w.name: w for w in model.module_weights()}
-        scale_names = {fmt.weight_scale_of(w) for w in weights}
-        input_of = {fmt.input_scale_of(w): w for w in weights if fmt.input_scale_of(w) in ctx.src.tensors}
-        scales = scale_names | set(input_of)  # checked through the weights' values, not streamed
-        total = sum(ctx.src.tensors[n].nbytes for n in mapping if n not in scales)
-        with progress_bar(total, "fp8fix verify", quiet) as bar:
-            for name, targets in mapping.items():
-                weight = weights.get(name)
-                if weight is not None and weight.stacked:
-                    ctx.report.weights.append(check_stacked_experts(ctx, weight))
-                elif weight is not None:
-                    ctx.report.weights.append(check_weight(ctx, weight, targets))
-                elif name in input_of:
-                    check_input_scale(ctx, name, input_of[name], targets)
-                elif name not in scale_names:
-                    check_bytes(ctx, name, targets)
-                bar.update(0 if name in scales else ctx.src.tensors[name].nbytes)
-        check_shapes(ctx, mapping, compressed_tensors_output(ctx) is not None)
-        check_repo(ctx, module_renames(ctx, mapping))
+        checks = _TensorChecks(ctx, map_tensors(ctx))
+        with progress_bar(checks.total, "fp8fix verify", quiet) as bar:
+            runs = checks.runs(RUNS_PER_JOB * jobs)
+            workers = worker_count(jobs, len(runs))
+            if workers > 1:
+                _checks = checks  # inherited by the forked workers
+                for part in run_tasks(_check_run, runs, workers, bar):
+                    ctx.report.merge(part)
+            else:
+                checks.check(0, len(checks.items), bar)
+        check_shapes(ctx, checks.mapping, compressed_tensors_output(ctx) is not None)
+        check_repo(ctx, module_renames(ctx, checks.mapping))
+    return ctx.report
+
+
+#: Runs of tensors per process: enough that one slow run does not leave the other processes idle.
+RUNS_PER_JOB = 4
+
+
+class _TensorChecks:
+    """The value checks of every SOURCE tensor, in mapping order, split into runs for `--jobs`."""
+
+    def __init__(self, ctx: VerifyContext, mapping: dict[str, list[Target]]) -> None:
+        self.ctx, self.mapping = ctx, mapping
+        self.items = list(mapping.items())
+        self.weights = {w.name: w for w in ctx.model.module_weights()}
+        fmt = ctx.fmt
+        self.scale_names = {fmt.weight_scale_of(w) for w in self.weights}
+        self.input_of = {fmt.input_scale_of(w): w for w in self.weights if fmt.input_scale_of(w) in ctx.src.tensors}
+        # scales are checked through the weights' values, not streamed
+        self.costs = [0 if n in self.scale_names or n in self.input_of else ctx.src.tensors[n].nbytes for n in mapping]
+        self.total = sum(self.costs)
+
+    def runs(self, count: int) -> list[tuple[int, int]]:
+        """[start, end) runs of consecutive tensors, about `count` of them, of about equal bytes."""
+        share, runs, start, size = max(1, self.total // max(count, 1)), [], 0, 0
+        for i, cost in enumerate(self.costs):
+            size += cost
+            if size >= share:
+                runs.append((start, i + 1))
+                start, size = i + 1, 0
+        if start < len(self.costs):
+            runs.append((start, len(self.costs)))
+        return runs
+
+    def check(self, start: int, end: int, bar: Progress) -> None:
+        ctx = self.ctx
+        for (name, targets), cost in zip(self.items[start:end], self.costs[start:end], strict=True):
+            weight = self.weights.get(name)
+            if weight is not None and weight.stacked:
+                ctx.report.weights.append(check_stacked_experts(ctx, weight))
+            elif weight is not None:
+                ctx.report.weights.append(check_weight(ctx, weight, targets))
+            elif name in self.input_of:
+                check_input_scale(ctx, name, self.input_of[name], targets)
+            elif name not in self.scale_names:
+                check_bytes(ctx, name, targets)
+            bar.update(cost)
+
+
+#: The checks a forked worker runs (set by the parent before forking).
+_checks: _TensorChecks | None = None
+
+
+def _check_run(progress: Progress, start: int, end: int) -> VerifyReport:
+    """A worker's share: tensors [start, end), into a report of their own."""
+    assert _checks is not None
+    ctx = _checks.ctx
+    ctx.report = VerifyReport(ctx.report.source, ctx.report.output)
+    _checks.check(start, end, progress)
     return ctx.report

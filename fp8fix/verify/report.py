@@ -37,6 +37,14 @@ class VerifyReport:
         if len(self.problems) < MAX_PROBLEMS:
             self.problems.append(text)
 
+    def merge(self, other: VerifyReport) -> None:
+        """Add the findings of another part of the same verification (a worker's run of tensors)."""
+        self.weights += other.weights
+        self.identical_tensors += other.identical_tensors
+        self.scales_checked += other.scales_checked
+        for text in other.problems:
+            self.problem(text)
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["ok"] = self.ok

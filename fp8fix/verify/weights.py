@@ -1,9 +1,11 @@
 """Checking FP8 weights by value: every output code must be the source value at the output scale.
 
 Where the output scale is the source's times a power of two (splits, fn <-> fnuz) the
-check is a byte map (`numerics.recodings.value_map`), fast and without torch; runs of
-rows that round or were requantized are dequantized in float32 with torch and must
-be within half an fp8 step of the converter's formula. Rows are read in chunks, so
+check is a byte map (`numerics.recodings.value_map`); requantized rows are checked
+against `numerics.requantize.requantize_map`, itself tested code by code against
+torch's float32 arithmetic. Both are fast and need no torch. Rows those maps do not
+explain (codes that round, another tool's rounding) are dequantized in float32 with
+torch and must be within half an fp8 step of the converter's formula. Rows are read in chunks, so
 memory stays at one chunk per tensor.
 """
 
@@ -14,9 +16,10 @@ from typing import Any
 
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import Fp8Weight
-from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, REQUANT_CLAMP
+from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, NAN_CODES, REQUANT_CLAMP
 from fp8fix.numerics.fp8 import is_power_of_two, steps_at, torch_dtype
 from fp8fix.numerics.recodings import value_map
+from fp8fix.numerics.requantize import requantize_map
 from fp8fix.verify.context import CHUNK_ELEMENTS, Mismatch, VerifyContext, scale_values
 from fp8fix.verify.mapping import Target
 from fp8fix.verify.report import WeightCheck
@@ -156,7 +159,10 @@ def _compare_rows(
         for r0 in range(row, end, step_rows):
             r1 = min(end, r0 + step_rows)
             a, b = ctx.read_rows(w, r0, r1, cols), ctx.read_rows(o, r0 + shift, r1 + shift, cols)
-            if is_power_of_two(ratio) and _same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 + shift, cols):
+            if is_power_of_two(ratio):
+                if _same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 + shift, cols):
+                    continue
+            elif _requantized_as_mapped(w, o, a, b, r0, shift, cols, src_scales, out_scales, check):
                 continue
             _compare_values(w, o, target, r0, r1, a, b, src_scales, out_scales, check)
         row = end
@@ -177,6 +183,41 @@ def _same_values(a: bytes, b: bytes, src: str, out: str, ratio: float, name: str
             f"'{name}' row {row0 + first // cols} column {first % cols}: code 0x{b[first]:02X}, expected "
             f"0x{mapped[first]:02X} (the source's value at the output scale)"
         )
+    return True
+
+
+def _requantized_as_mapped(
+    w: TensorInfo,
+    o: TensorInfo,
+    a: bytes,
+    b: bytes,
+    r0: int,
+    shift: int,
+    cols: int,
+    src_scales: list[float],
+    out_scales: list[float],
+    check: WeightCheck,
+) -> bool:
+    """True when requantized rows are exactly the codes `requantize_map` gives (fp8fix's own output:
+    checked as bytes, errors read from the map, no float tensors); False sends them to the float
+    check, which accepts any code within half an fp8 step."""
+    if any(bytes([c]) in a for c in NAN_CODES[w.dtype]):
+        raise Mismatch(f"'{w.name}': NaN codes in rows that were requantized into '{o.name}'")
+    rows, row = r0 + len(a) // cols, r0
+    while row < rows:
+        pair = (src_scales[row], out_scales[row + shift])
+        end = row + 1
+        while end < rows and (src_scales[end], out_scales[end + shift]) == pair:
+            end += 1
+        segment = slice((row - r0) * cols, (end - r0) * cols)
+        table = requantize_map(w.dtype, pair[0], pair[1], o.dtype)
+        if a[segment].translate(table.codes) != b[segment]:
+            return False
+        worst = table.worst(a[segment])
+        check.kind = "requantized"
+        check.max_error = max(check.max_error, worst.max_abs)
+        check.max_error_steps = max(check.max_error_steps, worst.max_steps)
+        row = end
     return True
 
 
