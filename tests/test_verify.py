@@ -139,6 +139,31 @@ def test_requantized_errors_are_those_of_torch_float32(tmp_path: Path) -> None:
     assert code == 1 and any("NaN codes" in p and "qkv_proj" in p for p in report["problems"])
 
 
+def test_rows_that_round_are_counted_as_torch_counts_them(tmp_path: Path) -> None:
+    """Shard scales a power of two apart: the smaller shard's codes are halved exactly except those that
+    round; verify (byte maps, no torch) counts them and their error as torch's float32 arithmetic does."""
+    import torch
+
+    from tests.conftest import load_tensors
+
+    src = build(tmp_path / "src", phi3(), scale="shard")
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    packed = struct.pack("<3f", 0.01, 0.02, 0.02)  # q at half the top scale: its codes halve at the top scale
+    patch_bytes(src, qkv + ".weight_scale", dict(enumerate(packed)))
+    patch_bytes(src, qkv + ".weight", {0: 0x01, 1: 0x83, 2: 0x09, 3: 0x8B, 4: 0x02})  # odd smallest codes round
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "--layout", "fused", "-q").exit_code == 0
+    code, report = verify(src, out)
+    assert code == 0
+    check = next(w for w in report["weights"] if w["tensor"] == qkv + ".weight")
+    q = load_tensors(src)[qkv + ".weight"][:64].float()
+    halved = q / 2
+    rounded = int((halved.to(torch.float8_e4m3fn).float() != halved).sum())
+    assert rounded > 0 and check["kind"] == "rounded" and check["rounded_codes"] == rounded
+    o = load_tensors(out)[qkv + ".weight"][:64].float()
+    assert check["max_error"] == float((o * torch.tensor(0.02) - q * torch.tensor(0.01)).abs().max())
+
+
 def test_convert_verify_fails_without_leaving_output(tmp_path: Path) -> None:
     """--verify runs on the staged output before the rename: faithful output appears, with the summary in the card."""
     src = build(tmp_path / "src", phi3())

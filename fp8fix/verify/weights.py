@@ -159,10 +159,10 @@ def _compare_rows(
         for r0 in range(row, end, step_rows):
             r1 = min(end, r0 + step_rows)
             a, b = ctx.read_rows(w, r0, r1, cols), ctx.read_rows(o, r0 + shift, r1 + shift, cols)
-            if is_power_of_two(ratio):
-                if _same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 + shift, cols):
-                    continue
-            elif _requantized_as_mapped(w, o, a, b, r0, shift, cols, src_scales, out_scales, check):
+            exact_ratio = is_power_of_two(ratio)
+            if exact_ratio and _same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 + shift, cols):
+                continue
+            if _as_mapped(w, o, a, b, r0, shift, cols, src_scales, out_scales, check, exact_ratio):
                 continue
             _compare_values(w, o, target, r0, r1, a, b, src_scales, out_scales, check)
         row = end
@@ -186,7 +186,7 @@ def _same_values(a: bytes, b: bytes, src: str, out: str, ratio: float, name: str
     return True
 
 
-def _requantized_as_mapped(
+def _as_mapped(
     w: TensorInfo,
     o: TensorInfo,
     a: bytes,
@@ -197,11 +197,15 @@ def _requantized_as_mapped(
     src_scales: list[float],
     out_scales: list[float],
     check: WeightCheck,
+    exact_ratio: bool,
 ) -> bool:
-    """True when requantized rows are exactly the codes `requantize_map` gives (fp8fix's own output:
-    checked as bytes, errors read from the map, no float tensors); False sends them to the float
-    check, which accepts any code within half an fp8 step."""
+    """True when rows that round (a power-of-two `exact_ratio` whose codes have no exact output code)
+    or were requantized are exactly the codes `requantize_map` gives, fp8fix's own output: checked as
+    bytes, errors read from the map, no float tensors. False sends them to the float check, which
+    also accepts another tool's rounding within half an fp8 step."""
     if any(bytes([c]) in a for c in NAN_CODES[w.dtype]):
+        if exact_ratio:
+            return False  # NaN codes moved as bytes: the float check follows them
         raise Mismatch(f"'{w.name}': NaN codes in rows that were requantized into '{o.name}'")
     rows, row = r0 + len(a) // cols, r0
     while row < rows:
@@ -209,14 +213,20 @@ def _requantized_as_mapped(
         end = row + 1
         while end < rows and (src_scales[end], out_scales[end + shift]) == pair:
             end += 1
-        segment = slice((row - r0) * cols, (end - r0) * cols)
+        codes = a[(row - r0) * cols : (end - r0) * cols]
         table = requantize_map(w.dtype, pair[0], pair[1], o.dtype)
-        if a[segment].translate(table.codes) != b[segment]:
+        if codes.translate(table.codes) != b[(row - r0) * cols : (end - r0) * cols]:
             return False
-        worst = table.worst(a[segment])
-        check.kind = "requantized"
+        worst = table.worst(codes)
         check.max_error = max(check.max_error, worst.max_abs)
-        check.max_error_steps = max(check.max_error_steps, worst.max_steps)
+        if exact_ratio:
+            rounded = sum(codes.count(c) for c in value_map(w.dtype, o.dtype, pair[1] / pair[0])[1])
+            check.rounded_codes += rounded
+            if rounded and check.kind == "exact":
+                check.kind = "rounded"
+        else:
+            check.kind = "requantized"
+            check.max_error_steps = max(check.max_error_steps, worst.max_steps)
         row = end
     return True
 
