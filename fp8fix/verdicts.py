@@ -27,6 +27,7 @@ FACT_DESCRIPTIONS = {
     "unusable_scales": "an FP8 weight without a usable scale",
     "per_shard_fused": "a fused module with one weight scale per shard",
     "one_scale_fused": "a fused module with one weight scale (or per-channel / block scales)",
+    "channel_fused": "every fused module with per-channel weight scales ([out, 1], one per row)",
     "per_shard_input_scales": "a fused module with one static input scale per shard",
     "unfused_names": "per-shard module names (q_proj, ...) where the model fuses them",
     "unfused_on_transformers_backend": "per-shard names, and an architecture vLLM serves through its "
@@ -47,6 +48,7 @@ class Facts:
     unusable_scales: bool  # an FP8 weight without a scale, or one of no known shape
     per_shard_fused: bool  # a fused linear module with one weight scale per shard
     one_scale_fused: bool  # a fused linear module with a single (or per-channel / block) weight scale
+    channel_fused: bool  # every fused FP8 module with per-channel weight scales (one per row)
     per_shard_input_scales: bool  # a fused module's static input scale with one value per shard
     unfused_names: bool  # per-shard module names where the registry knows a fused module
     unfused_on_transformers_backend: bool
@@ -58,7 +60,11 @@ class Facts:
 
     @property
     def layout(self) -> str:
-        return "unfused" if self.unfused_names else "fused" if self.one_scale_fused or self.per_shard_fused else ""
+        if self.unfused_names:
+            return "unfused"
+        if self.channel_fused:
+            return "channel"
+        return "fused" if self.one_scale_fused or self.per_shard_fused else ""
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ def facts_of(model: CheckpointModel) -> Facts:
         unusable_scales=any(w.scale_kind is None for w in weights),
         per_shard_fused=any(w.scale_kind == "shard" for w in fused),
         one_scale_fused=any(w.scale_kind in ("tensor", "channel", "block") for w in fused),
+        channel_fused=bool(fused) and all(w.scale_kind == "channel" for w in fused),
         per_shard_input_scales=any(
             w.input_scale is not None and w.n_shards > 1 and w.input_scale.shape == (w.n_shards,) for w in fused
         ),

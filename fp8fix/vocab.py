@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 #: How a fused module's scales are written (README "Layouts").
-Layout = Literal["unfused", "per-shard", "fused"]
+Layout = Literal["unfused", "per-shard", "fused", "channel"]
 LAYOUTS: tuple[Layout, ...] = get_args(Layout)
 
 #: What the plan does to one fused module or stacked-experts tensor.
-Action = Literal["unfuse", "split-scale", "requantize", "merge-equal-scales", "max-input-scale", "keep"]
+Action = Literal[
+    "unfuse", "split-scale", "requantize", "merge-equal-scales", "max-input-scale", "per-channel-scale", "keep"
+]
 
 #: How a weight's scale covers it: one value (tensor), one per fused shard, per output row (channel),
 #: per rows x columns block, per expert (stacked experts), or not quantized at all (none).

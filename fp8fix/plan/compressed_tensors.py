@@ -100,3 +100,17 @@ def compressed_tensors_config(config: dict[str, Any], strategy: str, kv_scales: 
     out.pop("compression_config", None)
     out["quantization_config"] = qc
     return out
+
+
+def channel_strategy_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """config.json of a compressed-tensors checkpoint whose weight scales became per row: every
+    config group with float 8-bit tensor-strategy weights says `strategy: channel`; and the groups changed."""
+    out = copy.deepcopy(config)
+    groups = (quantization_config(out) or {}).get("config_groups") or {}
+    changed = []
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if isinstance(weights, dict) and weights.get("type") == "float" and weights.get("strategy") == "tensor":
+            weights["strategy"] = "channel"
+            changed.append(str(name))
+    return out, changed

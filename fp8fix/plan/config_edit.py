@@ -40,11 +40,13 @@ def output_config(
     name_lists: tuple[NameList, ...],
     renames: dict[str, list[str]],
     compressed_tensors: tuple[str, bool] | None = None,
+    channel: bool = False,
 ) -> dict[str, tuple[dict[str, Any], list[str]]]:
     """The config files OUTPUT gets where they differ from SOURCE's: name lists following `renames`,
     then, with `compressed_tensors` = (strategy, has kv-cache scales), quantization_config written
-    as compressed-tensors. Convert writes these; verify expects them."""
-    from fp8fix.plan.compressed_tensors import compressed_tensors_config
+    as compressed-tensors; with `channel` (a compressed-tensors source), its weights' strategy made
+    channel. Convert writes these; verify expects them."""
+    from fp8fix.plan.compressed_tensors import channel_strategy_config, compressed_tensors_config
 
     out = rewrite_name_lists(config, root, name_lists, renames)
     if compressed_tensors is not None:
@@ -52,6 +54,12 @@ def output_config(
         strategy, kv = compressed_tensors
         edits = [*edits, f"quantization_config: quant_method fp8 -> compressed-tensors ({strategy} scales, same bytes)"]
         out[CONFIG] = (compressed_tensors_config(content, strategy, kv), edits)
+    elif channel:
+        content, edits = out.get(CONFIG, (config, []))
+        rewritten, groups = channel_strategy_config(content)
+        if groups:
+            edit = f"quantization_config: {', '.join(groups)} weights strategy tensor -> channel (scales per row)"
+            out[CONFIG] = (rewritten, [*edits, edit])
     return out
 
 

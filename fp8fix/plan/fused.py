@@ -7,6 +7,9 @@ The rules (see README "Layouts"):
 - per-shard: a single weight/input scale becomes a vector of n_shards copies. Exact.
 - fused: a per-shard scale vector becomes its largest entry; shards at a smaller
   scale are requantized to it (bounded error, reported). Equal entries change no byte.
+- channel: the weight scale becomes one per row ([out, 1]), each row its shard's scale
+  (a single scale repeated); per-shard input scales become their largest. Exact: no
+  code changes (see `channel.py`, which plans the weights outside fused modules).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from fp8fix.io.checkpoint import check_scale_values
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import FusedModule, scale_kind
 from fp8fix.numerics.dtypes import ITEM_SIZE, is_fp8
+from fp8fix.plan.channel import channel_shape
 from fp8fix.plan.pieces import CopyRange, ModuleChange, OutputTensor, Piece, RepeatRange, Requantize
 from fp8fix.registry.formats import FormatSpec
 from fp8fix.vocab import Layout, ScaleKind
@@ -70,6 +74,8 @@ def plan_fused_module(
             change.reason = "already one scale per shard" if weight_kind == "shard" else _keep_reason(weight_kind)
     elif layout == "fused":
         _fuse_scales(m, fmt, scales, kinds, change, outputs)
+    elif layout == "channel":
+        _channel_scales(m, fmt, scales, kinds, change, outputs)
     return change, outputs
 
 
@@ -161,11 +167,7 @@ def _fuse_scales(
     for param, t in scales.items():
         if kinds[param] != "shard":
             continue
-        values = check_scale_values(t)
-        top = max(range(len(values)), key=lambda i: values[i])
-        item = ITEM_SIZE[t.dtype]
-        element = CopyRange(t.path, t.start + top * item, t.start + (top + 1) * item)
-        outputs[t.name] = [OutputTensor(t.name, t.dtype, fmt.scalar_shape, [element], t.name)]
+        values, top = _largest_entry(t, fmt, outputs)
         if param != fmt.weight_scale:
             continue
         if len(set(values)) == 1:
@@ -187,8 +189,67 @@ def _fuse_scales(
             f"shard scales differ ({', '.join(f'{v:.6g}' for v in values)}); shards requantized to the largest "
             f"({values[top]:.6g}), error bounded by half an fp8 step"
         )
+    _input_scales_only(change, outputs)
+
+
+def _largest_entry(t: TensorInfo, fmt: FormatSpec, outputs: dict[str, list[OutputTensor]]) -> tuple[list[float], int]:
+    """A per-shard scale vector written as its largest entry; its values and the index of that entry."""
+    values = check_scale_values(t)
+    top = max(range(len(values)), key=lambda i: values[i])
+    item = ITEM_SIZE[t.dtype]
+    element = CopyRange(t.path, t.start + top * item, t.start + (top + 1) * item)
+    outputs[t.name] = [OutputTensor(t.name, t.dtype, fmt.scalar_shape, [element], t.name)]
+    return values, top
+
+
+def _input_scales_only(change: ModuleChange, outputs: dict[str, list[OutputTensor]]) -> None:
+    """The action and reason of a module whose weight scale stayed as it was."""
     if change.action == "keep" and outputs:
         change.action = "max-input-scale"
         change.reason = "per-shard input scales become their largest, as runtimes do for a fused module"
     elif change.action == "keep":
         change.reason = _keep_reason(change.scale)
+
+
+def _channel_scales(
+    m: FusedModule,
+    fmt: FormatSpec,
+    scales: dict[str, TensorInfo],
+    kinds: dict[str, ScaleKind],
+    change: ModuleChange,
+    outputs: dict[str, list[OutputTensor]],
+) -> None:
+    """One weight scale per row, [out, 1]: each row its shard's scale. Per-shard input scales: the largest."""
+    rows = m.weight.shape[0]
+    for param, t in scales.items():
+        kind = kinds[param]
+        if param != fmt.weight_scale:
+            if kind == "shard":
+                _largest_entry(t, fmt, outputs)
+            continue
+        if kind == "block":
+            raise UnsupportedCheckpoint(
+                f"{t.path.name}: '{t.name}' holds block scales, which one scale per row cannot hold without "
+                "requantizing; the channel layout is for per-tensor and per-shard scales"
+            )
+        if kind == "channel":
+            if t.shape != channel_shape(rows):  # [out] -> [out, 1], same bytes
+                outputs[t.name] = [
+                    OutputTensor(t.name, t.dtype, channel_shape(rows), [CopyRange(t.path, t.start, t.end)], t.name)
+                ]
+            continue
+        item = ITEM_SIZE[t.dtype]
+        pieces: list[Piece] = (
+            [RepeatRange(t.path, t.start, t.end, rows)]
+            if kind == "tensor"
+            else [RepeatRange(t.path, t.start + i * item, t.start + (i + 1) * item, b - a) for i, a, b in m.segments]
+        )
+        outputs[t.name] = [OutputTensor(t.name, t.dtype, channel_shape(rows), pieces, t.name)]
+        change.action = "per-channel-scale"
+        change.reason = (
+            "shard scales differ; each row keeps its shard's scale as a per-channel [out, 1] scale: exact, "
+            "no code changes (a single scale would mean requantizing)"
+            if kind == "shard"
+            else "one scale repeated for every row as a per-channel [out, 1] scale: exact"
+        )
+    _input_scales_only(change, outputs)

@@ -16,6 +16,7 @@ from fp8fix.io.checkpoint import CONFIG
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import CheckpointModel, describe_checkpoint
 from fp8fix.plan import compressed_tensors
+from fp8fix.plan.channel import plan_channel_weights
 from fp8fix.plan.config_edit import output_config
 from fp8fix.plan.encoding import plan_encoding
 from fp8fix.plan.experts import plan_experts
@@ -23,6 +24,7 @@ from fp8fix.plan.fused import plan_fused_module
 from fp8fix.plan.output import planned_checkpoint
 from fp8fix.plan.pieces import ConversionPlan, CopyRange, ModuleChange, OutputShard, OutputTensor
 from fp8fix.plan.targets import best, candidates
+from fp8fix.registry.formats import COMPRESSED_TENSORS
 from fp8fix.verdicts import loader_verdicts
 from fp8fix.vocab import Encoding, Layout, OutputFormat, Target
 
@@ -36,8 +38,8 @@ def plan_for_target(
 ) -> ConversionPlan:
     """The conversion `convert` writes: `layout` and `output_format` where given, the rest what `target`'s
     loaders take best. An explicit layout alone keeps the source's format: it asks for that change only."""
-    if layout is not None and output_format is None:
-        output_format = "keep"
+    if layout is not None and output_format is None:  # channel from AutoFP8: only compressed-tensors holds it
+        output_format = "compressed-tensors" if layout == "channel" and model.is_autofp8 else "keep"
     if layout is None or output_format is None:
         model.require_format()
         _, arch = model.require_architecture()
@@ -74,6 +76,8 @@ def plan_conversion(
             f"{arch_name}: runtimes know no per-shard names for {', '.join(blocked)}, so there is no unfused "
             "layout; use --layout per-shard or --layout fused"
         )
+    if chosen == "channel":
+        _require_channel_format(model, output_format, arch_name)
     replacements: dict[str, list[OutputTensor]] = {}
     changes: list[ModuleChange] = []
     renames: dict[str, list[str]] = {}
@@ -83,6 +87,8 @@ def plan_conversion(
         replacements.update(outputs)
         if change.new_modules:
             renames[module.path] = change.new_modules
+    if chosen == "channel":
+        replacements.update(plan_channel_weights(model))
     for weight in experts:
         change, outputs = plan_experts(weight, chosen)
         changes.append(change)
@@ -119,12 +125,29 @@ def plan_conversion(
             fmt.name_lists,
             renames,
             (strategy, bool(model.kv_cache_scales)) if strategy else None,
+            channel=chosen == "channel" and output_format == "keep",
         ),
     )
     plan.source_loaders = loader_verdicts(model)
     config = plan.config_files.get(CONFIG, (ckpt.config, []))[0]
     plan.loaders = loader_verdicts(describe_checkpoint(planned_checkpoint(plan, ckpt, config), model.registry))
     return plan
+
+
+def _require_channel_format(model: CheckpointModel, output_format: OutputFormat, arch_name: str) -> None:
+    """The channel layout is written as compressed-tensors: from AutoFP8 with --format compressed-tensors,
+    or from compressed-tensors itself."""
+    fmt = model.require_format()
+    if model.is_autofp8 and output_format != "compressed-tensors":
+        raise UnsupportedCheckpoint(
+            f"{arch_name}: the channel layout of an AutoFP8 checkpoint is written as compressed-tensors (vLLM "
+            "rejects quant_method fp8 with per-row scales); use --format compressed-tensors"
+        )
+    if not model.is_autofp8 and (fmt.name != COMPRESSED_TENSORS.name or fmt.block or output_format != "keep"):
+        raise UnsupportedCheckpoint(
+            f"{arch_name}: the channel layout is written as compressed-tensors, from AutoFP8 or compressed-tensors "
+            f"sources with per-tensor or per-shard scales; this checkpoint is {fmt.label}"
+        )
 
 
 def _plan_shard(

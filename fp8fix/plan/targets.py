@@ -3,7 +3,10 @@ candidate output.
 
 Every layout the planner accepts is planned (headers only: cheap) and judged by
 `fp8fix.verdicts` as the output it would write. The target's loaders are counted
-first, then every loader; ties go to `unfused` (splitting fused modules into the
+first; then exactness: where a fused module's shards carry different scales, every layout
+but `channel` leaves them to be requantized (by fp8fix for `fused`, by the runtime at load
+for the others), so `channel` comes first among outputs the target's loaders take; then
+every loader; ties go to `unfused` (splitting fused modules into the
 per-shard modules runtimes know by name: the job fp8fix was made for), then to the
 architecture's default layout (what the registry says fused-MoE loaders and old vLLMs
 expect, which no verdict tells apart), then to the layout that leaves the checkpoint as
@@ -16,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fp8fix.errors import UnsupportedCheckpoint
+from fp8fix.errors import Fp8fixError, UnsupportedCheckpoint
+from fp8fix.io.checkpoint import check_scale_values
 from fp8fix.model import CheckpointModel
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.registry.loaders import TRANSFORMERS, VLLM, VLLM_LEGACY
@@ -38,6 +42,7 @@ class Candidate:
     output_format: OutputFormat
     plan: ConversionPlan
     unchanged: bool  # every fused module kept as it is, in the source's format
+    lossy: bool  # shards with different scales end up requantized (by fp8fix or at load)
 
     def score(self, target: Target) -> tuple[int, int]:
         return score(self.plan.loaders, target)
@@ -56,6 +61,7 @@ def candidates(
     from fp8fix.plan.planner import plan_conversion
 
     found = []
+    differ = shard_scales_differ(model)
     for lay in [layout] if layout else LAYOUTS:
         for fmt in [output_format] if output_format else OUTPUT_FORMATS:
             try:
@@ -63,16 +69,29 @@ def candidates(
             except (UnsupportedCheckpoint, OSError):  # no unfused names; no such format; Hub headers only
                 continue
             unchanged = fmt == "keep" and all(m.action == "keep" for m in plan.modules)
-            found.append(Candidate(lay, fmt, plan, unchanged))
+            found.append(Candidate(lay, fmt, plan, unchanged, differ and lay != "channel"))
     return found
+
+
+def shard_scales_differ(model: CheckpointModel) -> bool:
+    """A fused module whose shards carry different weight scales: one scale for it means requantizing."""
+    for w in model.module_weights():
+        if w.fused is None or w.scale_kind != "shard" or w.scale is None:
+            continue
+        try:
+            if len(set(check_scale_values(w.scale))) > 1:
+                return True
+        except (OSError, Fp8fixError):  # headers only (a Hub source), or a scale convert refuses anyway
+            return False
+    return False
 
 
 def best(found: list[Candidate], target: Target, default: Layout) -> Candidate:
     """The candidate the target's loaders take best; ties as the module docstring says."""
 
-    def rank(c: Candidate) -> tuple[int, int, int, bool]:
+    def rank(c: Candidate) -> tuple[int, bool, int, int, bool]:
         correct, everywhere = c.score(target)
         ties = [c.layout == "unfused", c.layout == default, c.unchanged, c.layout == "fused", True]
-        return (-correct, -everywhere, ties.index(True), c.output_format != "keep")
+        return (-correct, c.lossy, -everywhere, ties.index(True), c.output_format != "keep")
 
     return min(found, key=rank)

@@ -136,6 +136,10 @@ LOADS_BECAUSE: dict[str, dict[str, str]] = {
     VLLM: {
         "unfused": "Llama-style names map onto the fused parameter's shards",
         "fused": "single scale copied into every shard slot",
+        "channel": "per-channel scales load row for row into the fused parameter, no requantization",
     },
-    TRANSFORMERS: {"fused": "one scale per module, fused names"},
+    TRANSFORMERS: {
+        "fused": "one scale per module, fused names",
+        "channel": "one scale per row, fused names",
+    },
 }

@@ -76,7 +76,9 @@ def check_repo(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
     for name, header in out.shards.items():
         if header.metadata.get("format") != "pt":
             report.problem(f"{name}: __metadata__ has no format: pt")
-    rewritten = output_config(src.config, src.root, ctx.fmt.name_lists, renames, compressed_tensors_output(ctx))
+    rewritten = output_config(
+        src.config, src.root, ctx.fmt.name_lists, renames, compressed_tensors_output(ctx), channel_output(ctx)
+    )
     if out.config != rewritten.get(CONFIG, (src.config, []))[0]:
         report.problem("config.json: differs from SOURCE's beyond the renamed quantization_config entries")
     for file, (content, _) in rewritten.items():
@@ -104,3 +106,17 @@ def compressed_tensors_output(ctx: VerifyContext) -> tuple[str, bool] | None:
         return None
     scales = [t for name, t in ctx.out.tensors.items() if name.endswith("." + ctx.fmt.weight_scale)]
     return ("tensor" if all(t.numel == 1 for t in scales) else "channel"), bool(ctx.model.kv_cache_scales)
+
+
+def channel_output(ctx: VerifyContext) -> bool:
+    """A compressed-tensors SOURCE whose OUTPUT holds every weight scale per row (the channel layout)
+    where SOURCE did not: its config groups must then say `strategy: channel`."""
+    if ctx.model.is_autofp8 or ctx.fmt.name != COMPRESSED_TENSORS.name:
+        return False
+    weights = [w for w in ctx.model.module_weights() if w.scale is not None]
+    per_row = [
+        (o := ctx.out.tensors.get(w.scale.name)) is not None and len(o.shape) == 2 and o.shape[1] == 1
+        for w in weights
+        if w.scale is not None
+    ]
+    return bool(per_row) and all(per_row) and any(w.scale_kind != "channel" for w in weights)

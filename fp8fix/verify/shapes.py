@@ -6,8 +6,9 @@ the tensor differently or refuse it. The expected shape follows from the source 
 and where its rows went: a whole tensor keeps its shape, a row split keeps the other
 dimensions, a single scale (or one entry of a per-shard scale vector) is the format's
 scalar shape, a fused module's single scale repeated per shard is a vector of one per shard,
-stacked experts' scales are [experts, shards] or [experts], and compressed-tensors output
-(from AutoFP8) writes single scales as [1].
+stacked experts' scales are [experts, shards] or [experts], compressed-tensors output
+(from AutoFP8) writes single scales as [1], and the channel layout writes weight scales
+as [rows, 1] (one per row of the output weight).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def check_shapes(ctx: VerifyContext, mapping: dict[str, list[Target]], compresse
     weights = {w.name for w in ctx.model.weights.values()}
     scales = {s.name for w in ctx.model.weights.values() for s in (w.scale, w.input_scale) if s is not None}
     scales |= {t.name for t in ctx.model.kv_cache_scales}
+    weight_scales = {w.scale.name for w in ctx.model.weights.values() if w.scale is not None}
     experts_scales = {  # stacked experts' scales: per-shard [E, shards] or per-expert [E] (plan.experts)
         w.scale.name: {(w.experts.count, len(w.experts.widths)), (w.experts.count,)}
         for w in ctx.model.weights.values()
@@ -40,6 +42,8 @@ def check_shapes(ctx: VerifyContext, mapping: dict[str, list[Target]], compresse
             fused = ctx.model.fused.get(name.rpartition(".")[0])
             if name in experts_scales and math.prod(o.shape) > 1:
                 expected = {t.shape, *experts_scales[name]}
+            elif name in weight_scales and len(o.shape) == 2 and o.shape[1] == 1 and o.shape != t.shape:
+                expected = {(_weight_rows(ctx, out_name), 1)}  # the channel layout: one scale per row
             elif name in scales and math.prod(o.shape) == 1:
                 expected = _single_scale_shape(ctx, t.shape, compressed_tensors)
             elif name in scales and t.numel == 1 and fused is not None:  # per-shard layout: one entry per shard
@@ -55,6 +59,12 @@ def check_shapes(ctx: VerifyContext, mapping: dict[str, list[Target]], compresse
                     f"'{out_name}' is {o.dtype} {list(o.shape)}; '{name}' ({t.dtype} {list(t.shape)}) makes it "
                     f"{'/'.join(sorted(dtypes))} {want}"
                 )
+
+
+def _weight_rows(ctx: VerifyContext, scale_name: str) -> int:
+    """The rows of the OUTPUT weight a weight scale belongs to (0 when OUTPUT has no such weight)."""
+    weight = ctx.out.tensors.get(f"{scale_name.rsplit('.', 1)[0]}.weight")
+    return weight.shape[0] if weight is not None and weight.shape else 0
 
 
 def _rows(shape: tuple[int, ...]) -> int:

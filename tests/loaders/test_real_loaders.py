@@ -39,6 +39,10 @@ SOURCES = {
     "block-fp8": ("block-fp8", "block"),  # DeepSeek-V3 / Qwen3 style weight_scale_inv per 32x32 block
     "glm-fp8": ("fp8", "tensor"),  # GlmForCausalLM: vLLM 0.32 serves it through its Transformers backend
     "glm-ct": ("compressed-tensors", "tensor"),
+    # fused modules whose shards carry different scales (issue 14): only the channel layout is exact
+    "fp8-shard": ("fp8", "shard"),
+    "fp8-legacy-shard": ("fp8-legacy", "shard"),
+    "ct-shard": ("compressed-tensors", "shard"),
 }
 LAYOUTS = ("as-exported", "unfused", "per-shard", "fused")
 #: Outputs written as compressed-tensors (AutoFP8 sources only): case name -> convert options.
@@ -46,6 +50,9 @@ AS_COMPRESSED_TENSORS = {
     "unfused+ct": ("--layout", "unfused", "--format", "compressed-tensors"),
     "fused+ct": ("--layout", "fused", "--format", "compressed-tensors"),
 }
+#: The channel layout (compressed-tensors, one scale per row), on the sources it is written from.
+CHANNEL = {"channel": ("--layout", "channel")}
+CHANNEL_SOURCES = [s for s in SOURCES if SOURCES[s][0] in ("fp8", "fp8-legacy", "compressed-tensors")]
 #: Encoding changes, on every source: case name -> convert options.
 ENCODINGS = {"fnuz": ("--to", "e4m3fnuz"), "fnuz+fused": ("--layout", "fused", "--to", "e4m3fnuz")}
 #: Cases a real loader cannot run here, for a reason outside weight loading.
@@ -59,6 +66,7 @@ NOT_JUDGED = {
 CASES = (
     [(source, layout) for source in SOURCES for layout in LAYOUTS]
     + [(source, case) for source in SOURCES if source.startswith("fp8") for case in AS_COMPRESSED_TENSORS]
+    + [(source, case) for source in CHANNEL_SOURCES for case in CHANNEL]
     + [(source, "auto") for source in SOURCES]  # what `convert SOURCE OUTPUT` writes
     + [(source, case) for source in SOURCES for case in ENCODINGS]
 )
@@ -158,6 +166,8 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Cas
         options.update(ENCODINGS)
         if name.startswith("fp8"):
             options.update(AS_COMPRESSED_TENSORS)
+        if name in CHANNEL_SOURCES:
+            options.update(CHANNEL)
         for layout, args in options.items():
             folder = root / f"{name}-{layout}"
             result = run_cli("convert", src, folder, *args, "--json")
@@ -266,3 +276,26 @@ def test_the_default_conversion_never_loads_in_fewer_loaders(
         return {loader for loader in runnable if outcome(loaded[loader][(source, layout)], case.truth)[0] == "loads"}
 
     assert correct("auto") >= correct("as-exported")
+
+
+@pytest.mark.parametrize("loader", list(VERDICT_ROWS))
+@pytest.mark.parametrize("source", [s for s in CHANNEL_SOURCES if SOURCES[s][1] == "shard"])
+def test_channel_loads_bit_identical_where_every_other_layout_requantizes(
+    cases: dict[tuple[str, str], Case], loaded: dict[str, dict], source: str, loader: str
+) -> None:
+    """Shards with different scales: the real loader computes with exactly the true weights from the
+    channel output (no bf16 rounding, no requantization), and `auto` chose it."""
+    case = cases[(source, "channel")]
+    result = loaded[loader][(source, "channel")]
+    assert result.loaded, result.error
+    for module, expected in as_loaded(case.truth, result.weights).items():
+        got = result.weights[module]
+        assert torch.equal(got, expected) or torch.equal(got, expected.to(torch.bfloat16).float()), module
+    if loader == "vllm":  # vLLM keeps float32 weights here: bit-identical, not merely within bf16
+        assert all(torch.equal(result.weights[m], e) for m, e in as_loaded(case.truth, result.weights).items())
+    assert (
+        json.loads((cases[(source, "auto")].folder / "config.json").read_text())["quantization_config"][
+            "config_groups"
+        ]["group_0"]["weights"]["strategy"]
+        == "channel"
+    )
