@@ -1,13 +1,16 @@
 """What the real loaders compute with, per layout, when a fused module's shards carry different scales.
 
-Builds a Phi-3-shaped FP8 checkpoint whose fused `qkv_proj` / `gate_up_proj` carry one
-scale per shard, far apart (as exporters that quantize q/k/v separately write them),
+Builds a Phi-3-shaped compressed-tensors FP8 checkpoint whose fused `qkv_proj` /
+`gate_up_proj` carry one scale per shard (as exporters that quantize q/k/v separately
+write them),
 converts it with `--layout unfused`, `fused` and `channel`, loads each through the real
 loaders (the harnesses of tests/loaders: vLLM's CPU build and transformers, in their
 own venvs; `eval "$(bash scripts/setup_loader_venvs.sh)"` sets FP8FIX_VLLM_PYTHON and
 FP8FIX_TRANSFORMERS_PYTHON), and compares the weights each loader ends up with against
 the true values dequantized from SOURCE: how many fused-module weights differ, and the
-worst difference in fp8 steps of the source's own scale.
+worst difference in fp8 steps at the module's largest shard scale (the grid requantizing
+puts it on). transformers computes in the model's bf16, so its weights are compared
+with the true values rounded to bf16.
 
     python scripts/compare_channel.py            # README "Layouts": the comparison table
 """
@@ -33,11 +36,12 @@ LAYOUTS = ("unfused", "fused", "channel")
 FUSED = ("qkv_proj", "gate_up_proj")
 
 
-def steps(got: torch.Tensor, truth: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
-    """|got - truth| in fp8 (e4m3fn) steps of the true code at the source's scale of its row."""
-    code = truth / row_scale
+def steps(got: torch.Tensor, truth: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """|got - truth| in fp8 (e4m3fn) steps at `scale`: the module's largest shard scale, the grid that
+    requantizing (by the runtime or by `--layout fused`) puts every row on."""
+    code = truth / scale
     _, exponent = torch.frexp(code)
-    step = torch.exp2((exponent - 1).clamp(min=-6).float() - 3) * row_scale
+    step = torch.exp2((exponent - 1).clamp(min=-6).float() - 3) * scale
     return (got - truth).abs() / step
 
 
@@ -53,7 +57,7 @@ def row_scales(folder: Path, model: Model) -> dict[str, torch.Tensor]:
     for name, w in tensors.items():
         if name.endswith(".weight") and w.dtype == torch.float8_e4m3fn:
             module = name.removesuffix(".weight")
-            scale = tensors[module + ".weight_scale"].float().reshape(-1)
+            scale = tensors[module + ".weight_scale"].float().reshape(-1)  # [] / [1] per tensor, [n] per shard
             counts = next((f.rows for f in model.fused if module.endswith(f.suffix)), [w.shape[0]])
             if scale.numel() == 1:
                 scale = scale.expand(len(counts))
@@ -69,7 +73,7 @@ def main() -> None:
     model.config.update(pad_token_id=None, bos_token_id=None, eos_token_id=None)  # as loader_model does
     with tempfile.TemporaryDirectory(prefix="fp8fix-channel-") as work:
         root = Path(work)
-        src = build(root / "src", model, scale="shard")
+        src = build(root / "src", model, fmt="compressed-tensors", scale="shard")
         truth = true_weights(src, model)
         scales = row_scales(src, model)
         folders = {"source (per-shard scales)": src}
@@ -96,7 +100,7 @@ def main() -> None:
                         expected = expected.to(torch.bfloat16).float()
                     differ += int((got != expected).sum())
                     total += got.numel()
-                    worst = max(worst, float(steps(got, expected, row_scale).max()))
+                    worst = max(worst, float(steps(got, expected, row_scale.max()).max()))
                 rows.append(f"| {name} | {loader} | yes | {differ:,} of {total:,} | {worst:.3f} |")
         print("\n".join(rows))
 

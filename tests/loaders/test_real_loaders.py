@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -196,8 +197,9 @@ REQUANTIZED_STEPS = 0.52
 
 def same_values(got: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
     """Exactly the true values; or the true values rounded once to bf16 (on CPU transformers dequantizes
-    FP8 layers into the model's dtype, bf16 here); or, for a layer the loader requantized to one `scale`,
-    within REQUANTIZED_STEPS fp8 steps of that scale's grid."""
+    FP8 layers into the model's dtype, bf16 here); or, for a layer requantized to one `scale` (by the
+    loader, or by fp8fix's `--layout fused`), within REQUANTIZED_STEPS fp8 steps of that scale's grid
+    (plus bf16's rounding)."""
     if got.shape != expected.shape:
         return False
     if torch.equal(got, expected) or torch.equal(got, expected.to(torch.bfloat16).float()):
@@ -207,7 +209,8 @@ def same_values(got: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor |
     codes = expected / scale
     _, exponent = torch.frexp(codes)
     step = torch.exp2((exponent - 1).clamp(min=-6).float() - 3) * scale  # e4m3fn: 3 mantissa bits
-    return bool(((got - expected).abs() <= REQUANTIZED_STEPS * step).all())
+    bf16 = expected.abs() * 2**-8  # a loader computing in bf16 rounds once more (half an ulp: 2^-9)
+    return bool(((got - expected).abs() <= REQUANTIZED_STEPS * step + bf16).all())
 
 
 #: Layers a loader packs from several checkpoint modules, rows in this order (vLLM's packed_modules_mapping:
@@ -226,7 +229,20 @@ def as_loaded(truth: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -
     return expected
 
 
-def outcome(result: Loaded, truth: dict[str, torch.Tensor]) -> tuple[str, str]:
+@cache
+def single_scales(folder: Path) -> dict[str, torch.Tensor]:
+    """The one-value weight scales of a checkpoint, by module: the grid of a module fp8fix requantized
+    (`--layout fused`), for loaders that do not report the scale they computed with."""
+    scales = {}
+    for path in folder.glob("*.safetensors"):
+        with safe_open(path, framework="pt") as f:
+            for k in f.keys():
+                if k.endswith(".weight_scale") and f.get_slice(k).get_shape() in ([], [1]):
+                    scales[k.removesuffix(".weight_scale")] = f.get_tensor(k).float()
+    return scales
+
+
+def outcome(result: Loaded, truth: dict[str, torch.Tensor], folder: Path) -> tuple[str, str]:
     """(loads | loads-wrong | fails, why) from what the loader computes with, against the truth."""
     if not result.loaded:
         needs_gpu = "requires a GPU" in result.error
@@ -236,7 +252,7 @@ def outcome(result: Loaded, truth: dict[str, torch.Tensor]) -> tuple[str, str]:
         got = result.weights.get(module)
         if got is None:
             wrong.append(f"{module}: not loaded")
-        elif not same_values(got, expected, result.weights.get(f"{module}::scale")):
+        elif not same_values(got, expected, result.weights.get(f"{module}::scale", single_scales(folder).get(module))):
             error = (got - expected).abs().max().item() if got.shape == expected.shape else float("nan")
             wrong.append(f"{module}: differs (max abs error {error:.3g})")
     return ("loads-wrong", "; ".join(wrong[:3])) if wrong else ("loads", "")
@@ -257,7 +273,7 @@ def test_fp8fix_says_what_the_loader_does(
     if layout in ENCODINGS and (loader, "e4m3fnuz") in NOT_JUDGED:
         pytest.skip(NOT_JUDGED[(loader, "e4m3fnuz")])
     case = cases[(source, layout)]
-    real, why = outcome(loaded[loader][(source, layout)], case.truth)
+    real, why = outcome(loaded[loader][(source, layout)], case.truth, case.folder)
     said = inspect_verdict(case.folder, loader)
     assert said == real, f"fp8fix inspect says {said}, the real {loader} {real}: {why[:300]}"
     if case.convert_verdicts:  # convert judged what it wrote, as inspect judges what it reads
@@ -273,7 +289,11 @@ def test_the_default_conversion_never_loads_in_fewer_loaders(
 
     def correct(layout: str) -> set[str]:
         case = cases[(source, layout)]
-        return {loader for loader in runnable if outcome(loaded[loader][(source, layout)], case.truth)[0] == "loads"}
+        return {
+            loader
+            for loader in runnable
+            if outcome(loaded[loader][(source, layout)], case.truth, case.folder)[0] == "loads"
+        }
 
     assert correct("auto") >= correct("as-exported")
 
@@ -299,3 +319,31 @@ def test_channel_loads_bit_identical_where_every_other_layout_requantizes(
         ]["group_0"]["weights"]["strategy"]
         == "channel"
     )
+
+
+#: compressed-tensors' own config model, in the transformers venv (which installs compressed-tensors):
+#: the config must validate, and every key of it must be a field of the model (unknown keys it drops).
+VALIDATE_CONFIG = """
+import json, sys
+from compressed_tensors.quantization import QuantizationConfig
+for path in sys.argv[1:]:
+    qc = json.load(open(path))["quantization_config"]
+    dumped = QuantizationConfig.model_validate(qc).model_dump(mode="json", exclude_unset=True)
+    print(json.dumps({"path": path, "same": dumped == qc, "dumped": dumped}))
+"""
+
+
+def test_channel_configs_are_what_compressed_tensors_reads(cases: dict[tuple[str, str], Case]) -> None:
+    """Every channel output's quantization_config, read by compressed-tensors' QuantizationConfig: valid,
+    nothing in it unknown to the library (its model drops unknown keys: the dump would differ)."""
+    import subprocess
+
+    configs = [str(cases[(source, "channel")].folder / "config.json") for source in CHANNEL_SOURCES]
+    proc = subprocess.run(
+        [interpreter("transformers"), "-c", VALIDATE_CONFIG, *configs], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(results) == len(configs)
+    for r in results:
+        assert r["same"], f"{r['path']}: compressed-tensors reads it as {r['dumped']}"
