@@ -24,8 +24,8 @@ from fp8fix.numerics.recodings import RECODINGS, inexact_codes, recode, scale_ex
 from fp8fix.numerics.requantize import RequantizeStats, requantize
 from fp8fix.plan.pieces import ConversionPlan, CopyRange, OutputShard, Recode, RepeatRange, Requantize, Rescale
 
-#: Recoded bytes pass through one buffer of this size: small enough to stay in the CPU cache
-#: (4 MiB windows were 1.5x slower), large enough that syscalls cost little (64 KiB: 1.2x).
+#: Recoded bytes pass through one buffer of this size: small enough to stay in the CPU cache,
+#: large enough that the two syscalls per window cost little.
 RECODE_WINDOW = 1024 * 1024
 PAGE = 4096
 #: Copies at least this long start at a page boundary (see `_copy`).
@@ -224,10 +224,11 @@ def _recode(sources: _Sources, out: int, piece: Recode, source: str) -> int:
     """Map the codes window by window; return how many could not keep their exact value.
 
     Each window is read into one reused buffer, checked for forbidden codes, mapped and
-    written. A reused 1 MiB buffer stays in the CPU cache, so read + map + write moves
-    about the bytes the kernel's own copy moves (measured on 1.3 GB: 0.45 s vs 0.41 s
-    for copy_file_range with realistic weights, 0.51 s with uniformly random codes),
-    where copying in the kernel and patching the changed bytes costs a syscall per byte.
+    written. The buffer stays in the CPU cache, so read + map + write moves about the
+    bytes the kernel's own copy moves, whatever the density of changed codes (copying in
+    the kernel and patching changed bytes costs a syscall per byte: ruinous on random
+    codes). `scripts/bench_convert.py --suite`: 0.30 s past start-up for 1.3 GB of
+    realistic weights, where `cp -r` takes 0.34 s.
     """
     recoding = RECODINGS[piece.recoding]
     lossy = inexact_codes(piece.recoding)

@@ -24,6 +24,11 @@ from fp8fix.plan.pieces import CopyRange, ModuleChange, OutputTensor, Piece, Rep
 from fp8fix.registry.formats import FormatSpec
 from fp8fix.vocab import Layout, ScaleKind
 
+#: A fused module's scale tensors and their kinds, by parameter; the output tensors planned, by source tensor.
+Scales = dict[str, TensorInfo]
+Kinds = dict[str, ScaleKind]
+Outputs = dict[str, list[OutputTensor]]
+
 #: Parameters of a fused module fp8fix knows how to split; anything else is refused.
 SPLITTABLE = ("weight", "bias")
 
@@ -156,12 +161,7 @@ def _row_slices(t: TensorInfo, segments: list[tuple[int, int]], name: str) -> Ou
 
 
 def _fuse_scales(
-    m: FusedModule,
-    fmt: FormatSpec,
-    scales: dict[str, TensorInfo],
-    kinds: dict[str, ScaleKind],
-    change: ModuleChange,
-    outputs: dict[str, list[OutputTensor]],
+    m: FusedModule, fmt: FormatSpec, scales: Scales, kinds: Kinds, change: ModuleChange, outputs: Outputs
 ) -> None:
     """Per-shard scale vectors become one scale: the largest; smaller shards are requantized."""
     for param, t in scales.items():
@@ -212,12 +212,7 @@ def _input_scales_only(change: ModuleChange, outputs: dict[str, list[OutputTenso
 
 
 def _channel_scales(
-    m: FusedModule,
-    fmt: FormatSpec,
-    scales: dict[str, TensorInfo],
-    kinds: dict[str, ScaleKind],
-    change: ModuleChange,
-    outputs: dict[str, list[OutputTensor]],
+    m: FusedModule, fmt: FormatSpec, scales: Scales, kinds: Kinds, change: ModuleChange, outputs: Outputs
 ) -> None:
     """One weight scale per row, [out, 1]: each row its shard's scale. Per-shard input scales: the largest."""
     rows = m.weight.shape[0]

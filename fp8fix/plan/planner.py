@@ -37,7 +37,8 @@ def plan_for_target(
     output_format: OutputFormat | None = None,
 ) -> ConversionPlan:
     """The conversion `convert` writes: `layout` and `output_format` where given, the rest what `target`'s
-    loaders take best. An explicit layout alone keeps the source's format: it asks for that change only."""
+    loaders take best. An explicit layout alone keeps the source's format: it asks for that change only
+    (`channel` from AutoFP8 excepted: compressed-tensors is the one format vLLM takes it in)."""
     if layout is not None and output_format is None:  # channel from AutoFP8: only compressed-tensors holds it
         output_format = "compressed-tensors" if layout == "channel" and model.is_autofp8 else "keep"
     if layout is None or output_format is None:

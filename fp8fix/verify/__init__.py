@@ -63,8 +63,11 @@ def verify(
             workers = worker_count(jobs, len(runs))
             if workers > 1:
                 _checks = checks  # inherited by the forked workers
-                for part in run_tasks(_check_run, runs, workers, bar):
-                    ctx.report.merge(part)
+                try:
+                    for part in run_tasks(_check_run, runs, workers, bar):
+                        ctx.report.merge(part)
+                finally:
+                    _checks = None
             else:
                 checks.check(0, len(checks.items), bar)
         check_shapes(ctx, checks.mapping, compressed_tensors_output(ctx) is not None)
