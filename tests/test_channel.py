@@ -14,7 +14,13 @@ from tests.builders import FP8, Model, build, phi3
 from tests.conftest import load_tensors, patch_bytes, raw, run_cli
 
 #: Sources the channel layout is written from: builder format -> the scale key of its input scales.
-SOURCES = {"fp8": "input_scale", "fp8-legacy": "act_scale", "compressed-tensors": "input_scale"}
+SOURCES = {
+    "fp8": "input_scale",
+    "fp8-legacy": "act_scale",
+    "compressed-tensors": "input_scale",
+    "quark": "input_scale",
+    "modelopt": "input_scale",
+}
 
 
 def row_scales(model: Model, module: str, scale: torch.Tensor, rows: int) -> torch.Tensor:
@@ -113,12 +119,42 @@ def test_channel_is_not_chosen_where_nothing_is_lost(tmp_path: Path) -> None:
     "fmt, options, message",
     [
         ("fp8", ("--format", "keep"), "use --format compressed-tensors"),
-        ("quark", (), "the channel layout is written as compressed-tensors"),
+        ("fbgemm", (), "the channel layout is written as compressed-tensors"),
         ("block-fp8", (), "the channel layout is written as compressed-tensors"),
     ],
 )
 def test_channel_refusals_say_why(tmp_path: Path, fmt: str, options: tuple[str, ...], message: str) -> None:
-    src = build(tmp_path / "src", phi3(), fmt=fmt, scale="block" if fmt.startswith("block") else "shard")
+    scale = "block" if fmt.startswith("block") else "channel" if fmt == "fbgemm" else "shard"
+    src = build(tmp_path / "src", phi3(), fmt=fmt, scale=scale)
     result = run_cli("convert", src, tmp_path / "out", "--layout", "channel", *options)
     assert result.exit_code == 3 and message in result.output, result.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["quark", "modelopt"])
+def test_fnmatch_exclusions_become_ignore_entries_matching_the_same_modules(tmp_path: Path, fmt: str) -> None:
+    """Quark's and ModelOpt's fnmatch lists, written as compressed-tensors `ignore`: every entry matches
+    exactly the module names it matched (compressed-tensors and vLLM match `re:` from the start)."""
+    import fnmatch
+    import re
+
+    patterns = ["lm_head", "*.mlp.down_proj", "model.layers.?.self_attn.o_proj", "*layers.1.*"]
+    src = build(tmp_path / "src", phi3(), fmt=fmt, scale="shard", ignore=patterns)
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "--layout", "channel", "-q").exit_code == 0
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    names = [n.rsplit(".", 1)[0] for n in load_tensors(src)] + ["x.mlp.down_proj.y", "model.layers.12.self_attn.o_proj"]
+    for pattern, entry in zip(patterns, ignore, strict=True):
+        for name in names:
+            matched = entry == name or (entry.startswith("re:") and re.match(entry[3:], name) is not None)
+            assert matched == fnmatch.fnmatchcase(name, pattern), (pattern, entry, name)
+
+
+def test_quark_per_layer_overrides_are_refused(tmp_path: Path) -> None:
+    """One compressed-tensors group cannot say Quark's per-layer configs: refused, nothing written."""
+    src = build(tmp_path / "src", phi3(), fmt="quark", scale="shard")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["layer_quant_config"] = {"*down_proj": {"weight": None}}
+    (src / "config.json").write_text(json.dumps(config))
+    result = run_cli("convert", src, tmp_path / "out", "--layout", "channel")
+    assert result.exit_code == 3 and "one compressed-tensors group can describe" in result.output

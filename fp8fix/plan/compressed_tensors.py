@@ -23,24 +23,13 @@ import math
 from typing import Any
 
 from fp8fix.model import CheckpointModel
+from fp8fix.plan.config_edit import Scheme, can_write, scheme_of
 from fp8fix.plan.pieces import OutputShard, OutputTensor
 from fp8fix.registry.formats import COMPRESSED_TENSORS, LEGACY_RENAMES, quantization_config
 
+__all__ = ["Scheme", "can_write", "scheme_of"]  # re-exported: the planner's one place for compressed-tensors
+
 PER_TENSOR_SHAPE = (1,)
-
-
-def can_write(model: CheckpointModel) -> bool:
-    """An AutoFP8 checkpoint whose weight scales are all per tensor or all per channel (or per shard,
-    which a layout may make per tensor), and no substring-matched `modules_to_not_convert`, which
-    compressed-tensors' exact-or-regex `ignore` cannot say."""
-    kinds = {w.scale_kind for w in model.weights.values() if w.is_module_weight}
-    qc = quantization_config(model.checkpoint.config) or {}
-    return (
-        model.is_autofp8
-        and bool(kinds)
-        and kinds <= {"tensor", "channel", "shard"}
-        and not qc.get("modules_to_not_convert")
-    )
 
 
 def strategy_of(shards: list[OutputShard], model: CheckpointModel) -> str | None:
@@ -74,28 +63,23 @@ def rewrite_tensors(shards: list[OutputShard], model: CheckpointModel) -> None:
         shard.tensors = out
 
 
-def compressed_tensors_config(config: dict[str, Any], strategy: str, kv_scales: bool) -> dict[str, Any]:
-    """config.json with its AutoFP8 quantization_config written as compressed-tensors."""
+def compressed_tensors_config(config: dict[str, Any], scheme: Scheme) -> dict[str, Any]:
+    """config.json with its quantization_config written as compressed-tensors (`scheme`)."""
     out = copy.deepcopy(config)
-    source = quantization_config(out) or {}
     float8 = {"num_bits": 8, "type": "float", "symmetric": True}
     group = {
         "targets": ["Linear"],
-        "weights": {**float8, "strategy": strategy, "dynamic": False},
-        "input_activations": {
-            **float8,
-            "strategy": "tensor",
-            "dynamic": source.get("activation_scheme", "static") != "static",
-        },
+        "weights": {**float8, "strategy": scheme.strategy, "dynamic": False},
+        "input_activations": {**float8, "strategy": "tensor", "dynamic": scheme.dynamic_input},
     }
     qc: dict[str, Any] = {
         "quant_method": COMPRESSED_TENSORS.name,
         "format": "float-quantized",
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
-        "ignore": list(source.get("ignored_layers") or []),
+        "ignore": list(scheme.ignore),
     }
-    if kv_scales:
+    if scheme.kv_scales:
         qc["kv_cache_scheme"] = {**float8, "strategy": "tensor", "dynamic": False}
     out.pop("compression_config", None)
     out["quantization_config"] = qc

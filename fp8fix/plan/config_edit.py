@@ -1,4 +1,5 @@
-"""Rewriting config files: only the module-name lists that a rename touches.
+"""Rewriting config files: the module-name lists that a rename touches, and what a source config
+says in compressed-tensors' terms when OUTPUT is written as compressed-tensors (`Scheme`).
 
 When the unfused layout turns `...qkv_proj` into `...q_proj`, `...k_proj`, `...v_proj`,
 a list that named the fused module must name its shards instead (vLLM checks every
@@ -14,12 +15,16 @@ from __future__ import annotations
 import copy
 import fnmatch
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fp8fix.io.checkpoint import CONFIG, read_json
-from fp8fix.registry.formats import NameList, locations, quantization_config
+from fp8fix.registry.formats import MODELOPT, MODELOPT_CONFIG, QUARK, NameList, locations, quantization_config
 from fp8fix.vocab import Grammar
+
+if TYPE_CHECKING:
+    from fp8fix.model import CheckpointModel
 
 
 def matches(entry: str, name: str, grammar: Grammar) -> bool:
@@ -39,21 +44,21 @@ def output_config(
     root: Path,
     name_lists: tuple[NameList, ...],
     renames: dict[str, list[str]],
-    compressed_tensors: tuple[str, bool] | None = None,
+    compressed_tensors: Scheme | None = None,
     channel: bool = False,
 ) -> dict[str, tuple[dict[str, Any], list[str]]]:
     """The config files OUTPUT gets where they differ from SOURCE's: name lists following `renames`,
-    then, with `compressed_tensors` = (strategy, has kv-cache scales), quantization_config written
-    as compressed-tensors; with `channel` (a compressed-tensors source), its weights' strategy made
-    channel. Convert writes these; verify expects them."""
+    then, with `compressed_tensors`, quantization_config written as compressed-tensors in that
+    scheme; with `channel` (a compressed-tensors source), its weights' strategy made channel.
+    Convert writes these; verify expects them."""
     from fp8fix.plan.compressed_tensors import channel_strategy_config, compressed_tensors_config
 
     out = rewrite_name_lists(config, root, name_lists, renames)
     if compressed_tensors is not None:
         content, edits = out.get(CONFIG, (config, []))
-        strategy, kv = compressed_tensors
-        edits = [*edits, f"quantization_config: quant_method fp8 -> compressed-tensors ({strategy} scales, same bytes)"]
-        out[CONFIG] = (compressed_tensors_config(content, strategy, kv), edits)
+        scheme = compressed_tensors
+        edit = f"quant_method {scheme.source} -> compressed-tensors ({scheme.strategy} scales, same codes)"
+        out[CONFIG] = (compressed_tensors_config(content, scheme), [*edits, f"quantization_config: {edit}"])
     elif channel:
         content, edits = out.get(CONFIG, (config, []))
         rewritten, groups = channel_strategy_config(content)
@@ -119,3 +124,81 @@ def _rename_entries(entries: list[Any], renames: dict[str, list[str]], grammar: 
                 if matches(entry, fused, grammar):
                     out.extend(s for s in shards if not matches(entry, s, grammar))
     return list(dict.fromkeys(out)) if all(isinstance(e, str) for e in out) else out
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """What compressed-tensors' one config group says of a per-tensor FP8 checkpoint written as it."""
+
+    strategy: str  # of the weight scales: tensor or channel
+    dynamic_input: bool
+    ignore: tuple[str, ...]  # compressed-tensors entries: exact names or `re:` patterns
+    kv_scales: bool
+    source: str  # the source format's quant_method, for the config edit line
+
+
+def source_scheme(model: CheckpointModel) -> tuple[bool, tuple[str, ...]] | None:
+    """(dynamic input activations, `ignore`) of an AutoFP8, Quark or ModelOpt checkpoint, from its
+    config; None where its config says what one compressed-tensors group cannot (Quark per-layer
+    overrides, output or kv-cache quantization without the kv scales fp8fix renames, substring lists)."""
+    fmt = model.format
+    qc = quantization_config(model.checkpoint.config) or {}
+    if fmt is None:
+        return None
+    if model.is_autofp8:
+        if qc.get("modules_to_not_convert"):
+            return None  # substrings: compressed-tensors has exact names and `re:` patterns only
+        return qc.get("activation_scheme", "static") != "static", tuple(qc.get("ignored_layers") or [])
+    if fmt.name == QUARK.name:
+        config = qc.get("global_quant_config") or {}
+        inputs = config.get("input_tensors")
+        export = qc.get("export") or {}
+        if qc.get("layer_quant_config") or qc.get("layer_type_quant_config") or export.get("kv_cache_group"):
+            return None
+        if config.get("output_tensors") or not isinstance(inputs, dict):
+            return None  # weight-only FP8 has no compressed-tensors float-quantized W8A8 form here
+        if inputs.get("dtype") != "fp8_e4m3" or inputs.get("qscheme") != "per_tensor":
+            return None
+        ignore = _from_fnmatch(qc.get("exclude") or [])
+        return None if ignore is None else (bool(inputs.get("is_dynamic")), ignore)
+    if fmt.name == MODELOPT.name:
+        extra = model.checkpoint.root / MODELOPT_CONFIG
+        quantization = (read_json(extra).get("quantization") or {}) if extra.is_file() else {}
+        entries = [*(quantization.get("exclude_modules") or []), *(qc.get("ignore") or [])]
+        ignore = _from_fnmatch([*entries, *(qc.get("exclude_modules") or [])])
+        return None if ignore is None else (False, ignore)
+    return None
+
+
+def _from_fnmatch(entries: list[Any]) -> tuple[str, ...] | None:
+    """Quark's and ModelOpt's fnmatch entries as compressed-tensors `ignore` entries matching the same
+    module names: a name without wildcards as itself, a pattern as `re:` + a regular expression that
+    compressed-tensors and vLLM match from the start (`*` any run, `?` one character, the rest
+    literal). None for a `[...]` class, which is rare and not worth a translation that could differ."""
+    out = []
+    for entry in entries:
+        text = str(entry)
+        if "[" in text:
+            return None
+        if "*" not in text and "?" not in text:
+            out.append(text)
+            continue
+        pattern = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in text)
+        out.append(f"re:{pattern}$")
+    return tuple(dict.fromkeys(out))
+
+
+def can_write(model: CheckpointModel) -> bool:
+    """An AutoFP8, Quark or ModelOpt checkpoint whose config one compressed-tensors group can say
+    (`source_scheme`) and whose weight scales are all per tensor or per channel (or per shard, which
+    a layout may make per tensor or per row)."""
+    kinds = {w.scale_kind for w in model.weights.values() if w.is_module_weight}
+    return bool(kinds) and kinds <= {"tensor", "channel", "shard"} and source_scheme(model) is not None
+
+
+def scheme_of(model: CheckpointModel, strategy: str) -> Scheme:
+    """The compressed-tensors scheme of `model` written with `strategy` weight scales (`can_write` first)."""
+    found = source_scheme(model)
+    assert found is not None and model.format is not None, "can_write(model) first"
+    dynamic, ignore = found
+    return Scheme(strategy, dynamic, ignore, bool(model.kv_cache_scales), model.format.name)

@@ -38,9 +38,11 @@ def plan_for_target(
 ) -> ConversionPlan:
     """The conversion `convert` writes: `layout` and `output_format` where given, the rest what `target`'s
     loaders take best. An explicit layout alone keeps the source's format: it asks for that change only
-    (`channel` from AutoFP8 excepted: compressed-tensors is the one format vLLM takes it in)."""
-    if layout is not None and output_format is None:  # channel from AutoFP8: only compressed-tensors holds it
-        output_format = "compressed-tensors" if layout == "channel" and model.is_autofp8 else "keep"
+    (`channel` excepted: compressed-tensors is the one format vLLM takes it in)."""
+    if layout is not None and output_format is None:  # channel: only compressed-tensors holds it
+        native = model.format is not None and model.format.name == COMPRESSED_TENSORS.name
+        written_as = layout == "channel" and not native and compressed_tensors.can_write(model)
+        output_format = "compressed-tensors" if written_as else "keep"
     if layout is None or output_format is None:
         model.require_format()
         _, arch = model.require_architecture()
@@ -102,7 +104,8 @@ def plan_conversion(
         strategy = compressed_tensors.strategy_of(shards, model) if compressed_tensors.can_write(model) else None
         if strategy is None:
             raise UnsupportedCheckpoint(
-                f"{arch_name}: compressed-tensors output needs an AutoFP8 (quant_method fp8) source whose "
+                f"{arch_name}: compressed-tensors output needs an AutoFP8, Quark or ModelOpt source whose config "
+                "one compressed-tensors group can say (no per-layer overrides, no substring module lists) and whose "
                 f"weight scales the {chosen} layout leaves all per tensor or all per channel"
             )
         compressed_tensors.rewrite_tensors(shards, model)
@@ -125,7 +128,7 @@ def plan_conversion(
             ckpt.root,
             fmt.name_lists,
             renames,
-            (strategy, bool(model.kv_cache_scales)) if strategy else None,
+            compressed_tensors.scheme_of(model, strategy) if strategy else None,
             channel=chosen == "channel" and output_format == "keep",
         ),
     )
@@ -136,19 +139,24 @@ def plan_conversion(
 
 
 def _require_channel_format(model: CheckpointModel, output_format: OutputFormat, arch_name: str) -> None:
-    """The channel layout is written as compressed-tensors: from AutoFP8 with --format compressed-tensors,
-    or from compressed-tensors itself."""
+    """The channel layout is written as compressed-tensors: from compressed-tensors itself (format kept), or
+    from AutoFP8, Quark or ModelOpt with --format compressed-tensors."""
     fmt = model.require_format()
-    if model.is_autofp8 and output_format != "compressed-tensors":
-        raise UnsupportedCheckpoint(
-            f"{arch_name}: the channel layout of an AutoFP8 checkpoint is written as compressed-tensors (vLLM "
-            "rejects quant_method fp8 with per-row scales); use --format compressed-tensors"
-        )
-    if not model.is_autofp8 and (fmt.name != COMPRESSED_TENSORS.name or fmt.block or output_format != "keep"):
-        raise UnsupportedCheckpoint(
-            f"{arch_name}: the channel layout is written as compressed-tensors, from AutoFP8 or compressed-tensors "
-            f"sources with per-tensor or per-shard scales; this checkpoint is {fmt.label}"
-        )
+    native = fmt.name == COMPRESSED_TENSORS.name
+    if native and not fmt.block and output_format == "keep":
+        return
+    if not native and compressed_tensors.can_write(model):
+        if output_format != "compressed-tensors":
+            raise UnsupportedCheckpoint(
+                f"{arch_name}: the channel layout is written as compressed-tensors (vLLM rejects {fmt.label} "
+                "with per-row scales); use --format compressed-tensors"
+            )
+        return
+    raise UnsupportedCheckpoint(
+        f"{arch_name}: the channel layout is written as compressed-tensors, from compressed-tensors, AutoFP8, Quark "
+        f"or ModelOpt checkpoints with per-tensor or per-shard scales that one compressed-tensors group can describe; "
+        f"this checkpoint is {fmt.label}"
+    )
 
 
 def _plan_shard(

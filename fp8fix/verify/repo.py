@@ -6,7 +6,7 @@ from fp8fix.io.checkpoint import CARD, CONFIG, INDEX, read_json
 from fp8fix.io.safetensors_file import read_values
 from fp8fix.io.source_files import CHUNK
 from fp8fix.numerics.recodings import scale_factor
-from fp8fix.plan.config_edit import output_config
+from fp8fix.plan.config_edit import Scheme, can_write, output_config, scheme_of
 from fp8fix.registry.formats import COMPRESSED_TENSORS, quantization_config
 from fp8fix.verify.context import VerifyContext
 from fp8fix.verify.mapping import Target
@@ -96,22 +96,22 @@ def check_repo(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
             report.problem(f"{rel}: in OUTPUT, but not a file a conversion of SOURCE writes")
 
 
-def compressed_tensors_output(ctx: VerifyContext) -> tuple[str, bool] | None:
-    """(strategy, kv-cache scales) when OUTPUT says it is compressed-tensors and SOURCE is AutoFP8: the
-    strategy read off OUTPUT's weight scales (one value each: tensor; one per row: channel), so a
-    config that claims another is a mismatch."""
+def compressed_tensors_output(ctx: VerifyContext) -> Scheme | None:
+    """The compressed-tensors scheme OUTPUT must say when it says it is compressed-tensors and SOURCE
+    is not: the strategy read off OUTPUT's weight scales (one value each: tensor; one per row:
+    channel), the rest from SOURCE's config, so a config that claims another is a mismatch."""
     if (quantization_config(ctx.out.config) or {}).get("quant_method") != COMPRESSED_TENSORS.name:
         return None
-    if not ctx.model.is_autofp8:
+    if ctx.fmt.name == COMPRESSED_TENSORS.name or not can_write(ctx.model):
         return None
     scales = [t for name, t in ctx.out.tensors.items() if name.endswith("." + ctx.fmt.weight_scale)]
-    return ("tensor" if all(t.numel == 1 for t in scales) else "channel"), bool(ctx.model.kv_cache_scales)
+    return scheme_of(ctx.model, "tensor" if all(t.numel == 1 for t in scales) else "channel")
 
 
 def channel_output(ctx: VerifyContext) -> bool:
     """A compressed-tensors SOURCE whose OUTPUT holds every weight scale per row (the channel layout)
     where SOURCE did not: its config groups must then say `strategy: channel`."""
-    if ctx.model.is_autofp8 or ctx.fmt.name != COMPRESSED_TENSORS.name:
+    if ctx.fmt.name != COMPRESSED_TENSORS.name:
         return False
     weights = [w for w in ctx.model.module_weights() if w.scale is not None]
     per_row = [
