@@ -158,3 +158,14 @@ def test_quark_per_layer_overrides_are_refused(tmp_path: Path) -> None:
     (src / "config.json").write_text(json.dumps(config))
     result = run_cli("convert", src, tmp_path / "out", "--layout", "channel")
     assert result.exit_code == 3 and "one compressed-tensors group can describe" in result.output
+
+
+def test_dynamic_activations_are_written_per_token(tmp_path: Path) -> None:
+    """AutoFP8 `activation_scheme: dynamic` has no input scales: compressed-tensors' dynamic per-token
+    input activations (llm-compressor's FP8_DYNAMIC), channel weights."""
+    src = build(tmp_path / "src", phi3(), scale="shard", static_input=False)
+    assert run_cli("convert", src, tmp_path / "out", "--layout", "channel", "-q").exit_code == 0
+    group = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert group["group_0"]["input_activations"]["strategy"] == "token"
+    assert group["group_0"]["input_activations"]["dynamic"] is True
+    assert not any(n.endswith("input_scale") for n in load_tensors(tmp_path / "out"))

@@ -11,8 +11,8 @@ compressed-tensors' `[1]` shape; the legacy AutoFP8 names become the current one
 `maybe_remap_kv_scale_name` makes of it); config.json's quantization_config is rewritten
 as compressed-tensors writes it (llm-compressor's FP8 presets):
 - one group targeting `Linear` with float 8-bit symmetric weights, `strategy` tensor or
-  channel as the scales are, input activations per tensor, static or dynamic as AutoFP8's
-  `activation_scheme` says;
+  channel as the scales are, input activations static per tensor or dynamic per token as
+  the source says (AutoFP8's `activation_scheme`, Quark's `input_tensors`; ModelOpt FP8 is static);
 - `ignore` from AutoFP8's `ignored_layers`; `kv_cache_scheme` when there are kv-cache scales.
 """
 
@@ -70,7 +70,13 @@ def compressed_tensors_config(config: dict[str, Any], scheme: Scheme) -> dict[st
     group = {
         "targets": ["Linear"],
         "weights": {**float8, "strategy": scheme.strategy, "dynamic": False},
-        "input_activations": {**float8, "strategy": "tensor", "dynamic": scheme.dynamic_input},
+        # static: one scale per tensor from the checkpoint; dynamic: per token at run time (llm-compressor's
+        # FP8_DYNAMIC preset), which vLLM and compressed-tensors compute for dynamic FP8 activations
+        "input_activations": {
+            **float8,
+            "strategy": "token" if scheme.dynamic_input else "tensor",
+            "dynamic": scheme.dynamic_input,
+        },
     }
     qc: dict[str, Any] = {
         "quant_method": COMPRESSED_TENSORS.name,

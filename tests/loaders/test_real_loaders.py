@@ -55,7 +55,12 @@ AS_COMPRESSED_TENSORS = {
 CHANNEL = {"channel": ("--layout", "channel")}
 #: Sources only their channel output is loaded from: what these loaders do with Quark and ModelOpt
 #: checkpoints as exported is not judged here (fp8fix's verdicts on them come from the loaders' source).
-CHANNEL_ONLY = {"quark-shard": ("quark", "shard"), "modelopt-shard": ("modelopt", "shard")}
+CHANNEL_ONLY: dict[str, dict[str, object]] = {
+    "quark-shard": {"fmt": "quark", "scale": "shard"},
+    "modelopt-shard": {"fmt": "modelopt", "scale": "shard"},
+    # dynamic activations: written as compressed-tensors' dynamic per-token input activations
+    "fp8-dynamic-shard": {"fmt": "fp8", "scale": "shard", "static_input": False},
+}
 CHANNEL_SOURCES = [
     *(s for s in SOURCES if SOURCES[s][0] in ("fp8", "fp8-legacy", "compressed-tensors")),
     *CHANNEL_ONLY,
@@ -181,9 +186,9 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Cas
             assert result.exit_code == 0, result.output
             said = {row: v["verdict"] for row, v in json.loads(result.output)["loaders"].items()}
             out[(name, layout)] = Case(name, layout, folder, truth, said)
-    for name, (fmt, scale) in CHANNEL_ONLY.items():
+    for name, options in CHANNEL_ONLY.items():
         model = loader_model(name)
-        src = build(root / name, model, fmt=fmt, scale=scale)
+        src = build(root / name, model, **options)  # type: ignore[arg-type]
         folder = root / f"{name}-channel"
         result = run_cli("convert", src, folder, *CHANNEL["channel"], "--json")
         assert result.exit_code == 0, result.output
