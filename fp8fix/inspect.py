@@ -20,7 +20,7 @@ from fp8fix.io.source_files import SourceFiles
 from fp8fix.model import CheckpointModel, Fp8Weight, describe_checkpoint
 from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_DTYPES
 from fp8fix.plan.targets import best, candidates, score
-from fp8fix.registry.architectures import Registry
+from fp8fix.registry.architectures import Registry, unregistered_note
 from fp8fix.registry.formats import quantization_config
 from fp8fix.verdicts import facts_of, loader_verdicts, verdicts_json
 from fp8fix.vocab import InputScaleKind, ScaleReport
@@ -86,13 +86,14 @@ def inspect_checkpoint(root: Path | Checkpoint, scan_data: bool = False, registr
     fmt = model.format
     note = str(model.format_error).removeprefix("config.json: ") if model.format_error else ""
     modules = [_module_info(w) for w in model.weights.values() if w.is_module_weight]
+    refusal = _refusal(model)
     encodings = sorted({FP8_WEIGHT_DTYPES.get(m.weight_dtype, m.weight_dtype) for m in modules})
     report = Report(
         source=str(ckpt.root),
         format=str(qc.get("quant_method") or "none"),
         format_label=fmt.label if fmt else note,
         format_hints={k: qc[k] for k in ("version", "format", "activation_scheme", "quantization_status") if k in qc},
-        convert_supported=fmt is not None,
+        convert_supported=refusal is None,
         architecture=model.architecture,
         architecture_known=model.spec is not None,
         encoding=", ".join(encodings) or None,
@@ -108,15 +109,27 @@ def inspect_checkpoint(root: Path | Checkpoint, scan_data: bool = False, registr
     )
     if fmt is None:
         report.notes.append(note)
-    if model.spec is None:
-        report.notes.append(
-            f"architecture {model.architecture} is not in the registry: fused modules cannot be identified"
-        )
+    elif refusal is not None:
+        report.notes.append(f"convert refuses it: {refusal}")
+    elif model.spec is None and model.architecture:
+        report.notes.append(unregistered_note(model.architecture))
     if not ckpt.has_data:
         report.notes.append("headers read from the Hub: scale values and weights were not read")
     report.findings = _findings(model, modules, scan_data and ckpt.has_data)
     report.loaders = _loaders(model)
     return report
+
+
+def _refusal(model: CheckpointModel) -> str | None:
+    """Why `convert` refuses this checkpoint whatever the layout (format, architecture, weights and
+    their scales: the same checks it runs first), or None: inspect and convert agree."""
+    try:
+        model.require_format()
+        model.require_architecture()
+        model.require_convertible()
+    except Fp8fixError as e:
+        return str(e)
+    return None
 
 
 def _module_info(w: Fp8Weight) -> ModuleInfo:
@@ -155,16 +168,17 @@ def _layout_fix(model: CheckpointModel) -> str | None:
     output loads correctly in more loaders than this checkpoint; None when nothing would improve. The
     same choice convert makes, so inspecting its output finds nothing left to fix (`--strict` is a
     fixpoint)."""
-    if model.format is None or model.spec is None:
+    if model.format is None:
         return None
     try:
+        _, spec = model.require_architecture()
         model.require_convertible()
         found = candidates(model)
     except Fp8fixError:
         return None
     if not found:
         return None
-    chosen = best(found, "auto", model.spec.default_layout)
+    chosen = best(found, "auto", spec.default_layout)
     improves = score(chosen.plan.loaders, "auto") > score(loader_verdicts(model), "auto")
     written_as = f" --format {chosen.output_format}" if chosen.output_format != "keep" else ""
     return f"--layout {chosen.layout}{written_as}" if improves else None

@@ -122,7 +122,10 @@ class CheckpointModel:
         return self.format
 
     def require_architecture(self) -> tuple[str, ArchitectureSpec]:
-        return self.registry.lookup(self.checkpoint.config)
+        """The registry entry (or, for an unregistered architecture whose FP8 weights look unfused, one
+        with no fused modules); refused where an FP8 weight looks fused and no entry describes it."""
+        linear = [w.module for w in self.module_weights() if not w.stacked]
+        return self.registry.lookup(self.checkpoint.config, linear)
 
     def module_weights(self) -> list[Fp8Weight]:
         """FP8 weights of an encoding fp8fix converts, as modules (linear `.weight`s and stacked experts)."""

@@ -181,6 +181,7 @@ class ConversionPlan:
     config_files: dict[str, tuple[dict[str, Any], list[str]]] = field(default_factory=dict)  # rewritten configs
     loaders: dict[str, LoaderVerdict] = field(default_factory=dict)  # verdicts on the output, by loader
     source_loaders: dict[str, LoaderVerdict] = field(default_factory=dict)  # the same on the source
+    notes: list[str] = field(default_factory=list)  # what the user should know of the plan (printed as note:)
 
     @property
     def total_bytes(self) -> int:

@@ -24,6 +24,7 @@ from fp8fix.plan.fused import plan_fused_module
 from fp8fix.plan.output import planned_checkpoint
 from fp8fix.plan.pieces import ConversionPlan, CopyRange, ModuleChange, OutputShard, OutputTensor
 from fp8fix.plan.targets import best, candidates
+from fp8fix.registry.architectures import unregistered_note
 from fp8fix.registry.formats import COMPRESSED_TENSORS
 from fp8fix.verdicts import loader_verdicts
 from fp8fix.vocab import Encoding, Layout, OutputFormat, Target
@@ -132,6 +133,8 @@ def plan_conversion(
             channel=chosen == "channel" and output_format == "keep",
         ),
     )
+    if model.spec is None:
+        plan.notes.append(unregistered_note(arch_name))
     plan.source_loaders = loader_verdicts(model)
     config = plan.config_files.get(CONFIG, (ckpt.config, []))[0]
     plan.loaders = loader_verdicts(describe_checkpoint(planned_checkpoint(plan, ckpt, config), model.registry))

@@ -197,6 +197,48 @@ def architecture_name(config: dict[str, Any]) -> str | None:
     return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
 
 
+#: Module names that hold several projections in one tensor, across families: the on-disk names of the
+#: registry's fused modules and of the modules vLLM's models pack (`packed_modules_mapping`) or load
+#: fused (Qwen2-VL's visual `attn.qkv`, Qwen3-Next's `in_proj_qkvz` / `in_proj_ba`, DeepSeek's
+#: `fused_qkv_a_proj_with_mqa`). An FP8 weight named so must be described by a registry entry.
+FUSED_LOOKING_NAMES = frozenset(
+    {
+        "qkv_proj",
+        "gate_up_proj",
+        "query_key_value",
+        "W_pack",
+        "Wqkv",
+        "wqkv",
+        "c_attn",
+        "dense_h_to_4h",
+        "qkv",
+        "w13",
+        "in_proj_qkvz",
+        "in_proj_ba",
+        "fused_qkv_a_proj_with_mqa",
+    }
+)
+
+
+def looks_fused(module_path: str) -> bool:
+    """True when the module's own name (its last component) is one of `FUSED_LOOKING_NAMES`."""
+    return module_path.rpartition(".")[2] in FUSED_LOOKING_NAMES
+
+
+def unregistered(name: str) -> ArchitectureSpec:
+    """The entry of an architecture without one whose FP8 weights look unfused: nothing to split, the
+    other conversions (`--to`, format repairs, verify) apply."""
+    return ArchitectureSpec((name,), (), {}, "no registry entry")
+
+
+def unregistered_note(name: str) -> str:
+    """What convert and inspect say of an architecture converted without a registry entry."""
+    return (
+        f"architecture {name} has no registry entry; none of its FP8 weights looks fused (qkv_proj, "
+        "gate_up_proj, ...), so every module is converted as it is stored"
+    )
+
+
 @dataclass(frozen=True)
 class Registry:
     """Architecture name -> entry: the built-in entries, overridden by any `--arch-file` entries."""
@@ -223,16 +265,22 @@ class Registry:
     def with_experts(self) -> list[str]:
         return sorted(name for name, spec in self.entries.items() if spec.experts)
 
-    def lookup(self, config: dict[str, Any]) -> tuple[str, ArchitectureSpec]:
-        """The entry for config.json's `architectures[0]`, or a clear error listing what is known."""
+    def lookup(self, config: dict[str, Any], fp8_modules: Iterable[str] = ()) -> tuple[str, ArchitectureSpec]:
+        """The entry for config.json's `architectures[0]`; for an architecture without one, an entry
+        with no fused modules (`unregistered`). Either way a clear error when one of the FP8 linear
+        `fp8_modules` looks fused (`looks_fused`) but the entry does not describe it: where its shards
+        lie is what an entry says, and guessing it would convert the checkpoint wrongly."""
         name = architecture_name(config)
         if name is None:
             raise InvalidCheckpoint("config.json: has no 'architectures' list naming the model class")
         spec = self.get(name)
-        if spec is None:
+        fused = next((m for m in fp8_modules if looks_fused(m) and (spec is None or not spec.fused_spec_for(m))), None)
+        if fused is not None:
+            entry = "is not in fp8fix's registry" if spec is None else f"has an entry ({spec.source}) without it"
             raise UnsupportedCheckpoint(
-                f"config.json: architecture {name} is not in fp8fix's registry, so fp8fix cannot tell which "
-                f"modules are fused; supported: {', '.join(sorted(self.entries))}. Describe it in a JSON file "
-                "(the format of fp8fix/registry/architectures/*.json) and pass --arch-file"
+                f"config.json: architecture {name} {entry}, and its FP8 weight '{fused}.weight' looks fused "
+                f"(several projections in one tensor), so fp8fix cannot tell where its shards lie; known: "
+                f"{', '.join(sorted(self.entries))}. Describe it in a JSON file (the format of "
+                "fp8fix/registry/architectures/*.json) and pass --arch-file"
             )
-        return name, spec
+        return name, spec or unregistered(name)

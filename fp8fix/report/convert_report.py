@@ -128,6 +128,7 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
         "layout_was_default": plan.layout_was_default,
         "target": plan.target,
         "output_format": plan.output_format,
+        "notes": plan.notes,
         "modules": [
             {
                 "module": m.module,
@@ -175,6 +176,7 @@ def result_lines(result: ConvertResult) -> list[str]:
     already = source_loads_everywhere(plan)
     if already:
         lines.append(f"note: SOURCE already loads correctly in {' and '.join(already)}; OUTPUT is written all the same")
+    lines += [f"note: {note}" for note in plan.notes]
     if plan.encoding and plan.encoding.target == "e4m3fnuz":
         lines.append(VLLM_FNUZ_NOTE)
     if result.verification:

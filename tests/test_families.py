@@ -1,0 +1,117 @@
+"""Current FP8 families with nothing fused on disk (issue 15): shrunk copies convert and verify, and
+the architecture policy: an architecture without a registry entry converts when none of its FP8
+weights looks fused, and is refused, naming the tensor, when one does.
+
+Shapes and formats follow ../shared/reference/fp8-checkpoints.md section 7 ("Real published configs
+worth mirroring"): DeepSeek-V3/R1 is block FP8 (`quant_method: fp8`, `weight_block_size`,
+`activation_scheme: dynamic`) with a `kv_a_proj_with_mqa` whose rows end inside a block (576 of
+5 x 128 there; 36 of 2 x 32 here); GLM-4.5/4.6/4.7-FP8 (`Glm4MoeForCausalLM`) is
+compressed-tensors with per-channel weight scales; Phi-3.5-MoE FP8 (`PhiMoEForCausalLM`) is
+per-tensor `quant_method: fp8` with `block_sparse_moe.experts.N.w1/w2/w3`. Dimensions are shrunk.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.builders import Model, build, phi3
+from tests.conftest import load_tensors, raw, run_cli
+
+HIDDEN = 64
+
+
+def family(architecture: str, plain: list[tuple[str, int, int]]) -> Model:
+    config = {**phi3().config, "architectures": [architecture], "model_type": architecture.lower()}
+    return Model(architecture, config, "model.layers.{i}.", 2, fused=[], plain=plain, hidden=HIDDEN)
+
+
+DEEPSEEK_V3 = [
+    ("self_attn.q_a_proj", 48, HIDDEN),
+    ("self_attn.q_b_proj", 96, 48),
+    ("self_attn.kv_a_proj_with_mqa", 36, HIDDEN),  # rows end inside a 32-row block, as 576 does in 128s
+    ("self_attn.kv_b_proj", 128, 32),
+    ("self_attn.o_proj", HIDDEN, 64),
+    ("mlp.experts.0.gate_proj", 32, HIDDEN),
+    ("mlp.experts.0.up_proj", 32, HIDDEN),
+    ("mlp.experts.0.down_proj", HIDDEN, 32),
+    ("mlp.shared_experts.gate_proj", 32, HIDDEN),
+]
+GLM4_MOE = [
+    ("self_attn.q_proj", 64, HIDDEN),
+    ("self_attn.k_proj", 32, HIDDEN),
+    ("self_attn.v_proj", 32, HIDDEN),
+    ("self_attn.o_proj", HIDDEN, 64),
+    ("mlp.experts.0.gate_proj", 32, HIDDEN),
+    ("mlp.experts.0.up_proj", 32, HIDDEN),
+    ("mlp.experts.0.down_proj", HIDDEN, 32),
+]
+PHI_MOE = [
+    ("self_attn.q_proj", 64, HIDDEN),
+    ("self_attn.k_proj", 32, HIDDEN),
+    ("self_attn.v_proj", 32, HIDDEN),
+    ("self_attn.o_proj", HIDDEN, 64),
+    ("block_sparse_moe.experts.0.w1", 32, HIDDEN),
+    ("block_sparse_moe.experts.0.w3", 32, HIDDEN),
+    ("block_sparse_moe.experts.0.w2", HIDDEN, 32),
+]
+FAMILIES = {
+    "DeepseekV3ForCausalLM": (DEEPSEEK_V3, {"fmt": "block-fp8", "scale": "block", "static_input": False}),
+    "Glm4MoeForCausalLM": (GLM4_MOE, {"fmt": "compressed-tensors", "scale": "channel"}),
+    "PhiMoEForCausalLM": (PHI_MOE, {"fmt": "fp8", "scale": "tensor"}),
+}
+
+
+@pytest.mark.parametrize("architecture", list(FAMILIES))
+@pytest.mark.parametrize("options", [(), ("--to", "e4m3fnuz")])
+def test_families_with_nothing_fused_convert_and_verify(tmp_path: Path, architecture: str, options: tuple) -> None:
+    plain, build_options = FAMILIES[architecture]
+    src = build(tmp_path / "src", family(architecture, plain), **build_options)  # type: ignore[arg-type]
+    result = run_cli("convert", src, tmp_path / "out", "--json", "-q", *options)  # run_cli verifies it too
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["modules"] == [] and report["notes"] == []  # registered: no note about the architecture
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
+    weight = "model.layers.1.self_attn.o_proj.weight"
+    if options:  # e4m3fnuz: -0 becomes 0, every scale of the weight doubles exactly
+        codes = s[weight].view(torch.uint8)
+        assert torch.equal(o[weight].view(torch.uint8), torch.where(codes == 0x80, 0, codes))
+        scale = next(n for n in s if n.startswith(weight.removesuffix("weight")) and "weight_scale" in n)
+        assert torch.equal(o[scale].float().reshape(-1), s[scale].float().reshape(-1) * 2)  # [] may become [1]
+    else:
+        assert raw(o[weight]) == raw(s[weight])
+    inspected = json.loads(run_cli("inspect", src, "--json").output)
+    assert inspected["convert_supported"] and inspected["architecture_known"]
+
+
+def test_an_unregistered_architecture_without_fused_names_converts_with_a_note(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", family("NewMoeForCausalLM", GLM4_MOE), fmt="fp8")
+    result = run_cli("convert", src, tmp_path / "out", "--to", "e4m3fnuz", "--json", "-q")
+    assert result.exit_code == 0, result.output
+    assert any("NewMoeForCausalLM has no registry entry" in n for n in json.loads(result.output)["notes"])
+    inspected = json.loads(run_cli("inspect", src, "--json").output)
+    assert inspected["convert_supported"] and not inspected["architecture_known"]
+    assert any("has no registry entry" in n for n in inspected["notes"])
+
+
+@pytest.mark.parametrize(
+    "architecture, module",
+    [
+        ("NewForCausalLM", "self_attn.qkv_proj"),  # unregistered, a fused-looking FP8 weight
+        ("NewForCausalLM", "attn.c_attn"),
+        ("LlamaForCausalLM", "self_attn.qkv_proj"),  # registered without such a module
+    ],
+)
+def test_a_fused_looking_weight_no_entry_describes_is_refused(tmp_path: Path, architecture: str, module: str) -> None:
+    plain = [*GLM4_MOE[:1], (module, 128, HIDDEN)]
+    src = build(tmp_path / "src", family(architecture, plain))
+    result = run_cli("convert", src, tmp_path / "out")
+    assert result.exit_code == 3
+    assert f"'model.layers.0.{module}.weight' looks fused" in result.output and "--arch-file" in result.output
+    assert not (tmp_path / "out").exists()
+    inspected = json.loads(run_cli("inspect", src, "--json").output)
+    assert not inspected["convert_supported"]
+    assert any("looks fused" in n for n in inspected["notes"])
