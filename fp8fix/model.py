@@ -26,8 +26,17 @@ from fp8fix.vocab import ScaleKind
 
 Block = tuple[int, int] | None
 
-#: Calibration scales of the kv cache and attention, in e4m3fn units whatever the weights' encoding.
-KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", ".kv_scale", ".output_scale")
+#: Calibration scales of the kv cache and attention, in e4m3fn units whatever the weights' encoding
+#: (AMD's exports add the attention probabilities' `prob_output_scale`).
+KV_SCALE_SUFFIXES = (
+    ".k_scale",
+    ".v_scale",
+    ".q_scale",
+    ".prob_scale",
+    ".prob_output_scale",
+    ".kv_scale",
+    ".output_scale",
+)
 #: Block FP8's scale name, recognised even when the format itself is not.
 BLOCK_SCALE = "weight_scale_inv"
 

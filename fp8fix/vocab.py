@@ -35,7 +35,7 @@ Encoding = Literal["e4m3fn", "e4m3fnuz"]
 ENCODING_NAMES: tuple[Encoding, ...] = get_args(Encoding)
 
 #: How a config list's entries match module names (see `registry.formats.NameList`).
-Grammar = Literal["exact", "exact-or-re", "substring", "fnmatch"]
+Grammar = Literal["exact", "exact-or-re", "transformers", "fnmatch"]
 
 #: What a loader does with a checkpoint: loads it with the right weights, refuses it, loads it with
 #: wrong weights (unscaled codes, random-initialised modules), or cannot load it without a GPU.

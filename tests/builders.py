@@ -95,6 +95,10 @@ FORMATS = {
     "block-fp8-e8m0": Format(
         weight_scale="weight_scale_inv", scale_dtype=torch.float8_e8m0fnu, input_scale=None, block=(32, 32), kv=()
     ),
+    # Qwen3 FP8 as published: BF16 block scales (some releases F16)
+    "block-fp8-bf16": Format(
+        weight_scale="weight_scale_inv", scale_dtype=torch.bfloat16, input_scale=None, block=(32, 32), kv=()
+    ),
     "ct-block": Format(scale_dtype=torch.bfloat16, scalar_shape=(1,), input_scale=None, block=(32, 32)),
     "quark": Format(channel_shape="1d", kv=()),
     "modelopt": Format(),

@@ -131,10 +131,10 @@ def test_channel_refusals_say_why(tmp_path: Path, fmt: str, options: tuple[str, 
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("fmt", ["quark", "modelopt"])
+@pytest.mark.parametrize("fmt", ["modelopt"])
 def test_fnmatch_exclusions_become_ignore_entries_matching_the_same_modules(tmp_path: Path, fmt: str) -> None:
-    """Quark's and ModelOpt's fnmatch lists, written as compressed-tensors `ignore`: every entry matches
-    exactly the module names it matched (compressed-tensors and vLLM match `re:` from the start)."""
+    """ModelOpt's fnmatch lists, written as compressed-tensors `ignore`: every entry matches exactly the
+    module names it matched (compressed-tensors and vLLM match `re:` from the start)."""
     import fnmatch
     import re
 
@@ -169,3 +169,12 @@ def test_dynamic_activations_are_written_per_token(tmp_path: Path) -> None:
     assert group["group_0"]["input_activations"]["strategy"] == "token"
     assert group["group_0"]["input_activations"]["dynamic"] is True
     assert not any(n.endswith("input_scale") for n in load_tensors(tmp_path / "out"))
+
+
+def test_quark_exclusions_are_kept_as_they_are(tmp_path: Path) -> None:
+    """vLLM reads Quark's `exclude` as compressed-tensors reads `ignore` (exact, or `re:` from the start):
+    the entries are written unchanged."""
+    entries = ["lm_head", r"re:model\.layers\.1\..*", "*.mlp.down_proj"]
+    src = build(tmp_path / "src", phi3(), fmt="quark", scale="shard", ignore=entries)
+    assert run_cli("convert", src, tmp_path / "out", "--layout", "channel", "-q").exit_code == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"] == entries

@@ -115,3 +115,47 @@ def test_a_fused_looking_weight_no_entry_describes_is_refused(tmp_path: Path, ar
     inspected = json.loads(run_cli("inspect", src, "--json").output)
     assert not inspected["convert_supported"]
     assert any("looks fused" in n for n in inspected["notes"])
+
+
+def add_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Put `tensors` into the checkpoint's last shard, and into its index."""
+    from safetensors.torch import load_file, save_file
+
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    last = sorted(set(index["weight_map"].values()))[-1]
+    content = load_file(folder / last)
+    content.update(tensors)
+    save_file(content, str(folder / last), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(tensors, last))
+    index["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
+    index_path.write_text(json.dumps(index))
+
+
+def test_amd_prob_output_scales_and_per_head_kv_scales_are_kv_cache_scales(tmp_path: Path) -> None:
+    """AMD exports' `self_attn.prob_output_scale` and compressed-tensors' per-head kv scales
+    ([heads, 1, 1]) are listed as kv-cache scales and kept, byte for byte, by every conversion."""
+    src = build(tmp_path / "src", phi3(), fmt="compressed-tensors", kv_scales=False)
+    extra = {
+        "model.layers.0.self_attn.prob_output_scale": torch.tensor(0.5),
+        "model.layers.0.self_attn.k_scale": torch.rand(2, 1, 1, dtype=torch.float32) + 0.1,
+        "model.layers.0.self_attn.v_scale": torch.rand(2, 1, 1, dtype=torch.float32) + 0.1,
+    }
+    add_tensors(src, extra)
+    listed = {s["name"]: s["shape"] for s in json.loads(run_cli("inspect", src, "--json").output)["kv_cache_scales"]}
+    assert listed == {name: list(t.shape) for name, t in extra.items()}
+    assert run_cli("convert", src, tmp_path / "out", "--to", "e4m3fnuz", "-q").exit_code == 0
+    out = load_tensors(tmp_path / "out")
+    assert all(raw(out[name]) == raw(t) and out[name].shape == t.shape for name, t in extra.items())
+
+
+@pytest.mark.parametrize("options", [(), ("--to", "e4m3fnuz"), ("--layout", "unfused")])
+def test_bf16_block_scales_as_qwen3_ships_them(tmp_path: Path, options: tuple) -> None:
+    """Qwen3 FP8 checkpoints ship BF16 `weight_scale_inv` block grids: converted and verified, the scales
+    kept in BF16 (doubled exactly for e4m3fnuz)."""
+    src = build(tmp_path / "src", phi3(), fmt="block-fp8-bf16", scale="block", static_input=False)
+    assert run_cli("convert", src, tmp_path / "out", "-q", *options).exit_code == 0  # run_cli verifies it
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
+    name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    assert s[name].dtype == o[name].dtype == torch.bfloat16
+    assert torch.equal(o[name], s[name] * (2 if "--to" in options else 1))

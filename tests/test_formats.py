@@ -133,15 +133,16 @@ def test_block_rows_are_sliced(tmp_path: Path) -> None:
             ["lm_head", "*layers.1.mlp.gate_up_proj"],
             ("hf_quant_config.json", "quantization", "exclude_modules"),
         ),
-        ("quark", ["lm_head", "*.1.mlp.gate_up_proj"], ("config.json", "quantization_config", "exclude")),
+        # vLLM's Quark reads `exclude` as exact names or `re:` patterns (quark/utils.py should_ignore_layer)
+        ("quark", ["lm_head", r"re:.*\.1\.mlp\.gate_up_proj"], ("config.json", "quantization_config", "exclude")),
         (
             "fbgemm",
             ["lm_head", "layers.1.mlp.gate_up_proj"],
             ("config.json", "quantization_config", "modules_to_not_convert"),
         ),
         (
-            "block-fp8",
-            ["lm_head", "layers.1.mlp.gate_up"],
+            "block-fp8",  # transformers: a regex from the start to a module boundary, or a suffix
+            ["lm_head", "layers.1.mlp.gate_up_proj"],
             ("config.json", "quantization_config", "modules_to_not_convert"),
         ),
     ],
@@ -157,6 +158,23 @@ def test_name_lists_follow_the_split_in_each_grammar(
         data = data[key]
     shards = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]
     assert data == [*entries, *shards]
+
+
+@pytest.mark.parametrize(
+    "fmt, entry, key",
+    [
+        ("block-fp8", "gate_up", "modules_to_not_convert"),  # a substring, neither prefix nor suffix
+        ("quark", "*.1.mlp.gate_up_proj", "exclude"),  # a glob: vLLM's Quark compares it exactly
+        ("fp8", "*gate_up_proj", "ignored_layers"),  # AMD's globs: vLLM's fp8 compares them exactly
+    ],
+)
+def test_entries_the_loader_does_not_match_are_left_alone(tmp_path: Path, fmt: str, entry: str, key: str) -> None:
+    """A rename edits a list only where the loader reading it matched the fused module: entries it does
+    not match (as it matches them, not as a substring or a glob would) gain no shard names."""
+    src = build(tmp_path / "src", phi3(), fmt=fmt, ignore=["lm_head", entry])
+    assert run_cli("convert", src, tmp_path / "out", "--layout", "unfused", "-q").exit_code == 0
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc[key] == ["lm_head", entry]
 
 
 def test_inspect_knows_each_format(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ When the unfused layout turns `...qkv_proj` into `...q_proj`, `...k_proj`, `...v
 a list that named the fused module must name its shards instead (vLLM checks every
 shard of a fused layer against ignore lists). Formats match entries in different
 grammars (`NameList.grammar`): exact names, compressed-tensors' exact-or-`re:`,
-transformers' substrings, Quark's and ModelOpt's fnmatch wildcards. An entry naming the
+transformers' regex-prefix-or-suffix, ModelOpt's fnmatch wildcards. An entry naming the
 fused module exactly is replaced by the shard names; a pattern that matched the fused
 module but not all its shards gets the missing shard names added after it.
 """
@@ -27,13 +27,19 @@ if TYPE_CHECKING:
     from fp8fix.model import CheckpointModel
 
 
+#: transformers' module boundary after a matched prefix: a dot before or after, or the end of the name.
+_BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
+
+
 def matches(entry: str, name: str, grammar: Grammar) -> bool:
+    """Whether a name-list `entry` names module `name`, as the loader reading the list decides
+    (`registry.formats.NameList.evidence`)."""
     if grammar == "exact":
         return entry == name
     if grammar == "exact-or-re":
         return entry == name or (entry.startswith("re:") and re.match(entry[3:], name) is not None)
-    if grammar == "substring":
-        return entry in name
+    if grammar == "transformers":  # transformers 5.24 quantizers_utils.should_convert_module
+        return re.match(rf"(?:{entry}){_BOUNDARY}", name) is not None or name.endswith(entry)
     if grammar == "fnmatch":
         return fnmatch.fnmatchcase(name, entry)
     raise ValueError(f"unknown name-list grammar {grammar!r}")
@@ -140,14 +146,14 @@ class Scheme:
 def source_scheme(model: CheckpointModel) -> tuple[bool, tuple[str, ...]] | None:
     """(dynamic input activations, `ignore`) of an AutoFP8, Quark or ModelOpt checkpoint, from its
     config; None where its config says what one compressed-tensors group cannot (Quark per-layer
-    overrides, output or kv-cache quantization without the kv scales fp8fix renames, substring lists)."""
+    overrides, output or kv-cache quantization without the kv scales fp8fix renames, `modules_to_not_convert`)."""
     fmt = model.format
     qc = quantization_config(model.checkpoint.config) or {}
     if fmt is None:
         return None
     if model.is_autofp8:
         if qc.get("modules_to_not_convert"):
-            return None  # substrings: compressed-tensors has exact names and `re:` patterns only
+            return None  # transformers' prefix-or-suffix matching has no exact compressed-tensors form
         return qc.get("activation_scheme", "static") != "static", tuple(qc.get("ignored_layers") or [])
     if fmt.name == QUARK.name:
         config = qc.get("global_quant_config") or {}
@@ -159,8 +165,7 @@ def source_scheme(model: CheckpointModel) -> tuple[bool, tuple[str, ...]] | None
             return None  # weight-only FP8 has no compressed-tensors float-quantized W8A8 form here
         if inputs.get("dtype") != "fp8_e4m3" or inputs.get("qscheme") != "per_tensor":
             return None
-        ignore = _from_fnmatch(qc.get("exclude") or [])
-        return None if ignore is None else (bool(inputs.get("is_dynamic")), ignore)
+        return bool(inputs.get("is_dynamic")), tuple(qc.get("exclude") or [])  # the same exact-or-re grammar
     if fmt.name == MODELOPT.name:
         extra = model.checkpoint.root / MODELOPT_CONFIG
         quantization = (read_json(extra).get("quantization") or {}) if extra.is_file() else {}
@@ -171,7 +176,7 @@ def source_scheme(model: CheckpointModel) -> tuple[bool, tuple[str, ...]] | None
 
 
 def _from_fnmatch(entries: list[Any]) -> tuple[str, ...] | None:
-    """Quark's and ModelOpt's fnmatch entries as compressed-tensors `ignore` entries matching the same
+    """ModelOpt's fnmatch entries as compressed-tensors `ignore` entries matching the same
     module names: a name without wildcards as itself, a pattern as `re:` + a regular expression that
     compressed-tensors and vLLM match from the start (`*` any run, `?` one character, the rest
     literal). None for a `[...]` class, which is rare and not worth a translation that could differ."""

@@ -106,7 +106,7 @@ def plan_conversion(
         if strategy is None:
             raise UnsupportedCheckpoint(
                 f"{arch_name}: compressed-tensors output needs an AutoFP8, Quark or ModelOpt source whose config "
-                "one compressed-tensors group can say (no per-layer overrides, no substring module lists) and whose "
+                "one compressed-tensors group can say (no per-layer overrides, no modules_to_not_convert) and whose "
                 f"weight scales the {chosen} layout leaves all per tensor or all per channel"
             )
         compressed_tensors.rewrite_tensors(shards, model)

@@ -25,13 +25,16 @@ MODELOPT_CONFIG = "hf_quant_config.json"
 class NameList:
     """A config list of module names: where it is and how its entries match a module name.
 
-    grammar: `exact`, `exact-or-re` (compressed-tensors: exact or `re:` pattern from the
-    start), `substring` (transformers' modules_to_not_convert), `fnmatch` (Quark, ModelOpt).
+    grammar: `exact`, `exact-or-re` (exact, or a `re:` pattern matched from the start),
+    `transformers` (a regex matched from the start up to a module boundary, or a plain suffix:
+    `modules_to_not_convert`), `fnmatch` (shell wildcards), each as the loader that reads the
+    list matches it (`evidence`).
     """
 
     path: str  # dotted path inside the quantization config; '*' = every key
     grammar: Grammar
     file: str = "config.json"  # or hf_quant_config.json (ModelOpt)
+    evidence: str = ""  # the loader code that matches entries so
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,30 @@ def _scale_name(weight: str, param: str) -> str:
     return f"{weight}_{param.removeprefix('weight_')}"
 
 
+#: How the loaders match each list's entries against module names (vLLM 0.32's sources, as installed
+#: for tests/loaders; transformers 5.24). AMD's `quant_method: fp8` exports put globs such as "*gate" in
+#: `ignored_layers`: vLLM compares them exactly, so they name nothing, and fp8fix reads them so too.
+_VLLM_FP8_EXACT = (
+    "vllm 0.32 quantization/fp8.py Fp8Config (ignored_layers_match_mode exact), quant_utils.is_layer_skipped"
+)
+_TRANSFORMERS_MATCH = (
+    "transformers 5.24 quantizers/quantizers_utils.py should_convert_module "
+    "(a regex from the start up to a module boundary, or a suffix)"
+)
+_EXACT_OR_RE = (
+    "vllm 0.32 quantization/{} should_ignore_layer -> config_utils.is_equal_or_regex_match "
+    "(exact, or re.match after 're:'; no fnmatch)"
+)
+_MODELOPT_FNMATCH = "vllm 0.32 quantization/modelopt.py is_layer_excluded (exact, then fnmatch wildcards)"
+
 AUTOFP8 = FormatSpec(
     name="fp8",
     label="AutoFP8 / vLLM fp8 (per-tensor)",
     scalar_shape=(),
-    name_lists=(NameList("ignored_layers", "exact"), NameList("modules_to_not_convert", "substring")),
+    name_lists=(
+        NameList("ignored_layers", "exact", evidence=_VLLM_FP8_EXACT),
+        NameList("modules_to_not_convert", "transformers", evidence=_TRANSFORMERS_MATCH),
+    ),
 )
 #: AutoFP8's first releases: `act_scale` for the input scale, one `kv_scale` per attention.
 AUTOFP8_LEGACY = replace(AUTOFP8, label="AutoFP8 (legacy act_scale names)", input_scale="act_scale")
@@ -75,36 +97,42 @@ BLOCK_FP8 = FormatSpec(
     name="fp8",
     label="block FP8 (DeepSeek-V3 / Qwen3 / FineGrainedFP8)",
     scalar_shape=(),
-    name_lists=(NameList("modules_to_not_convert", "substring"), NameList("ignored_layers", "exact")),
+    name_lists=(
+        NameList("modules_to_not_convert", "transformers", evidence=_TRANSFORMERS_MATCH),
+        NameList("ignored_layers", "exact", evidence=_VLLM_FP8_EXACT),
+    ),
     weight_scale="weight_scale_inv",
 )
 COMPRESSED_TENSORS = FormatSpec(
     name="compressed-tensors",
     label="compressed-tensors float-quantized",
     scalar_shape=(1,),
-    name_lists=(NameList("ignore", "exact-or-re"), NameList("config_groups.*.targets", "exact-or-re")),
+    name_lists=(
+        NameList("ignore", "exact-or-re", evidence=_EXACT_OR_RE.format("compressed_tensors/utils.py")),
+        NameList("config_groups.*.targets", "exact-or-re", evidence=_EXACT_OR_RE.format("compressed_tensors/utils.py")),
+    ),
 )
 QUARK = FormatSpec(
     name="quark",
     label="AMD Quark FP8",
     scalar_shape=(),
-    name_lists=(NameList("exclude", "fnmatch"),),
+    name_lists=(NameList("exclude", "exact-or-re", evidence=_EXACT_OR_RE.format("quark/utils.py")),),
 )
 MODELOPT = FormatSpec(
     name="modelopt",
     label="NVIDIA ModelOpt FP8",
     scalar_shape=(),
     name_lists=(
-        NameList("quantization.exclude_modules", "fnmatch", MODELOPT_CONFIG),
-        NameList("ignore", "fnmatch"),
-        NameList("exclude_modules", "fnmatch"),
+        NameList("quantization.exclude_modules", "fnmatch", MODELOPT_CONFIG, _MODELOPT_FNMATCH),
+        NameList("ignore", "fnmatch", evidence=_MODELOPT_FNMATCH),
+        NameList("exclude_modules", "fnmatch", evidence=_MODELOPT_FNMATCH),
     ),
 )
 FBGEMM = FormatSpec(
     name="fbgemm_fp8",
     label="FBGEMM FP8 (per-row)",
     scalar_shape=(),
-    name_lists=(NameList("modules_to_not_convert", "substring"),),
+    name_lists=(NameList("modules_to_not_convert", "transformers", evidence=_TRANSFORMERS_MATCH),),
 )
 
 
@@ -154,9 +182,11 @@ def _check_name_lists(qc: dict[str, Any], spec: FormatSpec) -> None:
             if not isinstance(value, list) or not all(isinstance(e, str) for e in value):
                 raise InvalidCheckpoint(f"config.json: {where} must be a list of module names, not {value!r:.60}")
             for entry in value:
-                if name_list.grammar == "exact-or-re" and entry.startswith("re:"):
+                pattern = entry[3:] if name_list.grammar == "exact-or-re" and entry.startswith("re:") else None
+                pattern = entry if name_list.grammar == "transformers" else pattern
+                if pattern is not None:
                     try:
-                        re.compile(entry[3:])
+                        re.compile(pattern)
                     except re.error as e:
                         raise InvalidCheckpoint(
                             f"config.json: {where} entry {entry!r:.60} is not a valid regular expression ({e})"
