@@ -110,6 +110,7 @@ Examples:
   fp8fix convert ./model ./out --layout fused --dry-run
   fp8fix convert ./model ./out --layout per-shard --overwrite --json
   fp8fix convert ./model ./model-mi300 --to e4m3fnuz --layout fused --verify
+  fp8fix convert ./model ./out --layout channel --dry-run
   fp8fix convert org/model-FP8 ./out --revision main --push-to-hub me/model-FP8-fixed --create-pr
 
 \b
@@ -119,6 +120,8 @@ Layouts (how fused modules such as qkv_proj carry their scales); without
              (where runtimes know per-shard names, e.g. Phi-3)
   per-shard  fused weight, one scale per shard (vLLM <= 0.5.0)
   fused      fused weight, one scale (current vLLM, transformers)
+  channel    fused weight, one scale per row, as compressed-tensors: exact
+             where shard scales differ (current vLLM, transformers)
 
 \b
 Exit codes: 0 done, 1 --verify found a mismatch or OUTPUT could not be
@@ -145,8 +148,8 @@ or unsupported checkpoint, 4 Hub error.
     "--format",
     "output_format",
     type=click.Choice(OUTPUT_FORMATS),
-    help="keep SOURCE's format, or write an AutoFP8 checkpoint as compressed-tensors (same bytes), overriding "
-    "--target's choice.",
+    help="keep SOURCE's format, or write an AutoFP8, Quark or ModelOpt checkpoint as compressed-tensors "
+    "(same codes), overriding --target's choice.",
 )
 @click.option(
     "--to",

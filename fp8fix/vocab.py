@@ -46,6 +46,6 @@ Verdict = Literal["loads", "fails", "loads-wrong", "needs-gpu"]
 Target = Literal["auto", "vllm", "vllm-legacy", "transformers"]
 TARGETS: tuple[Target, ...] = get_args(Target)
 
-#: The checkpoint format OUTPUT is written in: the source's, or (from AutoFP8) compressed-tensors.
+#: The checkpoint format OUTPUT is written in: the source's, or (from AutoFP8, Quark, ModelOpt) compressed-tensors.
 OutputFormat = Literal["keep", "compressed-tensors"]
 OUTPUT_FORMATS: tuple[OutputFormat, ...] = get_args(OutputFormat)
