@@ -159,3 +159,34 @@ def test_bf16_block_scales_as_qwen3_ships_them(tmp_path: Path, options: tuple) -
     name = "model.layers.0.mlp.down_proj.weight_scale_inv"
     assert s[name].dtype == o[name].dtype == torch.bfloat16
     assert torch.equal(o[name], s[name] * (2 if "--to" in options else 1))
+
+
+def qwen3_next() -> Model:
+    """Qwen3-Next's linear-attention layers, shrunk: in_proj_qkvz / in_proj_ba interleaved per key-head
+    group as vLLM 0.32's qwen_gdn_linear_attn.fix_query_key_value_ordering reads them."""
+    from tests.builders import FusedModule
+
+    model = family("Qwen3NextForCausalLM", [("linear_attn.out_proj", HIDDEN, 64), *GLM4_MOE[4:]])
+    dims = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2}
+    model.config.update(dims, linear_num_value_heads=4)
+    per_group_v = 4 // 2 * 16
+    model.fused = [
+        FusedModule("linear_attn.in_proj_qkvz", [2 * 16, 2 * 16, 2 * per_group_v, 2 * per_group_v], HIDDEN, groups=2),
+        FusedModule("linear_attn.in_proj_ba", [2 * 2, 2 * 2], HIDDEN, groups=2),
+    ]
+    return model
+
+
+@pytest.mark.parametrize("options", [(), ("--to", "e4m3fnuz"), ("--layout", "per-shard")])
+def test_qwen3_next_linear_attention_is_described(tmp_path: Path, options: tuple) -> None:
+    """in_proj_qkvz / in_proj_ba are fused per key-head group; with their registry entry the checkpoint
+    converts and verifies; per-shard scales land on the interleaved rows of each shard."""
+    src = build(tmp_path / "src", qwen3_next(), scale="tensor")
+    result = run_cli("convert", src, tmp_path / "out", "--json", "-q", *options)
+    assert result.exit_code == 0, result.output
+    modules = {m["module"]: m for m in json.loads(result.output)["modules"]}
+    qkvz = modules["model.layers.0.linear_attn.in_proj_qkvz"]
+    assert qkvz["shards"] == {"q": 32, "k": 32, "v": 64, "z": 64}
+    if "per-shard" in options:
+        out = load_tensors(tmp_path / "out")
+        assert out["model.layers.0.linear_attn.in_proj_qkvz.weight_scale"].shape == (4,)
