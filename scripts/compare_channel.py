@@ -28,6 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from fp8fix.numerics.dtypes import E4M3FN  # noqa: E402
+from fp8fix.numerics.fp8 import steps_at  # noqa: E402
 from tests.builders import Model, build, phi3  # noqa: E402
 from tests.loaders.conftest import run_loader  # noqa: E402
 from tests.loaders.test_real_loaders import as_loaded, true_weights  # noqa: E402
@@ -39,10 +41,7 @@ FUSED = ("qkv_proj", "gate_up_proj")
 def steps(got: torch.Tensor, truth: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """|got - truth| in fp8 (e4m3fn) steps at `scale`: the module's largest shard scale, the grid that
     requantizing (by the runtime or by `--layout fused`) puts every row on."""
-    code = truth / scale
-    _, exponent = torch.frexp(code)
-    step = torch.exp2((exponent - 1).clamp(min=-6).float() - 3) * scale
-    return (got - truth).abs() / step
+    return (got - truth).abs() / (steps_at(truth / scale, E4M3FN) * scale)
 
 
 def row_scales(folder: Path, model: Model) -> dict[str, torch.Tensor]:

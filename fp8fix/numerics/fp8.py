@@ -61,6 +61,12 @@ def torch_dtype(dtype: str) -> Any:
     return {E4M3FN: torch.float8_e4m3fn, E4M3FNUZ: torch.float8_e4m3fnuz}[dtype]
 
 
+def step_at(value: float, dtype: str) -> float:
+    """The fp8 step of `dtype` at one `value` (code units): `steps_at` for a plain float, no torch."""
+    _, exponent = math.frexp(value)
+    return 2.0 ** (max(exponent - 1, MIN_NORMAL_EXPONENT[dtype]) - MANTISSA_BITS)
+
+
 def steps_at(values: Any, dtype: str) -> Any:
     """The fp8 step of `dtype` at each of `values` (a float tensor in code units): the distance
     between the two codes around it, constant below the smallest normal."""

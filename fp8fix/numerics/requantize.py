@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from fp8fix.numerics.dtypes import E4M3FN, REQUANT_CLAMP
-from fp8fix.numerics.fp8 import MANTISSA_BITS, MIN_NORMAL_EXPONENT, e4m3_value, nearest_code
+from fp8fix.numerics.fp8 import e4m3_value, nearest_code, step_at
 
 _F32 = struct.Struct("<f")
 #: Codes counted at a time: numpy's bincount makes an int64 copy of its input (8 bytes per code).
@@ -75,12 +75,6 @@ def _to_fp8(value: float, dtype: str) -> int:
     return 0x80 if code == 0 and dtype == E4M3FN and math.copysign(1.0, value) < 0 else code
 
 
-def _step(value: float, dtype: str) -> float:
-    """The fp8 step of `dtype` at `value` (code units), as `fp8.steps_at` computes it."""
-    _, exponent = math.frexp(value)
-    return 2.0 ** (max(exponent - 1, MIN_NORMAL_EXPONENT[dtype]) - MANTISSA_BITS)
-
-
 @cache
 def requantize_map(dtype: str, scale: float, target_scale: float, out_dtype: str) -> RequantizeMap:
     """The byte map of requantizing `dtype` codes at `scale` into `out_dtype` at `target_scale`:
@@ -99,7 +93,7 @@ def requantize_map(dtype: str, scale: float, target_scale: float, out_dtype: str
         out = e4m3_value(code, out_dtype)
         codes[c] = code
         errors[c] = abs(f32(f32(out * t) - value))
-        steps[c] = f32(abs(f32(out - exact)) / _step(exact, out_dtype))
+        steps[c] = f32(abs(f32(out - exact)) / step_at(exact, out_dtype))
     return RequantizeMap(bytes(codes), tuple(errors), tuple(steps))
 
 
