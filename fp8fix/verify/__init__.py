@@ -70,8 +70,9 @@ def verify(
                     _checks = None
             else:
                 checks.check(0, len(checks.items), bar)
-        check_shapes(ctx, checks.mapping, compressed_tensors_output(ctx) is not None)
-        check_repo(ctx, module_renames(ctx, checks.mapping))
+        scheme = compressed_tensors_output(ctx)
+        check_shapes(ctx, checks.mapping, scheme is not None)
+        check_repo(ctx, module_renames(ctx, checks.mapping), scheme)
     return ctx.report
 
 

@@ -59,8 +59,9 @@ def check_bytes(ctx: VerifyContext, name: str, targets: list[Target]) -> None:
             ctx.report.identical_tensors += 1
 
 
-def check_repo(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
-    """Shard files, index, `format: pt`, config.json (only renamed name-list entries) and copied files."""
+def check_repo(ctx: VerifyContext, renames: dict[str, list[str]], scheme: Scheme | None) -> None:
+    """Shard files, index, `format: pt`, config.json (only renamed name-list entries, and the
+    compressed-tensors `scheme` where OUTPUT was written as compressed-tensors) and copied files."""
     src, out, report = ctx.src, ctx.out, ctx.report
     if set(out.shards) != set(src.shards):
         report.problem(f"OUTPUT's shard files {sorted(out.shards)} are not SOURCE's {sorted(src.shards)}")
@@ -76,9 +77,7 @@ def check_repo(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
     for name, header in out.shards.items():
         if header.metadata.get("format") != "pt":
             report.problem(f"{name}: __metadata__ has no format: pt")
-    rewritten = output_config(
-        src.config, src.root, ctx.fmt.name_lists, renames, compressed_tensors_output(ctx), channel_output(ctx)
-    )
+    rewritten = output_config(src.config, src.root, ctx.fmt.name_lists, renames, scheme, channel_output(ctx))
     if out.config != rewritten.get(CONFIG, (src.config, []))[0]:
         report.problem("config.json: differs from SOURCE's beyond the renamed quantization_config entries")
     for file, (content, _) in rewritten.items():
@@ -113,10 +112,6 @@ def channel_output(ctx: VerifyContext) -> bool:
     where SOURCE did not: its config groups must then say `strategy: channel`."""
     if ctx.fmt.name != COMPRESSED_TENSORS.name:
         return False
-    weights = [w for w in ctx.model.module_weights() if w.scale is not None]
-    per_row = [
-        (o := ctx.out.tensors.get(w.scale.name)) is not None and len(o.shape) == 2 and o.shape[1] == 1
-        for w in weights
-        if w.scale is not None
-    ]
-    return bool(per_row) and all(per_row) and any(w.scale_kind != "channel" for w in weights)
+    scaled = [(w, ctx.out.tensors.get(w.scale.name)) for w in ctx.model.module_weights() if w.scale is not None]
+    per_row = [o is not None and len(o.shape) == 2 and o.shape[1] == 1 for _, o in scaled]
+    return bool(per_row) and all(per_row) and any(w.scale_kind != "channel" for w, _ in scaled)

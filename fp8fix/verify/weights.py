@@ -12,6 +12,7 @@ memory stays at one chunk per tensor.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fp8fix.io.safetensors_file import TensorInfo
@@ -139,17 +140,14 @@ def _compare_rows(
 
     A power-of-two ratio (splits, fn <-> fnuz) is checked as bytes: the output codes must
     be the source codes through `value_map`, the table of same-value codes. Runs that
-    round or requantize are dequantized in float32 with torch.
+    round or requantize are checked against `requantize_map` (`_as_mapped`), and what that
+    does not explain is dequantized in float32 with torch.
     """
     cols = math.prod(w.shape[1:])
     top_scale = max(src_scales)
     shift = target.out_offset - target.start  # output row = source row + shift
-    row = target.start
-    while row < target.end:
+    for row, end in _runs(target.start, target.end, lambda r: out_scales[r + shift] / src_scales[r]):
         ratio = out_scales[row + shift] / src_scales[row]
-        end = row + 1
-        while end < target.end and out_scales[end + shift] / src_scales[end] == ratio:
-            end += 1
         if not is_power_of_two(ratio) and not is_power_of_two(out_scales[row + shift] / top_scale):
             raise Mismatch(
                 f"'{o.name}' row {row + shift}: scale {out_scales[row + shift]:.6g} is neither the source's "
@@ -165,7 +163,17 @@ def _compare_rows(
             if _as_mapped(w, o, a, b, r0, shift, cols, src_scales, out_scales, check, exact_ratio):
                 continue
             _compare_values(w, o, target, r0, r1, a, b, src_scales, out_scales, check)
-        row = end
+
+
+def _runs(start: int, end: int, key: Callable[[int], object]) -> Iterator[tuple[int, int]]:
+    """[first, stop) runs of consecutive rows of [start, end) that share one `key(row)`."""
+    row = start
+    while row < end:
+        value, stop = key(row), row + 1
+        while stop < end and key(stop) == value:
+            stop += 1
+        yield row, stop
+        row = stop
 
 
 def _same_values(a: bytes, b: bytes, src: str, out: str, ratio: float, name: str, row0: int, cols: int) -> bool:
@@ -207,12 +215,8 @@ def _as_mapped(
         if exact_ratio:
             return False  # NaN codes moved as bytes: the float check follows them
         raise Mismatch(f"'{w.name}': NaN codes in rows that were requantized into '{o.name}'")
-    rows, row = r0 + len(a) // cols, r0
-    while row < rows:
+    for row, end in _runs(r0, r0 + len(a) // cols, lambda r: (src_scales[r], out_scales[r + shift])):
         pair = (src_scales[row], out_scales[row + shift])
-        end = row + 1
-        while end < rows and (src_scales[end], out_scales[end + shift]) == pair:
-            end += 1
         codes = a[(row - r0) * cols : (end - r0) * cols]
         table = requantize_map(w.dtype, pair[0], pair[1], o.dtype)
         if codes.translate(table.codes) != b[(row - r0) * cols : (end - r0) * cols]:
@@ -227,7 +231,6 @@ def _as_mapped(
         else:
             check.kind = "requantized"
             check.max_error_steps = max(check.max_error_steps, worst.max_steps)
-        row = end
     return True
 
 
