@@ -41,9 +41,7 @@ def plan_for_target(
     loaders take best. An explicit layout alone keeps the source's format: it asks for that change only
     (`channel` excepted: compressed-tensors is the one format vLLM takes it in)."""
     if layout is not None and output_format is None:  # channel: only compressed-tensors holds it
-        native = model.format is not None and model.format.name == COMPRESSED_TENSORS.name
-        written_as = layout == "channel" and not native and compressed_tensors.can_write(model)
-        output_format = "compressed-tensors" if written_as else "keep"
+        output_format = (channel_format(model) or "keep") if layout == "channel" else "keep"
     if layout is None or output_format is None:
         model.require_format()
         _, arch = model.require_architecture()
@@ -141,25 +139,31 @@ def plan_conversion(
     return plan
 
 
+def channel_format(model: CheckpointModel) -> OutputFormat | None:
+    """The output format the channel layout of this checkpoint is written in (compressed-tensors, the
+    one format vLLM takes per-row scales in): its own for compressed-tensors, `compressed-tensors`
+    from AutoFP8, Quark or ModelOpt that one group can describe; None when there is none."""
+    fmt = model.format
+    if fmt is not None and fmt.name == COMPRESSED_TENSORS.name:
+        return None if fmt.block else "keep"
+    return "compressed-tensors" if compressed_tensors.can_write(model) else None
+
+
 def _require_channel_format(model: CheckpointModel, output_format: OutputFormat, arch_name: str) -> None:
-    """The channel layout is written as compressed-tensors: from compressed-tensors itself (format kept), or
-    from AutoFP8, Quark or ModelOpt with --format compressed-tensors."""
+    """Refuse the channel layout where `channel_format` has none, or where another format was asked for."""
     fmt = model.require_format()
-    native = fmt.name == COMPRESSED_TENSORS.name
-    if native and not fmt.block and output_format == "keep":
-        return
-    if not native and compressed_tensors.can_write(model):
-        if output_format != "compressed-tensors":
-            raise UnsupportedCheckpoint(
-                f"{arch_name}: the channel layout is written as compressed-tensors (vLLM rejects {fmt.label} "
-                "with per-row scales); use --format compressed-tensors"
-            )
-        return
-    raise UnsupportedCheckpoint(
-        f"{arch_name}: the channel layout is written as compressed-tensors, from compressed-tensors, AutoFP8, Quark "
-        f"or ModelOpt checkpoints with per-tensor or per-shard scales that one compressed-tensors group can describe; "
-        f"this checkpoint is {fmt.label}"
-    )
+    needed = channel_format(model)
+    if needed is None:
+        raise UnsupportedCheckpoint(
+            f"{arch_name}: the channel layout is written as compressed-tensors, from compressed-tensors, AutoFP8, "
+            "Quark or ModelOpt checkpoints with per-tensor or per-shard scales that one compressed-tensors group "
+            f"can describe; this checkpoint is {fmt.label}"
+        )
+    if output_format != needed:
+        why = "this checkpoint is already" if needed == "keep" else f"vLLM rejects {fmt.label} with per-row scales"
+        raise UnsupportedCheckpoint(
+            f"{arch_name}: the channel layout is written as compressed-tensors ({why}); use --format {needed}"
+        )
 
 
 def _plan_shard(
