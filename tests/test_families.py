@@ -40,20 +40,21 @@ DEEPSEEK_V3 = [
     ("mlp.experts.0.down_proj", HIDDEN, 32),
     ("mlp.shared_experts.gate_proj", 32, HIDDEN),
 ]
-GLM4_MOE = [
+#: Llama-style attention, unfused: GLM-4 MoE and Phi-3.5-MoE store it so.
+ATTENTION = [
     ("self_attn.q_proj", 64, HIDDEN),
     ("self_attn.k_proj", 32, HIDDEN),
     ("self_attn.v_proj", 32, HIDDEN),
     ("self_attn.o_proj", HIDDEN, 64),
+]
+GLM4_MOE = [
+    *ATTENTION,
     ("mlp.experts.0.gate_proj", 32, HIDDEN),
     ("mlp.experts.0.up_proj", 32, HIDDEN),
     ("mlp.experts.0.down_proj", HIDDEN, 32),
 ]
 PHI_MOE = [
-    ("self_attn.q_proj", 64, HIDDEN),
-    ("self_attn.k_proj", 32, HIDDEN),
-    ("self_attn.v_proj", 32, HIDDEN),
-    ("self_attn.o_proj", HIDDEN, 64),
+    *ATTENTION,
     ("block_sparse_moe.experts.0.w1", 32, HIDDEN),
     ("block_sparse_moe.experts.0.w3", 32, HIDDEN),
     ("block_sparse_moe.experts.0.w2", HIDDEN, 32),
