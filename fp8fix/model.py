@@ -59,6 +59,36 @@ class FusedModule:
         return [shard for shard, a, b in self.segments for _ in range(b - a)]
 
     @property
+    def group_rows(self) -> int:
+        """Rows of one group ([q; k; v] once): all rows for a contiguous module."""
+        return sum(b - a for _, a, b in self.segments[: len(self.rows)])
+
+    def block_grid(self, block: Block) -> tuple[int, int] | None:
+        """The shape of the module's block-scale grid: one grid over the weight, or with `block_grid:
+        per-group` one of ceil(group rows / block) rows per group (pre-sharded chunks)."""
+        if block is None:
+            return None
+        shape = self.weight.shape
+        if self.spec.block_grid != "per-group":
+            return block_grid(shape, block)
+        groups = shape[0] // self.group_rows
+        return groups * -(-self.group_rows // block[0]), -(-shape[1] // block[1])
+
+    def scale_row(self, row: int, block_rows: int) -> int:
+        """The block-scale row holding weight row `row` (see `block_grid`)."""
+        if self.spec.block_grid != "per-group":
+            return row // block_rows
+        group, within = divmod(row, self.group_rows)
+        return group * -(-self.group_rows // block_rows) + within // block_rows
+
+    def next_block_start(self, row: int, block_rows: int) -> int:
+        """The first row after `row` that lies in another block-scale row."""
+        if self.spec.block_grid != "per-group":
+            return (row // block_rows + 1) * block_rows
+        group_start = row - row % self.group_rows
+        return min(group_start + ((row - group_start) // block_rows + 1) * block_rows, group_start + self.group_rows)
+
+    @property
     def weight(self) -> TensorInfo:
         return self.params["weight"]
 
@@ -191,7 +221,7 @@ def _find_fused_modules(ckpt: Checkpoint, arch: ArchitectureSpec) -> list[FusedM
         spec = arch.fused_spec_for(path)
         if spec is None or "weight" not in params:
             continue
-        rows, segments = arch.row_layout(spec, ckpt.config)
+        rows, segments = arch.row_layout(spec, ckpt.config, path)
         weight = params["weight"]
         if sum(rows) != weight.shape[0]:
             raise InvalidCheckpoint(
@@ -264,7 +294,8 @@ class _WeightReader:
             elif stacked:
                 kind = experts_scale_kind(scale, t.shape, n_shards, self.block)
             elif len(t.shape) >= 2:
-                kind = scale_kind(scale, t.shape, n_shards if fused else None, allow_channel=True, block=self.block)
+                grid = fused.block_grid(self.block) if fused else None
+                kind = scale_kind(scale, t.shape, n_shards if fused else None, True, self.block, grid)
         except Fp8fixError as e:
             problems.append(e)
         if input_scale is not None and input_scale.dtype not in INPUT_SCALE_DTYPES:
@@ -312,24 +343,31 @@ class _WeightReader:
 
 
 def scale_kind(
-    scale: TensorInfo, weight_shape: tuple[int, ...], n_shards: int | None, allow_channel: bool, block: Block = None
+    scale: TensorInfo,
+    weight_shape: tuple[int, ...],
+    n_shards: int | None,
+    allow_channel: bool,
+    block: Block = None,
+    grid: tuple[int, int] | None = None,
 ) -> ScaleKind:
     """tensor (one value), shard (one per fused shard), channel (one per row) or block (one per
-    rows x columns block); else an error."""
+    rows x columns block; `grid` is the block grid's shape where it is not one grid over the weight,
+    see `FusedModule.block_grid`); else an error."""
     rows = weight_shape[0]
     _check_scale_dtype(scale)
+    grid = grid or (block_grid(weight_shape, block) if block else None)
     if scale.numel == 1 and len(scale.shape) <= 2:
         return "tensor"
-    if block and allow_channel and scale.shape == block_grid(weight_shape, block):
+    if block and allow_channel and scale.shape == grid:
         return "block"
     if n_shards and scale.shape == (n_shards,):
         return "shard"
     if allow_channel and scale.shape in ((rows, 1), (rows,)):
         return "channel"
-    grid = f", {list(block_grid(weight_shape, block))} per {block[0]}x{block[1]} block" if block else ""
+    grid_text = f", {list(grid)} per {block[0]}x{block[1]} block" if block and grid else ""
     raise InvalidCheckpoint(
         f"{scale.path.name}: scale '{scale.name}' has shape {list(scale.shape)}, which fits no known convention "
-        f"for a weight of {rows} rows ([] or [1] per tensor, [{rows}, 1] per channel{grid}"
+        f"for a weight of {rows} rows ([] or [1] per tensor, [{rows}, 1] per channel{grid_text}"
         + (f", [{n_shards}] per fused shard)" if n_shards else ")")
     )
 

@@ -20,6 +20,9 @@ from fp8fix.vocab import Verdict
 VLLM_TRANSFORMERS_BACKEND = frozenset({"GlmForCausalLM", "GPTNeoXForCausalLM"})
 #: Architectures vLLM removed (ibid., _PREVIOUSLY_SUPPORTED_MODELS): BaichuanForCausalLM in 0.23.0.
 VLLM_REMOVED = frozenset({"BaichuanForCausalLM", "BaiChuanForCausalLM"})
+#: Architectures transformers 5.24 has no model for (models/auto: MiMo-V2.5's `mimo_v2` is absent, only
+#: `mimo_v2_flash`); loading needs the repository's own code.
+TRANSFORMERS_MISSING = frozenset({"MiMoV2ForCausalLM"})
 
 
 #: What each fact means, for the README's table of rules (scripts/loader_tables.py).
@@ -27,12 +30,14 @@ FACT_DESCRIPTIONS = {
     "unusable_scales": "an FP8 weight without a usable scale",
     "per_shard_fused": "a fused module with one weight scale per shard",
     "one_scale_fused": "a fused module with one weight scale (or per-channel / block scales)",
+    "chunked_fused": "a fused module pre-sharded in chunks, each with its own block grid (MiMo-V2.5)",
     "channel_fused": "every fused module with per-channel weight scales ([out, 1], one per row)",
     "per_shard_input_scales": "a fused module with one static input scale per shard",
     "unfused_names": "per-shard module names (q_proj, ...) where the model fuses them",
     "unfused_on_transformers_backend": "per-shard names, and an architecture vLLM serves through its "
     "Transformers backend (GLM, GPT-NeoX)",
     "vllm_removed_architecture": "an architecture vLLM removed (Baichuan)",
+    "transformers_missing_architecture": "an architecture transformers has no model for (MiMo-V2.5)",
     "fp8_per_tensor": "quant_method fp8 without weight_block_size (AutoFP8)",
     "channel_scales_under_fp8": "quant_method fp8 with per-channel weight scales",
     "legacy_names": "the legacy AutoFP8 names act_scale / kv_scale",
@@ -48,11 +53,13 @@ class Facts:
     unusable_scales: bool  # an FP8 weight without a scale, or one of no known shape
     per_shard_fused: bool  # a fused linear module with one weight scale per shard
     one_scale_fused: bool  # a fused linear module with a single (or per-channel / block) weight scale
+    chunked_fused: bool  # a fused module stored in pre-sharded chunks with a block grid per chunk
     channel_fused: bool  # every fused FP8 module with per-channel weight scales (one per row)
     per_shard_input_scales: bool  # a fused module's static input scale with one value per shard
     unfused_names: bool  # per-shard module names where the registry knows a fused module
     unfused_on_transformers_backend: bool
     vllm_removed_architecture: bool
+    transformers_missing_architecture: bool
     fp8_per_tensor: bool  # quant_method fp8 without weight_block_size (AutoFP8)
     channel_scales_under_fp8: bool
     legacy_names: bool  # act_scale / kv_scale
@@ -101,6 +108,7 @@ def facts_of(model: CheckpointModel) -> Facts:
         unusable_scales=any(w.scale_kind is None for w in weights),
         per_shard_fused=any(w.scale_kind == "shard" for w in fused),
         one_scale_fused=any(w.scale_kind in ("tensor", "channel", "block") for w in fused),
+        chunked_fused=any(w.fused is not None and w.fused.spec.block_grid == "per-group" for w in fused),
         channel_fused=bool(fused) and all(w.scale_kind == "channel" for w in fused),
         per_shard_input_scales=any(
             w.input_scale is not None and w.n_shards > 1 and w.input_scale.shape == (w.n_shards,) for w in fused
@@ -108,6 +116,7 @@ def facts_of(model: CheckpointModel) -> Facts:
         unfused_names=unfused,
         unfused_on_transformers_backend=unfused and architecture in VLLM_TRANSFORMERS_BACKEND,
         vllm_removed_architecture=architecture in VLLM_REMOVED,
+        transformers_missing_architecture=architecture in TRANSFORMERS_MISSING,
         fp8_per_tensor=fp8,
         channel_scales_under_fp8=fp8 and any(w.scale_kind == "channel" for w in weights),
         legacy_names=any(name.endswith(tuple(LEGACY_RENAMES)) for name in model.checkpoint.tensors),

@@ -349,3 +349,165 @@ def write_files(root: Path, groups: list[dict[str, torch.Tensor]], config: dict[
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+#: MiMo-V2.5-Pro's config.json, shrunk (issue 15): the keys and quantization_config of the published
+#: release as vLLM 0.32's models/mimo_v2.py and llama.cpp's MiMo converter read them, with dimensions
+#: cut down but the same structure: Q/K head_dim 192 and v_head_dim 128 (so K and V share blocks),
+#: qkv_proj pre-sharded in num_key_value_heads chunks whose rows are not a whole number of 128-row
+#: blocks (704 = 5.5 here, 3,392 = 26.5 in the Pro), a sliding-window layer with other kv heads (two per
+#: chunk, a whole number of blocks: 1,024 = 8 here, 3,712 = 29 in V2.5) and an MTP layer with the
+#: sliding-window dims. Dense MLPs (`moe_layer_freq` all 0) keep the real-loader test on vLLM's CPU build.
+MIMO_BLOCK = (128, 128)
+
+
+MIMO_CONFIG_CODE = """from transformers import PretrainedConfig
+
+
+class MiMoV2Config(PretrainedConfig):
+    model_type = "mimo_v2"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+"""
+
+
+def mimo_v2_config(layers: int = 2) -> dict[str, Any]:
+    return {
+        "architectures": ["MiMoV2ForCausalLM"],
+        "model_type": "mimo_v2",
+        "hidden_size": 256,
+        "intermediate_size": 256,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 192,
+        "v_head_dim": 128,
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 4,
+        "swa_head_dim": 192,
+        "swa_v_head_dim": 128,
+        "hybrid_layer_pattern": [i % 2 for i in range(layers)],
+        "moe_layer_freq": [0] * layers,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "n_shared_experts": None,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": None,
+        "attention_projection_layout": "fused_qkv",
+        "add_swa_attention_sink_bias": True,
+        "add_full_attention_sink_bias": False,
+        "attention_value_scale": 0.707,
+        "partial_rotary_factor": 0.334,
+        "rope_theta": 5000000,
+        "swa_rope_theta": 10000,
+        "sliding_window": 128,
+        "sliding_window_size": 128,
+        "layernorm_epsilon": 1e-05,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "max_position_embeddings": 4096,
+        "vocab_size": 256,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "auto_map": {"AutoConfig": "configuration_mimo_v2.MiMoV2Config"},
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(MIMO_BLOCK),
+            "ignored_layers": [f"model.layers.{i}.self_attn.o_proj" for i in range(layers)]
+            + ["model.mtp.layers.0.self_attn.o_proj"],
+        },
+    }
+
+
+def mimo_qkv_chunks(config: dict[str, Any], swa: bool) -> tuple[int, list[int]]:
+    """(chunks, [Q_c, K_c, V_c] rows of one chunk) of a layer's fused qkv_proj, as vLLM's
+    `_shard_fp8_qkv_proj` computes them (chunks = config num_key_value_heads, for every layer)."""
+    p = "swa_" if swa else ""
+    chunks = config["num_key_value_heads"]
+    heads, kv = config[f"{p}num_attention_heads"], config[f"{p}num_key_value_heads"]
+    head_dim, v_head_dim = config[f"{p}head_dim"], config[f"{p}v_head_dim"]
+    return chunks, [heads // chunks * head_dim, kv // chunks * head_dim, kv // chunks * v_head_dim]
+
+
+def mimo_unfused_rows(config: dict[str, Any], swa: bool, shard: int) -> list[tuple[int, int]]:
+    """(source row, source block-scale row) of each row of unfused shard `shard` (0 q, 1 k, 2 v), in
+    head order: chunk c's rows of that shard, chunk after chunk (the index arithmetic of vLLM 0.32's
+    `_shard_fp8_qkv_proj`, which gathers a rank's Q, K and V rows the same way)."""
+    chunks, per_chunk = mimo_qkv_chunks(config, swa)
+    chunk_rows = sum(per_chunk)
+    grid_rows = -(-chunk_rows // MIMO_BLOCK[0])
+    rows = []
+    for c in range(chunks):
+        for within in range(per_chunk[shard]):
+            local = sum(per_chunk[:shard]) + within
+            rows.append((c * chunk_rows + local, c * grid_rows + local // MIMO_BLOCK[0]))
+    return rows
+
+
+def block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3fn codes of `w` and their F32 128x128 block scales (absmax / 448), as DeepSeek-style exporters write."""
+    b0, b1 = MIMO_BLOCK
+    rows, cols = w.shape
+    grid = (-(-rows // b0), -(-cols // b1))
+    padded = torch.zeros(grid[0] * b0, grid[1] * b1)
+    padded[:rows, :cols] = w.abs()
+    s = (padded.reshape(grid[0], b0, grid[1], b1).amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-8)
+    return quantize(w, s.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[:rows, :cols]), s
+
+
+def mimo_v2(root: Path, layers: int = 2, seed: int = 0) -> Path:
+    """A MiMo-V2.5-Pro-shaped block-FP8 checkpoint (see `mimo_v2_config`): each chunk of every fused
+    qkv_proj quantized with its own block grid of ceil(chunk rows / 128) rows, as the release is."""
+    gen = torch.Generator().manual_seed(seed)
+    config = mimo_v2_config(layers)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    tensors: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(config["vocab_size"], hidden, generator=gen).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        "lm_head.weight": torch.randn(config["vocab_size"], hidden, generator=gen).to(torch.bfloat16),
+    }
+    prefixes = [(f"model.layers.{i}.", config["hybrid_layer_pattern"][i] == 1) for i in range(layers)]
+    for prefix, swa in [*prefixes, ("model.mtp.layers.0.", True)]:
+        chunks, per_chunk = mimo_qkv_chunks(config, swa)
+        codes, scales = [], []
+        for c in range(chunks):  # chunk c: [Q_c | K_c | V_c], magnitudes differing per shard and chunk
+            parts = [torch.randn(n, hidden, generator=gen) * 0.02 * (k + 1) * (c + 1) for k, n in enumerate(per_chunk)]
+            w = torch.cat(parts)
+            w[:, 0] *= 6  # larger values in one column block, so its scales differ from the other's
+            chunk_codes, chunk_scales = block_quantize(w)
+            codes.append(chunk_codes)
+            scales.append(chunk_scales)
+        heads = config["swa_num_attention_heads" if swa else "num_attention_heads"]
+        v_dim = config["swa_v_head_dim" if swa else "v_head_dim"]
+        tensors[prefix + "self_attn.qkv_proj.weight"] = torch.cat(codes)
+        tensors[prefix + "self_attn.qkv_proj.weight_scale_inv"] = torch.cat(scales)
+        tensors[prefix + "self_attn.o_proj.weight"] = (torch.randn(hidden, heads * v_dim, generator=gen) * 0.02).to(
+            torch.bfloat16
+        )
+        if swa:
+            tensors[prefix + "self_attn.attention_sink_bias"] = torch.randn(heads, generator=gen).to(torch.bfloat16)
+        for name, rows, cols in (
+            ("gate_proj", inter, hidden),
+            ("up_proj", inter, hidden),
+            ("down_proj", hidden, inter),
+        ):
+            w, s = block_quantize(torch.randn(rows, cols, generator=gen) * 0.02)
+            tensors[f"{prefix}mlp.{name}.weight"], tensors[f"{prefix}mlp.{name}.weight_scale_inv"] = w, s
+        tensors[prefix + "input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        tensors[prefix + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    root.mkdir(parents=True, exist_ok=True)
+    # the release's own config class, which transformers lacks (loaded with trust_remote_code, as vLLM's
+    # MiMo recipes serve it): a plain PretrainedConfig of model_type mimo_v2 here
+    (root / "configuration_mimo_v2.py").write_text(MIMO_CONFIG_CODE)
+    names = sorted(tensors)
+    groups = [{n: tensors[n] for n in names[: len(names) // 2]}, {n: tensors[n] for n in names[len(names) // 2 :]}]
+    write_files(root, groups, config)
+    return root

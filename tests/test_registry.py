@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8fix.registry.architectures import Registry
+from fp8fix.registry.architectures import Registry, module_variables
 from fp8fix.registry.expressions import ExpressionError, evaluate
 from tests.builders import FusedModule, Model, build, phi3
 from tests.conftest import load_tensors, raw, run_cli
@@ -129,6 +129,23 @@ def test_expressions() -> None:
         evaluate("__import__('os')", lookup)
     with pytest.raises(ExpressionError):
         evaluate("a ** 2", lookup)
+    config["pattern"] = [0, 1, 1]  # a config list indexed by a module's layer (MiMo's hybrid_layer_pattern)
+    assert evaluate("7 if pattern[2] else 9", lookup) == 7 and evaluate("pattern[a - 3]", lookup) == 0
+    for bad, message in (("pattern[3]", "outside the config list of 3"), ("a[0]", "only a config list")):
+        with pytest.raises(ExpressionError, match=message):
+            evaluate(bad, lookup)
+
+
+@pytest.mark.parametrize(
+    "path, variables",
+    [
+        ("model.layers.12.self_attn.qkv_proj", {"layer": 12, "mtp": 0}),
+        ("model.mtp.layers.1.self_attn.qkv_proj", {"layer": 1, "mtp": 1}),
+        ("transformer.h.3.attn.c_attn", {"layer": 0, "mtp": 0}),
+    ],
+)
+def test_module_variables(path: str, variables: dict[str, int]) -> None:
+    assert module_variables(path) == variables
 
 
 def test_arch_file_teaches_an_unknown_architecture(tmp_path: Path) -> None:
@@ -202,6 +219,8 @@ def cyclic_defaults(entry: dict) -> None:
         (lambda e: e["fused_modules"][1]["shards"][0].update(rows="intermediate_size ** 2"), "unsupported syntax"),
         (lambda e: e.update(defaults={"head_dim": "hidden_size / 2"}), "defaults.head_dim"),
         (lambda e: e["fused_modules"][1].update(shards=e["fused_modules"][1]["shards"][:1]), "at least 2"),
+        (lambda e: e["fused_modules"][0].update(block_grid="per-group"), "'per-group' with groups"),
+        (lambda e: e["fused_modules"][0].update(block_grid="chunked"), "block_grid of self_attn.qkv_proj"),
     ],
 )
 def test_a_malformed_entry_is_refused_when_loaded(tmp_path: Path, change, message: str) -> None:  # type: ignore[no-untyped-def]

@@ -21,8 +21,17 @@ from fp8fix.io.source_files import SourceFiles, source_changed, window_contains
 from fp8fix.io.workers import run_tasks, worker_count
 from fp8fix.numerics.dtypes import NAN_CODES
 from fp8fix.numerics.recodings import RECODINGS, inexact_codes, recode, scale_exactly
-from fp8fix.numerics.requantize import RequantizeStats, requantize
-from fp8fix.plan.pieces import ConversionPlan, CopyRange, OutputShard, Recode, RepeatRange, Requantize, Rescale
+from fp8fix.numerics.requantize import RequantizeStats, requantize, requantize_map
+from fp8fix.plan.pieces import (
+    ConversionPlan,
+    CopyRange,
+    OutputShard,
+    Recode,
+    RepeatRange,
+    Requantize,
+    RequantizeBlocks,
+    Rescale,
+)
 
 #: Recoded bytes pass through one buffer of this size: small enough to stay in the CPU cache,
 #: large enough that the two syscalls per window cost little.
@@ -76,7 +85,9 @@ def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False, jobs: i
 
 def _cpu_bound(plan: ConversionPlan) -> bool:
     """Recoding and requantizing pass bytes through Python; plain copies are the kernel's (and the disk's)."""
-    return any(isinstance(p, Recode | Requantize) for s in plan.shards for t in s.tensors for p in t.pieces)
+    return any(
+        isinstance(p, Recode | Requantize | RequantizeBlocks) for s in plan.shards for t in s.tensors for p in t.pieces
+    )
 
 
 def _write_shard_job(progress: Progress, shard: OutputShard, path: Path, tensors: dict[str, TensorInfo]) -> WriteStats:
@@ -110,6 +121,9 @@ def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progres
                     _write_all(out, _rescale(sources, piece, tensor.name) * piece.times)
                 elif isinstance(piece, Recode):
                     stats.inexact_codes += _recode(sources, out, piece, tensor.source)
+                elif isinstance(piece, RequantizeBlocks):
+                    error = _requantize_blocks(sources, out, piece, tensor.source)
+                    stats.requantized.setdefault(tensor.source, RequantizeStats()).update(error)
                 else:
                     error = _requantize(sources, out, piece, tensor.source)
                     stats.requantized.setdefault(tensor.source, RequantizeStats()).update(error)
@@ -205,7 +219,11 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> int:
 
 
 def _refuse_codes(
-    sources: _Sources, piece: CopyRange | Recode | Requantize, codes: tuple[int, ...], source: str, what: str
+    sources: _Sources,
+    piece: CopyRange | Recode | Requantize | RequantizeBlocks,
+    codes: tuple[int, ...],
+    source: str,
+    what: str,
 ) -> None:
     """Raise, naming the tensor and counting the codes in all of it, when the piece holds any of `codes`."""
     if not sources.contains(piece.path, piece.start, piece.end, codes):
@@ -258,4 +276,25 @@ def _requantize(sources: _Sources, out: int, piece: Requantize, source: str) -> 
         new, error = requantize(codes, piece.dtype, piece.scale, piece.target_scale, piece.out_dtype)
         worst.update(error)
         _write_all(out, new)
+    return worst
+
+
+def _requantize_blocks(sources: _Sources, out: int, piece: RequantizeBlocks, source: str) -> RequantizeStats:
+    """Rows of codes requantized column block by column block (at most one block row: 128 rows)."""
+    import numpy as np
+
+    forbidden = RECODINGS[piece.normalize].forbidden if piece.normalize else NAN_CODES[piece.dtype]
+    _refuse_codes(sources, piece, forbidden, source, "NaN codes")
+    data = sources.read(piece.path, piece.start, piece.end)
+    codes = bytearray(recode(data, piece.normalize) if piece.normalize else data)
+    rows = np.frombuffer(codes, dtype=np.uint8).reshape(-1, piece.row_bytes)
+    worst = RequantizeStats()
+    for c, (scale, target) in enumerate(zip(piece.scales, piece.targets, strict=True)):
+        if scale == target and piece.dtype == piece.out_dtype:
+            continue
+        block = rows[:, c * piece.block_cols : (c + 1) * piece.block_cols]
+        table = requantize_map(piece.dtype, scale, target, piece.out_dtype)
+        worst.update(table.worst(block.tobytes()))
+        block[...] = np.frombuffer(table.codes, dtype=np.uint8)[block]
+    _write_all(out, codes)
     return worst

@@ -52,14 +52,25 @@ def output_config(
     renames: dict[str, list[str]],
     compressed_tensors: Scheme | None = None,
     channel: bool = False,
+    unfused_config: dict[str, Any] | None = None,
 ) -> dict[str, tuple[dict[str, Any], list[str]]]:
     """The config files OUTPUT gets where they differ from SOURCE's: name lists following `renames`,
-    then, with `compressed_tensors`, quantization_config written as compressed-tensors in that
-    scheme; with `channel` (a compressed-tensors source), its weights' strategy made channel.
+    and where modules were unfused, the config.json keys the registry entry says describe the layout
+    (`unfused_config`: MiMo's `attention_projection_layout`), those config.json already has; then,
+    with `compressed_tensors`, quantization_config written as compressed-tensors in that scheme; with
+    `channel` (a compressed-tensors source), its weights' strategy made channel.
     Convert writes these; verify expects them."""
     from fp8fix.plan.compressed_tensors import channel_strategy_config, compressed_tensors_config
 
     out = rewrite_name_lists(config, root, name_lists, renames)
+    layout_keys = {k: v for k, v in (unfused_config or {}).items() if k in config and config[k] != v}
+    if renames and layout_keys:
+        content, edits = out.get(CONFIG, (config, []))
+        content = {**content, **layout_keys}
+        out[CONFIG] = (
+            content,
+            [*edits, *(f"{k}: {config[k]!r} -> {v!r} (modules unfused)" for k, v in layout_keys.items())],
+        )
     if compressed_tensors is not None:
         content, edits = out.get(CONFIG, (config, []))
         scheme = compressed_tensors

@@ -15,13 +15,25 @@ round by half an fn step; the count is reported.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fp8fix.errors import UnsupportedCheckpoint
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.io.source_files import file_contains
 from fp8fix.model import CheckpointModel
 from fp8fix.numerics.dtypes import ENCODINGS, FP8_WEIGHT_DTYPES
 from fp8fix.numerics.recodings import FN_TO_FNUZ, FNUZ_TO_FN, FNUZ_TO_FN_SAME_SCALE, Recoding
-from fp8fix.plan.pieces import CopyRange, EncodingChange, OutputShard, Piece, Recode, RepeatRange, Requantize, Rescale
+from fp8fix.plan.pieces import (
+    CopyRange,
+    EncodingChange,
+    OutputShard,
+    Piece,
+    Recode,
+    RepeatRange,
+    Requantize,
+    RequantizeBlocks,
+    Rescale,
+)
 from fp8fix.vocab import Encoding
 
 
@@ -94,6 +106,20 @@ def _recoded(piece: Piece, recoding: Recoding, name: str) -> Piece:
         return Requantize(
             piece.path, piece.start, piece.end, piece.dtype, piece.scale, piece.target_scale * f, recoding.target
         )
+    if isinstance(piece, RequantizeBlocks):  # the same two orders as Requantize, column block by column block
+        f = recoding.scale_factor
+        targets = tuple(t * f for t in piece.targets)
+        if recoding is FN_TO_FNUZ:
+            scales = tuple(s * f for s in piece.scales)
+            return replace(
+                piece,
+                dtype=recoding.target,
+                scales=scales,
+                targets=targets,
+                out_dtype=recoding.target,
+                normalize=recoding.name,
+            )
+        return replace(piece, targets=targets, out_dtype=recoding.target)
     raise AssertionError(f"{name}: cannot change the encoding of {piece}")
 
 

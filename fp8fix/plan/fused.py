@@ -2,8 +2,10 @@
 
 The rules (see README "Layouts"):
 - unfused: the module becomes its per-shard modules; weights, biases and per-channel
-  or block scales are row slices, single scales are repeated, per-shard scale vectors
-  are split. Pure byte moves, exact.
+  scales are row slices, single scales are repeated, per-shard scale vectors are
+  split. Pure byte moves, exact. Block scales: each shard gets a standard block grid
+  (`block_split.py`): exact where shard boundaries are block multiples, else only the
+  output blocks that mix source blocks are requantized (bounded, reported).
 - per-shard: a single weight/input scale becomes a vector of n_shards copies. Exact.
 - fused: a per-shard scale vector becomes its largest entry; shards at a smaller
   scale are requantized to it (bounded error, reported). Equal entries change no byte.
@@ -19,6 +21,7 @@ from fp8fix.io.checkpoint import check_scale_values
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import FusedModule, scale_kind
 from fp8fix.numerics.dtypes import ITEM_SIZE, is_fp8
+from fp8fix.plan.block_split import split_block_scaled
 from fp8fix.plan.channel import channel_shape
 from fp8fix.plan.pieces import CopyRange, ModuleChange, OutputTensor, Piece, RepeatRange, Requantize
 from fp8fix.registry.formats import FormatSpec
@@ -41,7 +44,7 @@ def plan_fused_module(
     quantized = is_fp8(m.weight.dtype)
     scales = {p: m.params[p] for p in (fmt.weight_scale, fmt.input_scale) if p in m.params}
     kinds: dict[str, ScaleKind] = {
-        p: scale_kind(t, m.weight.shape, n, allow_channel=(p == fmt.weight_scale), block=fmt.block)
+        p: scale_kind(t, m.weight.shape, n, p == fmt.weight_scale, fmt.block, m.block_grid(fmt.block))
         for p, t in scales.items()
     }
     weight_kind: ScaleKind = kinds.get(fmt.weight_scale, "none")
@@ -81,6 +84,12 @@ def plan_fused_module(
         _fuse_scales(m, fmt, scales, kinds, change, outputs)
     elif layout == "channel":
         _channel_scales(m, fmt, scales, kinds, change, outputs)
+    if change.action == "keep" and m.spec.block_grid == "per-group" and weight_kind == "block":
+        change.reason = (
+            "pre-sharded chunks kept as they are, each with its block grid (a contiguous [q; k; v] is not "
+            "offered: runtimes read this module as chunks); runtimes requantize them at load unless the "
+            "tensor-parallel size is the chunk count"
+        )
     return change, outputs
 
 
@@ -98,7 +107,23 @@ def _unfuse(
 ) -> tuple[ModuleChange, dict[str, list[OutputTensor]]]:
     new_paths = [m.spec.unfused_path(m.path, s) for s in m.spec.shards]
     outputs: dict[str, list[OutputTensor]] = {}
+    block_note = ""
+    if kinds.get(fmt.weight_scale) == "block" and fmt.block:
+        scale = m.params[fmt.weight_scale]
+        _check_rows(m, scale, (m.block_grid(fmt.block) or (0,))[0])
+        names = [(f"{new}.weight", f"{new}.{fmt.weight_scale}") for new in new_paths]
+        split, counts = split_block_scaled(m, scale, fmt.block, names)
+        outputs.update(split)
+        change.blocks, change.blocks_requantized = counts.blocks, counts.requantized
+        if counts.requantized:
+            block_note = (
+                f"; {counts.requantized} of {counts.blocks} {fmt.block[0]}x{fmt.block[1]} blocks mix rows of "
+                "several source blocks (shard or chunk boundaries inside a block) and are requantized to the "
+                "largest of their scales, every other block kept exactly"
+            )
     for param, t in m.params.items():
+        if t.name in outputs:
+            continue
         kind = kinds.get(param)  # None: a weight or bias, split by rows
         pieces = []
         for i, new in enumerate(new_paths):
@@ -109,20 +134,22 @@ def _unfuse(
                 item = ITEM_SIZE[t.dtype]
                 element = CopyRange(t.path, t.start + i * item, t.start + (i + 1) * item)
                 pieces.append(OutputTensor(name, t.dtype, fmt.scalar_shape, [element], t.name))
-            else:  # weight, bias, per-channel or block scale: the shard's rows, moved as bytes
-                block_rows = fmt.block[0] if kind == "block" and fmt.block else 1
-                _check_rows(m, t, -(-m.weight.shape[0] // block_rows))
-                segments = [_block_segment(m, block_rows, a, b) for a, b in m.shard_segments(i)]
-                pieces.append(_row_slices(t, segments, name))
+            else:  # weight, bias or per-channel scale: the shard's rows, moved as bytes
+                _check_rows(m, t, m.weight.shape[0])
+                pieces.append(_row_slices(t, m.shard_segments(i), name))
         outputs[t.name] = pieces
     change.action = "unfuse"
     change.new_modules = new_paths
     grouped = f", gathered from its {len(m.segments) // len(m.rows)} groups" if m.spec.groups else ""
-    change.reason = f"runtimes load per-shard names; each shard gets its rows{grouped} " + (
-        {"tensor": "and a copy of the single scale", "shard": "and its entry of the scale vector"}.get(
-            change.scale,
-            f"and its rows of the {change.scale} scale" if change.scale in ("channel", "block") else "(not quantized)",
-        )
+    change.reason = (
+        f"runtimes load per-shard names; each shard gets its rows{grouped} "
+        + {
+            "tensor": "and a copy of the single scale",
+            "shard": "and its entry of the scale vector",
+            "channel": "and its rows of the channel scale",
+            "block": "and a block grid over them",
+        }.get(change.scale, "(not quantized)")
+        + block_note
     )
     return change, outputs
 
@@ -134,22 +161,6 @@ def _check_rows(m: FusedModule, t: TensorInfo, rows: int) -> None:
             f"{t.path.name}: '{t.name}' of fused module '{m.path}' has shape {list(t.shape)}, but splitting "
             f"it by shard needs {rows} rows, as its weight has; the checkpoint is inconsistent"
         )
-
-
-def _block_segment(m: FusedModule, block_rows: int, r0: int, r1: int) -> tuple[int, int]:
-    """Rows [r0, r1) in units of `block_rows` (1 for weights, biases and per-channel scales).
-
-    Exact only when r0 starts a block and r1 ends one: else the block scales would need requantizing.
-    """
-    total = m.weight.shape[0]
-    if r0 % block_rows or (r1 % block_rows and r1 != total):
-        row = r0 if r0 % block_rows else r1
-        raise UnsupportedCheckpoint(
-            f"{m.weight.path.name}: fused module '{m.path}' has a shard boundary at row {row}, "
-            f"not a multiple of the {block_rows}-row scale block: splitting its block scales would need requantizing, "
-            "which fp8fix does not do silently; use --layout per-shard or --layout fused (they keep the fused weight)"
-        )
-    return r0 // block_rows, -(-r1 // block_rows)
 
 
 def _row_slices(t: TensorInfo, segments: list[tuple[int, int]], name: str) -> OutputTensor:

@@ -69,6 +69,22 @@ class Requantize(SourceRange):
 
 
 @dataclass(frozen=True)
+class RequantizeBlocks(SourceRange):
+    """Whole rows of block-scaled FP8 codes re-expressed block by block, as `Requantize` does: each row
+    (`row_bytes` codes) is cut into column blocks of `block_cols` codes, block c moving from `scales[c]`
+    to `targets[c]` (blocks whose two scales are equal keep their codes). For rows that join an output
+    block with rows of another source block (a split whose shard boundaries are not block multiples)."""
+
+    dtype: str
+    row_bytes: int
+    block_cols: int
+    scales: tuple[float, ...]
+    targets: tuple[float, ...]
+    out_dtype: str
+    normalize: str | None = None
+
+
+@dataclass(frozen=True)
 class Recode(SourceRange):
     """FP8 codes mapped byte by byte to another encoding (see `numerics.recodings.RECODINGS`)."""
 
@@ -88,7 +104,7 @@ class Rescale(SourceRange):
         return (self.end - self.start) * self.times
 
 
-Piece = CopyRange | RepeatRange | Requantize | Recode | Rescale
+Piece = CopyRange | RepeatRange | Requantize | RequantizeBlocks | Recode | Rescale
 
 
 @dataclass
@@ -146,6 +162,8 @@ class ModuleChange:
     shards: list[str]
     rows: list[int]  # of each shard: rows, or columns for stacked experts
     new_modules: list[str] = field(default_factory=list)
+    blocks: int = 0  # block-scaled splits: output blocks, and those that mix source blocks (requantized)
+    blocks_requantized: int = 0
     max_error: float | None = None  # filled in by convert from the writer's statistics (requantized modules)
     max_error_steps: float | None = None
 

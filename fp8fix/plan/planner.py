@@ -129,6 +129,7 @@ def plan_conversion(
             renames,
             compressed_tensors.scheme_of(model, strategy) if strategy else None,
             channel=chosen == "channel" and output_format == "keep",
+            unfused_config=arch.unfused_config,
         ),
     )
     if model.spec is None:

@@ -69,8 +69,21 @@ def candidates(
             except (UnsupportedCheckpoint, OSError):  # no unfused names; no such format; Hub headers only
                 continue
             unchanged = fmt == "keep" and all(m.action == "keep" for m in plan.modules)
-            found.append(Candidate(lay, fmt, plan, unchanged, differ and lay != "channel"))
+            found.append(
+                Candidate(lay, fmt, plan, unchanged, (differ and lay != "channel") or _requantizes(plan, model))
+            )
     return found
+
+
+def _requantizes(plan: ConversionPlan, model: CheckpointModel) -> bool:
+    """Blocks of a split requantized by fp8fix, or pre-sharded chunks (block grid per chunk) kept, which
+    runtimes requantize at load (vLLM's mimo_v2.py, unless the tensor-parallel size is the chunk count)."""
+    kept_chunks = any(
+        m.action == "keep" and m.scale == "block" and model.fused[m.module].spec.block_grid == "per-group"
+        for m in plan.modules
+        if m.module in model.fused
+    )
+    return kept_chunks or any(m.blocks_requantized for m in plan.modules)
 
 
 def shard_scales_differ(model: CheckpointModel) -> bool:

@@ -14,6 +14,7 @@ whoever needs it, never a module global that one command changes for the next.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -23,7 +24,7 @@ from typing import Any
 from fp8fix.errors import InvalidCheckpoint, RegistryEntryError, UnsupportedCheckpoint
 from fp8fix.io.json_text import JsonRefused, parse_json
 from fp8fix.registry.entry_schema import parse_entry
-from fp8fix.registry.expressions import ExpressionError, config_lookup, evaluate
+from fp8fix.registry.expressions import ExpressionError, Sample, config_lookup, evaluate
 from fp8fix.vocab import Layout
 
 
@@ -39,6 +40,9 @@ class FusedModuleSpec:
     module: str  # suffix of the module path, e.g. "self_attn.qkv_proj"
     shards: tuple[ShardSpec, ...]
     groups: str | None = None  # rows repeat per group (attention head / kv group): shard rows are per group
+    #: "whole": one block-scale grid over the weight; "per-group": each group (a pre-sharded chunk) has its
+    #: own grid of ceil(group rows / block) rows, so a block never spans two groups (MiMo-V2.5-Pro)
+    block_grid: str = "whole"
 
     @property
     def can_unfuse(self) -> bool:
@@ -74,6 +78,7 @@ class ArchitectureSpec:
     defaults: dict[str, str]
     source: str  # the file the entry came from, for messages
     experts: ExpertsSpec | None = None
+    unfused_config: dict[str, Any] = field(default_factory=dict)  # config.json keys the unfused layout sets
 
     def fused_spec_for(self, module_path: str) -> FusedModuleSpec | None:
         return next((spec for spec in self.fused_modules if spec.matches(module_path)), None)
@@ -83,24 +88,31 @@ class ArchitectureSpec:
         """unfused where the runtimes know per-shard names for every fused module, else per-shard."""
         return "unfused" if self.fused_modules and all(m.can_unfuse for m in self.fused_modules) else "per-shard"
 
-    def size(self, expression: str, what: str, config: dict[str, Any]) -> int:
-        """A positive integer computed from config.json, or a clear error naming `what` it sizes."""
+    def size(self, expression: str, what: str, config: dict[str, Any], variables: dict[str, Any] | None = None) -> int:
+        """A positive integer computed from config.json (and a module's `variables`), or a clear error
+        naming `what` it sizes."""
         try:
-            value = evaluate(expression, config_lookup(config, self.defaults))
+            value = evaluate(expression, config_lookup(config, self.defaults, variables=variables))
         except ExpressionError as e:
             raise InvalidCheckpoint(f"config.json: cannot size {what}: {e}") from e
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise InvalidCheckpoint(f"config.json: {what} gets {value!r} from '{expression}'")
         return value
 
-    def row_layout(self, spec: FusedModuleSpec, config: dict[str, Any]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    def row_layout(
+        self, spec: FusedModuleSpec, config: dict[str, Any], module_path: str = ""
+    ) -> tuple[list[int], list[tuple[int, int, int]]]:
         """Rows of each shard in total, and the (shard, first row, end row) segments in storage order.
 
-        Contiguous modules store [q; k; v]; grouped ones (GPT-NeoX, Falcon, InternLM2) store
-        [q; k; v] once per group, so each shard's rows are a segment in every group.
+        Contiguous modules store [q; k; v]; grouped ones (GPT-NeoX, Falcon, InternLM2, MiMo-V2.5's
+        pre-sharded chunks) store [q; k; v] once per group, so each shard's rows are a segment in every
+        group. Expressions may read the module's `layer` and `mtp` (see `module_variables`): MiMo's
+        sliding-window and MTP layers have other head counts than its full-attention layers.
         """
-        per_group = [self.size(s.size, f"shard '{s.shard}' of {spec.module}", config) for s in spec.shards]
-        groups = self.size(spec.groups, f"the groups of {spec.module}", config) if spec.groups else 1
+        where = f"{spec.module} of '{module_path}'" if module_path else spec.module
+        variables = module_variables(module_path)
+        per_group = [self.size(s.size, f"shard '{s.shard}' of {where}", config, variables) for s in spec.shards]
+        groups = self.size(spec.groups, f"the groups of {where}", config, variables) if spec.groups else 1
         segments, position = [], 0
         for _ in range(groups):
             for shard, rows in enumerate(per_group):
@@ -120,11 +132,13 @@ def parse_architecture(data: Any, source: str) -> ArchitectureSpec:
                 module=m["module"],
                 shards=tuple(ShardSpec(s["shard"], s["rows"], s.get("unfused")) for s in m["shards"]),
                 groups=m.get("groups"),
+                block_grid=m.get("block_grid", "whole"),
             )
             for m in entry.get("fused_modules", [])
         ),
         defaults=dict(entry.get("defaults", {})),
         source=source,
+        unfused_config=dict(entry.get("unfused_config", {})),
         experts=None
         if experts is None
         else ExpertsSpec(
@@ -141,7 +155,17 @@ def parse_architecture(data: Any, source: str) -> ArchitectureSpec:
 
 
 #: Every config name an expression reads is taken as this when an entry is checked on load.
-SAMPLE_VALUE = 64
+SAMPLE_VALUE = Sample(64)
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def module_variables(module_path: str) -> dict[str, int]:
+    """What a module's path tells its expressions: `layer`, the index after its last `layers.` (0 when
+    none), and `mtp`, 1 for a multi-token-prediction layer under an `mtp.` module (MiMo's
+    `model.mtp.layers.N`), else 0."""
+    found = _LAYER.findall(module_path)
+    return {"layer": int(found[-1]) if found else 0, "mtp": int(".mtp." in f".{module_path}.")}
 
 
 def _check_expressions(spec: ArchitectureSpec) -> None:
@@ -151,11 +175,15 @@ def _check_expressions(spec: ArchitectureSpec) -> None:
     def sample(name: str) -> Any:
         return SAMPLE_VALUE
 
-    lookup = config_lookup({}, spec.defaults, missing=sample)
+    lookup = config_lookup({}, spec.defaults, missing=sample, variables={"layer": Sample(0), "mtp": Sample(0)})
     expressions: list[tuple[str, str]] = [(f"defaults.{k}", v) for k, v in spec.defaults.items()]
     for m in spec.fused_modules:
         expressions += [(f"rows of shard {s.shard} of {m.module}", s.size) for s in m.shards]
         expressions += [(f"groups of {m.module}", m.groups)] if m.groups else []
+        if m.block_grid not in ("whole", "per-group") or (m.block_grid == "per-group" and not m.groups):
+            raise RegistryEntryError(
+                f"{spec.source}: block_grid of {m.module} is '{m.block_grid}': 'whole', or 'per-group' with groups"
+            )
     if spec.experts:
         x = spec.experts
         expressions.append((f"count of {x.module}", x.count))

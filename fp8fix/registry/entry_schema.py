@@ -27,6 +27,7 @@ FUSED_MODULE: dict[str, Key] = {
     "module": Key(str, True),
     "shards": Key(("list", SHARD, 2), True),
     "groups": TEXT,
+    "block_grid": TEXT,
     "notes": TEXT,
 }
 EXPERT_SHARD: dict[str, Key] = {"shard": Key(str, True), "columns": EXPRESSION}
@@ -42,6 +43,7 @@ ENTRY: dict[str, Key] = {
     "defaults": Key(("map", str)),
     "fused_modules": Key(("list", FUSED_MODULE, 0)),
     "experts": Key(EXPERTS),
+    "unfused_config": Key(("map", object)),
 }
 
 

@@ -2,7 +2,8 @@
 
 Entries say `"rows": "num_key_value_heads * head_dim"`; this evaluates such text
 against config.json without `eval`: integers, config names (dotted for nested
-objects, as in `attn_config.kv_n_heads`), + - * //, parentheses and `a if c else b`.
+objects, as in `attn_config.kv_n_heads`), + - * //, parentheses, `a if c else b` and
+indexing a config list with a whole number (`hybrid_layer_pattern[layer]`).
 Expressions are small by nature, so their size and nesting are capped: a hostile
 `--arch-file` cannot make fp8fix recurse or compute for long.
 """
@@ -58,7 +59,27 @@ def _eval(node: ast.AST, lookup: Callable[[str], Any], text: str) -> Any:
     if isinstance(node, ast.IfExp):
         branch = node.body if _eval(node.test, lookup, text) else node.orelse
         return _eval(branch, lookup, text)
+    if isinstance(node, ast.Subscript):
+        return _index(_eval(node.value, lookup, text), _eval(node.slice, lookup, text), text)
     raise ExpressionError(f"unsupported syntax in {text!r}: {ast.dump(node)[:80]}")
+
+
+def _index(value: Any, index: Any, text: str) -> Any:
+    """`value[index]`: a config list indexed by a whole number inside it (`Sample` stands for any list)."""
+    if isinstance(value, Sample):
+        return value
+    if not isinstance(value, list) or not isinstance(index, int) or isinstance(index, bool):
+        raise ExpressionError(
+            f"{text!r}: only a config list can be indexed, by a whole number ({value!r}[{index!r}])"[:200]
+        )
+    if not 0 <= index < len(value):
+        raise ExpressionError(f"{text!r}: index {index} is outside the config list of {len(value)}")
+    return value[index]
+
+
+class Sample(int):
+    """The value every config name takes when an entry is checked on load: a whole number that also
+    indexes like a list of itself, so `hybrid_layer_pattern[layer]` can be checked without a config."""
 
 
 def _dotted(node: ast.AST, text: str) -> str:
@@ -70,13 +91,19 @@ def _dotted(node: ast.AST, text: str) -> str:
 
 
 def config_lookup(
-    config: dict[str, Any], defaults: dict[str, str], missing: Callable[[str], Any] | None = None
+    config: dict[str, Any],
+    defaults: dict[str, str],
+    missing: Callable[[str], Any] | None = None,
+    variables: dict[str, Any] | None = None,
 ) -> Callable[[str], Any]:
-    """Resolve a dotted name in `config`; absent names through their `defaults` expression, then
-    `missing` (else an error). A default that needs itself, directly or not, is an error."""
+    """Resolve a name in `variables` (what a module's path says: `layer`, `mtp`), then a dotted name
+    in `config`; absent names through their `defaults` expression, then `missing` (else an error).
+    A default that needs itself, directly or not, is an error."""
     resolving: list[str] = []
 
     def lookup(name: str) -> Any:
+        if variables and name in variables:
+            return variables[name]
         value: Any = config
         for part in name.split("."):
             value = value.get(part) if isinstance(value, dict) else None

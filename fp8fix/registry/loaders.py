@@ -21,7 +21,12 @@ TRANSFORMERS = "transformers"
 LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM, TRANSFORMERS)
 
 REAL_LOADER_TESTS = "tests/loaders/test_real_loaders.py"
+MIMO_LOADER_TEST = "tests/loaders/test_mimo_loader.py"
 REFERENCE = "shared/reference/fp8-checkpoints.md 2a"
+MIMO_FIXES = (
+    "vLLM pull requests 42270 (the contiguous reading, nonsense output), 45200 and 57508 (chunk count "
+    "and per-chunk scale tiling, merged June and September 2026)"
+)
 VLLM_SCALE_ASSERT = (
     "vllm 0.32 model_executor/parameter.py PerTensorScaleParameter._load_into_shard_id "
     "(assert loaded_weight.shape[0] == 1); " + REAL_LOADER_TESTS
@@ -51,6 +56,17 @@ RULES: tuple[Rule, ...] = (
             "a weight cannot be dequantized without its scale",
         )
         for loader in LOADERS
+    ),
+    *(
+        Rule(
+            loader,
+            "chunked_fused",
+            "loads-wrong",
+            "reads a pre-sharded fused qkv_proj as one contiguous [Q | K | V]: wrong rows and block scales, "
+            "nonsense output",
+            MIMO_FIXES,
+        )
+        for loader in (VLLM_LEGACY, VLLM_OLD)
     ),
     Rule(VLLM_LEGACY, "per_shard_fused", "loads", "expects one scale per shard on fused modules", REFERENCE),
     Rule(VLLM_LEGACY, "one_scale_fused", "fails", "shape mismatch: torch.Size([n]) vs torch.Size([])", REFERENCE),
@@ -83,6 +99,14 @@ RULES: tuple[Rule, ...] = (
         "serves {architecture} through its Transformers backend, which has only the fused module names",
         "vllm 0.32 model_executor/models/registry.py _TRANSFORMERS_SUPPORTED_MODELS",
     ),
+    Rule(
+        VLLM,
+        "chunked_fused",
+        "loads",
+        "vLLM 0.32 regroups the pre-sharded chunks at load, dequantizing and requantizing every block unless "
+        "the tensor-parallel size equals the chunk count (releases before its fixes loaded wrong weights)",
+        "vllm 0.32 model_executor/models/mimo_v2.py _shard_fp8_qkv_proj; " + MIMO_FIXES + "; " + MIMO_LOADER_TEST,
+    ),
     Rule(VLLM, "per_shard_fused", "fails", "asserts a fused-on-disk module's scale has one value", VLLM_SCALE_ASSERT),
     Rule(
         VLLM, "per_shard_input_scales", "fails", "asserts a fused module's input scale has one value", VLLM_SCALE_ASSERT
@@ -93,6 +117,13 @@ RULES: tuple[Rule, ...] = (
         "fails",
         "quant_method fp8 (AutoFP8) takes per-tensor or block weight scales, not per-channel ones",
         "vLLM 0.32 AssertionError, static or dynamic; " + REAL_LOADER_TESTS,
+    ),
+    Rule(
+        TRANSFORMERS,
+        "transformers_missing_architecture",
+        "fails",
+        "has no model for {architecture} (only the repository's own code, trust_remote_code, loads it)",
+        "transformers 5.24 models/auto/configuration_auto.py (no mimo_v2 model type); " + MIMO_LOADER_TEST,
     ),
     Rule(
         TRANSFORMERS,

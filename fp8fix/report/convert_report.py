@@ -139,6 +139,8 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
                 "reason": m.reason,
                 "shards": dict(zip(m.shards, m.rows, strict=True)),
                 "new_modules": m.new_modules,
+                "blocks": m.blocks,
+                "blocks_requantized": m.blocks_requantized,
                 "max_error": m.max_error,
                 "max_error_steps": m.max_error_steps,
             }

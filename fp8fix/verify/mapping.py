@@ -59,11 +59,13 @@ def map_tensors(ctx: VerifyContext) -> dict[str, list[Target]]:
                     if t.numel == 1 or per_shard:
                         targets.append(Target(n, 0, rows, index=i))
                         continue
-                    unit = fmt.block[0] if fmt.block and param == fmt.weight_scale and len(t.shape) == 2 else 1
+                    if fmt.block and param == fmt.weight_scale and len(t.shape) == 2:  # a grid over the shard's rows
+                        targets.append(Target(n, 0, -(-f.rows[i] // fmt.block[0])))
+                        continue
                     offset = 0
                     for a, b in f.shard_segments(i):  # grouped modules: one segment per group
-                        targets.append(Target(n, a // unit, -(-b // unit), out_offset=offset))
-                        offset += -(-b // unit) - a // unit
+                        targets.append(Target(n, a, b, out_offset=offset))
+                        offset += b - a
                 mapping[name] = targets
                 continue
         ctx.report.problem(f"tensor '{name}' of SOURCE is missing from OUTPUT")

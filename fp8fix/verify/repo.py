@@ -77,9 +77,15 @@ def check_repo(ctx: VerifyContext, renames: dict[str, list[str]], scheme: Scheme
     for name, header in out.shards.items():
         if header.metadata.get("format") != "pt":
             report.problem(f"{name}: __metadata__ has no format: pt")
-    rewritten = output_config(src.config, src.root, ctx.fmt.name_lists, renames, scheme, channel_output(ctx))
+    unfused_config = ctx.model.spec.unfused_config if ctx.model.spec else None
+    rewritten = output_config(
+        src.config, src.root, ctx.fmt.name_lists, renames, scheme, channel_output(ctx), unfused_config
+    )
     if out.config != rewritten.get(CONFIG, (src.config, []))[0]:
-        report.problem("config.json: differs from SOURCE's beyond the renamed quantization_config entries")
+        report.problem(
+            "config.json: differs from SOURCE's beyond the renamed quantization_config entries"
+            + (f" and {', '.join(unfused_config)}" if unfused_config else "")
+        )
     for file, (content, _) in rewritten.items():
         if file != CONFIG and (not (out.root / file).is_file() or read_json(out.root / file) != content):
             report.problem(f"{file}: not SOURCE's with the renamed module entries")

@@ -33,9 +33,7 @@ def check_weight(ctx: VerifyContext, weight: Fp8Weight, targets: list[Target]) -
     try:
         src_scale = ctx.src.tensors.get(fmt.weight_scale_of(name))
         if fmt.block and src_scale is not None and src_scale.numel > 1 and len(src_scale.shape) == 2:
-            for target in targets:
-                out_scale = ctx.out.tensors.get(f"{target.name.rsplit('.', 1)[0]}.{fmt.weight_scale}")
-                _compare_block(ctx, w, ctx.out.tensors[target.name], target, src_scale, out_scale, check)
+            _compare_block(ctx, weight, targets, src_scale, check)
             return check
         src_scales = _scale_rows(src_scale, w, ctx.shard_of_rows(weight.module), "SOURCE")
         for target in targets:
@@ -289,56 +287,92 @@ def _compare_values(
     check.rounded_codes += rounded
 
 
+#: A run of rows checked together under block scales: (target, first source row, end row,
+#: source block-scale row, output block-scale row).
+BlockRun = tuple[Target, int, int, int, int]
+
+
 def _compare_block(
-    ctx: VerifyContext,
-    w: TensorInfo,
-    o: TensorInfo,
-    target: Target,
-    src_scale: TensorInfo,
-    out_scale: TensorInfo | None,
-    check: WeightCheck,
+    ctx: VerifyContext, weight: Fp8Weight, targets: list[Target], src_scale: TensorInfo, check: WeightCheck
 ) -> None:
-    """Block-scaled rows: the output's block scales must be the source's block rows times one power of two,
-    and the codes the source values at those scales."""
+    """Block-scaled rows, wherever they went. Each output block row's scales must be the largest of the
+    source block rows its rows come from (one source block row: that row's scales), all times one power
+    of two (fn <-> fnuz); the codes must be the source values at those scales: exact where the scales
+    are the source's times that power of two, else requantized within half an fp8 step."""
     assert ctx.fmt.block is not None
-    block = ctx.fmt.block
-    b0 = block[0]
+    b0 = ctx.fmt.block[0]
+    w = weight.tensor
     cols = math.prod(w.shape[1:])
-    if out_scale is None:
-        raise Mismatch(f"'{o.name}' has no block scale")
     grid_cols = src_scale.shape[1]
     src_grid = scale_values(src_scale, "SOURCE")
-    out_grid = scale_values(out_scale, "OUTPUT")
-    first, last = target.start // b0, -(-target.end // b0)
-    out_first = target.out_offset // b0
-    expected = src_grid[first * grid_cols : last * grid_cols]
-    got = out_grid[out_first * grid_cols : (out_first + last - first) * grid_cols]
-    if (
-        target.start % b0
-        or target.out_offset % b0
-        or len(got) != len(expected)
-        or out_scale.shape[1:] != src_scale.shape[1:]
-    ):
-        raise Mismatch(f"'{out_scale.name}' does not hold the block rows {first}..{last - 1} of '{src_scale.name}'")
-    ratios = {o_ / s_ for o_, s_ in zip(got, expected, strict=True)}
-    if len(ratios) != 1 or not is_power_of_two(next(iter(ratios))):
-        raise Mismatch(f"'{out_scale.name}': block scales are not '{src_scale.name}' times one power of two")
-    ratio = ratios.pop()
-    step_rows = max(b0, (CHUNK_ELEMENTS // max(cols, 1)) // b0 * b0)
-    for r0 in range(target.start, target.end, step_rows):
-        r1 = min(target.end, r0 + step_rows)
+    fused = weight.fused
+    runs: list[BlockRun] = []
+    contributors: dict[str, dict[int, set[int]]] = {}
+    for target in targets:
+        shift = target.out_offset - target.start
+        kept = fused if target.name == w.name else None  # the module kept fused: the same grid as SOURCE's
+        row = target.start
+        while row < target.end:
+            src_row = fused.scale_row(row, b0) if fused else row // b0
+            src_next = fused.next_block_start(row, b0) if fused else (row // b0 + 1) * b0
+            out = row + shift
+            out_row = kept.scale_row(out, b0) if kept else out // b0
+            out_next = kept.next_block_start(out, b0) if kept else (out // b0 + 1) * b0
+            stop = min(target.end, src_next, out_next - shift)
+            runs.append((target, row, stop, src_row, out_row))
+            contributors.setdefault(target.name, {}).setdefault(out_row, set()).add(src_row)
+            row = stop
+    out_grids = {name: _out_grid(ctx, name, grid_cols) for name in contributors}
+    ratio = _grid_ratio(src_grid, out_grids, contributors, grid_cols)
+    for target, r0, r1, src_row, out_row in runs:
+        o = ctx.out.tensors[target.name]
+        s_src = src_grid[src_row * grid_cols : (src_row + 1) * grid_cols]
+        s_out = out_grids[target.name][out_row * grid_cols : (out_row + 1) * grid_cols]
         o0 = r0 - target.start + target.out_offset
         a, b = ctx.read_rows(w, r0, r1, cols), ctx.read_rows(o, o0, o0 + (r1 - r0), cols)
-        if _same_values(a, b, w.dtype, o.dtype, ratio, o.name, o0, cols):
+        same_scales = all(x * ratio == y for x, y in zip(s_src, s_out, strict=True))
+        if same_scales and _same_values(a, b, w.dtype, o.dtype, ratio, o.name, o0, cols):
             continue
-        s_src = _expand_grid(src_grid, grid_cols, r0, r1 - r0, cols, block)
-        s_out = _expand_grid(out_grid, grid_cols, o0, r1 - r0, cols, block)
-        _compare_values(w, o, target, r0, r1, a, b, s_src, s_out, check)
+        block = ctx.fmt.block
+        _compare_values(
+            w, o, target, r0, r1, a, b, _expand_row(s_src, cols, block), _expand_row(s_out, cols, block), check
+        )
 
 
-def _expand_grid(grid: list[float], grid_cols: int, row0: int, rows: int, cols: int, block: tuple[int, int]) -> Any:
-    """One scale per element of rows [row0, row0 + rows) from a block grid."""
+def _out_grid(ctx: VerifyContext, weight_name: str, grid_cols: int) -> list[float]:
+    """The block scales of an OUTPUT weight, checked to have the source's columns of blocks."""
+    name = f"{weight_name.rsplit('.', 1)[0]}.{ctx.fmt.weight_scale}"
+    scale = ctx.out.tensors.get(name)
+    if scale is None or len(scale.shape) != 2 or scale.shape[1] != grid_cols:
+        raise Mismatch(f"'{weight_name}' has no block scale '{name}' of {grid_cols} columns of blocks")
+    return scale_values(scale, "OUTPUT")
+
+
+def _grid_ratio(
+    src_grid: list[float], out_grids: dict[str, list[float]], contributors: dict[str, dict[int, set[int]]], gc: int
+) -> float:
+    """The one power of two every output block scale is the largest of its source block scales times."""
+    ratio: float | None = None
+    for name, rows in contributors.items():
+        grid = out_grids[name]
+        for out_row, src_rows in rows.items():
+            got = grid[out_row * gc : (out_row + 1) * gc]
+            largest = [max(src_grid[r * gc + c] for r in src_rows) for c in range(gc)] if len(src_rows) > 1 else None
+            expected = largest or src_grid[min(src_rows) * gc : (min(src_rows) + 1) * gc]
+            if ratio is None:
+                ratio = got[0] / expected[0]
+            if got != [x * ratio for x in expected] or not is_power_of_two(ratio):
+                c = next((c for c in range(gc) if got[c] != expected[c] * ratio), 0)
+                kind = "that source block row's" if largest is None else "the largest of its source block rows'"
+                raise Mismatch(
+                    f"'{name}' block row {out_row} column block {c}: scale {got[c]:.6g} is not {kind} "
+                    f"({expected[c]:.6g}) times the power of two of its other blocks"
+                )
+    return 1.0 if ratio is None else ratio
+
+
+def _expand_row(scales: list[float], cols: int, block: tuple[int, int]) -> Any:
+    """One block row's scales as a [1, cols] float32 tensor, one per column."""
     import torch
 
-    g = torch.tensor(grid, dtype=torch.float32).reshape(-1, grid_cols)
-    return g[torch.arange(row0, row0 + rows) // block[0]][:, torch.arange(cols) // block[1]]
+    return torch.tensor(scales, dtype=torch.float32)[torch.arange(cols) // block[1]].reshape(1, cols)

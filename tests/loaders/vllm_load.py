@@ -88,6 +88,7 @@ def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
         dtype="bfloat16",
         max_model_len=64,
         load_format="safetensors",
+        trust_remote_code=True,  # MiMo-V2.5's config class ships with the checkpoint (tests/builders.mimo_v2)
     )
     config = args.create_engine_config()
     with set_current_vllm_config(config):
