@@ -8,6 +8,8 @@ worth mirroring"): DeepSeek-V3/R1 is block FP8 (`quant_method: fp8`, `weight_blo
 5 x 128 there; 36 of 2 x 32 here); GLM-4.5/4.6/4.7-FP8 (`Glm4MoeForCausalLM`) is
 compressed-tensors with per-channel weight scales; Phi-3.5-MoE FP8 (`PhiMoEForCausalLM`) is
 per-tensor `quant_method: fp8` with `block_sparse_moe.experts.N.w1/w2/w3`. Dimensions are shrunk.
+`deepseek_r1` below goes further: DeepSeek-R1's published config.json verbatim (sizes shrunk), its
+tensor names and 128x128 block grids.
 """
 
 from __future__ import annotations
@@ -191,3 +193,156 @@ def test_qwen3_next_linear_attention_is_described(tmp_path: Path, options: tuple
     if "per-shard" in options:
         out = load_tensors(tmp_path / "out")
         assert out["model.layers.0.linear_attn.in_proj_qkvz.weight_scale"].shape == (4,)
+
+
+#: DeepSeek-R1's config.json as published (deepseek-ai/DeepSeek-R1, transformers_version 4.46.3), every
+#: key and the quantization_config verbatim; only the sizes are shrunk below (DEEPSEEK_R1_SHRUNK).
+DEEPSEEK_R1_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModel": "modeling_deepseek.DeepseekV3Model",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+    },
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.46.3",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+#: Shrunk, keeping what matters to a converter: 128x128 blocks, kv_lora_rank + qk_rope_head_dim = 576
+#: rows for kv_a_proj_with_mqa (4.5 blocks: a partial block row), one dense and one MoE layer.
+DEEPSEEK_R1_SHRUNK = {
+    "hidden_size": 256,
+    "intermediate_size": 384,
+    "moe_intermediate_size": 128,
+    "q_lora_rank": 192,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "n_routed_experts": 2,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,
+    "vocab_size": 256,
+}
+
+
+def deepseek_r1(root: Path) -> Path:
+    """A DeepSeek-R1-shaped block-FP8 checkpoint: the published config (shrunk), its tensor names and
+    F32 128x128 `weight_scale_inv` grids, BF16 norms, embeddings and lm_head."""
+    from tests.builders import block_quantize, write_files
+
+    c = {**DEEPSEEK_R1_CONFIG, **DEEPSEEK_R1_SHRUNK}
+    gen = torch.Generator().manual_seed(3)
+    hidden, heads, qk = c["hidden_size"], c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    attention = {
+        "q_a_proj": (c["q_lora_rank"], hidden),
+        "q_b_proj": (heads * qk, c["q_lora_rank"]),
+        "kv_a_proj_with_mqa": (c["kv_lora_rank"] + c["qk_rope_head_dim"], hidden),
+        "kv_b_proj": (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
+        "o_proj": (hidden, heads * c["v_head_dim"]),
+    }
+    mlp = lambda inter: {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}  # noqa: E731
+    tensors: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(c["vocab_size"], hidden, generator=gen).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        "lm_head.weight": torch.randn(c["vocab_size"], hidden, generator=gen).to(torch.bfloat16),
+    }
+    linears: dict[str, tuple[int, int]] = {}
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        linears.update({f"{p}self_attn.{n}": shape for n, shape in attention.items()})
+        if layer < c["first_k_dense_replace"]:
+            linears.update({f"{p}mlp.{n}": shape for n, shape in mlp(c["intermediate_size"]).items()})
+        else:
+            for e in range(c["n_routed_experts"]):
+                linears.update({f"{p}mlp.experts.{e}.{n}": s for n, s in mlp(c["moe_intermediate_size"]).items()})
+            linears.update({f"{p}mlp.shared_experts.{n}": s for n, s in mlp(c["moe_intermediate_size"]).items()})
+            tensors[f"{p}mlp.gate.weight"] = torch.randn(c["n_routed_experts"], hidden, generator=gen).to(
+                torch.bfloat16
+            )
+            tensors[f"{p}mlp.gate.e_score_correction_bias"] = torch.zeros(c["n_routed_experts"])
+        for norm in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attn.q_a_layernorm",
+            "self_attn.kv_a_layernorm",
+        ):
+            size = {"self_attn.q_a_layernorm": c["q_lora_rank"], "self_attn.kv_a_layernorm": c["kv_lora_rank"]}
+            tensors[f"{p}{norm}.weight"] = torch.ones(size.get(norm, hidden), dtype=torch.bfloat16)
+    for module, (rows, cols) in linears.items():
+        codes, scales = block_quantize(torch.randn(rows, cols, generator=gen) * 0.02)
+        tensors[f"{module}.weight"], tensors[f"{module}.weight_scale_inv"] = codes, scales
+    root.mkdir(parents=True)
+    names = sorted(tensors)
+    write_files(root, [{n: tensors[n] for n in names[::2]}, {n: tensors[n] for n in names[1::2]}], c)
+    return root
+
+
+@pytest.mark.parametrize("options", [(), ("--to", "e4m3fnuz")])
+def test_deepseek_r1_as_published_converts_and_verifies(tmp_path: Path, options: tuple) -> None:
+    src = deepseek_r1(tmp_path / "src")
+    grid = load_tensors(src)["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"]
+    assert grid.shape == (5, 2)  # 576 rows: a partial block row, as in the release
+    result = run_cli("convert", src, tmp_path / "out", "--json", "-q", *options)  # run_cli verifies it too
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["modules"] == []
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
+    for name in ("model.layers.0.self_attn.kv_a_proj_with_mqa", "model.layers.1.mlp.experts.1.down_proj"):
+        codes = s[f"{name}.weight"].view(torch.uint8)
+        expected = torch.where(codes == 0x80, 0, codes) if options else codes
+        assert torch.equal(o[f"{name}.weight"].view(torch.uint8), expected)
+        factor = 2 if options else 1
+        assert torch.equal(o[f"{name}.weight_scale_inv"], s[f"{name}.weight_scale_inv"] * factor)
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    inspected = json.loads(run_cli("inspect", src, "--json").output)
+    assert inspected["convert_supported"] and inspected["architecture_known"]
+    assert {m["scale"] for m in inspected["modules"]} == {"block"}
