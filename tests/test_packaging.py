@@ -1,0 +1,64 @@
+"""The wheel and the sdist, built by setuptools' own PEP 517 backend, hold what they should.
+
+The wheel: the package, its data (registry entries, `py.typed`), the license, metadata with the
+SPDX license expression, classifiers and URLs; no tests. The sdist: everything its own test
+suite needs (tests/ with builders, conftest and the Hub test server, examples/, scripts/), so
+`pip install fp8fix-*.tar.gz`, unpacked, passes `pytest`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The folder is read before building: setuptools' backend rewrites sys.argv while it builds.
+BUILD = "import sys; from setuptools import build_meta as b; out = sys.argv[1]; b.build_sdist(out); b.build_wheel(out)"
+
+
+@pytest.fixture(scope="module")
+def dists(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[str], set[str], str]:
+    out = tmp_path_factory.mktemp("dist")
+    proc = subprocess.run([sys.executable, "-c", BUILD, str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sdist_name, wheel_name = next(out.glob("*.tar.gz")).name, next(out.glob("*.whl")).name
+    with tarfile.open(out / sdist_name) as sdist:
+        top = sdist_name.removesuffix(".tar.gz")
+        sdist_files = {m.name.removeprefix(top + "/") for m in sdist.getmembers() if m.isfile()}
+    with zipfile.ZipFile(out / wheel_name) as wheel:
+        wheel_files = set(wheel.namelist())
+        metadata = wheel.read(next(n for n in wheel_files if n.endswith(".dist-info/METADATA"))).decode()
+    return sdist_files, wheel_files, metadata
+
+
+def tree(folder: str) -> set[str]:
+    """Files under ROOT/folder, as the sdist names them (no caches)."""
+    return {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / folder).rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+    }
+
+
+def test_the_sdist_holds_what_its_tests_need(dists: tuple[set[str], set[str], str]) -> None:
+    sdist, _, _ = dists
+    needed = tree("tests") | tree("examples") | tree("scripts") | {"LICENSE", "README.md", "pyproject.toml"}
+    assert {"tests/builders.py", "tests/conftest.py", "tests/hub_server.py"} <= needed
+    assert needed <= sdist, sorted(needed - sdist)[:10]
+    assert tree("fp8fix") <= sdist
+
+
+def test_the_wheel_holds_the_package_its_data_and_license(dists: tuple[set[str], set[str], str]) -> None:
+    _, wheel, metadata = dists
+    assert "fp8fix/py.typed" in wheel and "fp8fix/registry/architectures/mimo_v2.json" in wheel
+    assert tree("fp8fix") <= wheel
+    assert not any(name.startswith(("tests/", "scripts/", "examples/")) for name in wheel)
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in wheel)
+    assert "License-Expression: Apache-2.0" in metadata
+    assert "Classifier: Typing :: Typed" in metadata and "Project-URL: Issues," in metadata
+    assert "Requires-Python: >=3.10" in metadata
