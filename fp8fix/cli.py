@@ -176,8 +176,8 @@ def convert(
     SOURCE is never modified. OUTPUT appears only once complete: an error or an
     interrupt leaves nothing behind.
     """
-    from fp8fix.convert import ConvertOptions
-    from fp8fix.convert import convert as run_convert
+    from fp8fix.conversion import ConvertOptions
+    from fp8fix.conversion import convert as run_convert
     from fp8fix.errors import HubError
     from fp8fix.io.hub import push_folder, resolve_source
     from fp8fix.report.convert_report import result_json, result_lines
@@ -278,7 +278,7 @@ def inspect(
     Reads config.json, the safetensors headers and the scales; the weights only
     with --scan-data. A Hub SOURCE is read from the Hub's header API when it can be.
     """
-    from fp8fix.inspect import inspect_checkpoint
+    from fp8fix.inspection import inspect_checkpoint
     from fp8fix.io.hub import is_repo_id, remote_headers, resolve_source
     from fp8fix.report.inspect_report import report_lines
 
@@ -323,7 +323,7 @@ def verify_command(
     """
     from fp8fix.io.hub import resolve_source
     from fp8fix.report.verify_report import verify_lines
-    from fp8fix.verify import verify
+    from fp8fix.verification import verify
 
     report = verify(resolve_source(source, revision)[0], output, quiet=quiet or as_json, registry=registry, jobs=jobs)
     if as_json:

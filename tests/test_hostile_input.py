@@ -477,12 +477,12 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path: Path, during: str)
 
 
 def test_a_bug_is_one_line_and_exit_70(tmp_path: Path, src: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import fp8fix.convert
+    import fp8fix.conversion
 
     def broken(*args: Any, **kwargs: Any) -> None:
         raise ZeroDivisionError("a planted bug")
 
-    monkeypatch.setattr(fp8fix.convert, "plan_for_target", broken)
+    monkeypatch.setattr(fp8fix.conversion, "plan_for_target", broken)
     monkeypatch.delenv("FP8FIX_DEBUG", raising=False)
     result = run_cli("convert", src, tmp_path / "out", "-q")
     assert result.exit_code == 70
@@ -501,7 +501,7 @@ def test_a_source_truncated_mid_run_is_one_clear_error(tmp_path: Path, options: 
     shard = next(src.glob("*.safetensors"))
     code = (
         "import os, sys\n"
-        "import fp8fix.convert as c\n"
+        "import fp8fix.conversion as c\n"
         "real = c.write_plan\n"
         "def truncating(plan, out_dir, **options):\n"
         f"    os.truncate({str(shard)!r}, os.path.getsize({str(shard)!r}) // 2)\n"

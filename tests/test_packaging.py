@@ -8,6 +8,7 @@ suite needs (tests/ with builders, conftest and the Hub test server, examples/, 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -23,8 +24,13 @@ BUILD = "import sys; from setuptools import build_meta as b; out = sys.argv[1]; 
 
 @pytest.fixture(scope="module")
 def dists(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[str], set[str], str]:
-    out = tmp_path_factory.mktemp("dist")
-    proc = subprocess.run([sys.executable, "-c", BUILD, str(out)], cwd=ROOT, capture_output=True, text=True)
+    out, tree_copy = tmp_path_factory.mktemp("dist"), tmp_path_factory.mktemp("src")
+    # built from a copy: setuptools builds in ./build, whose stale files would otherwise reach the wheel
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
+        shutil.copy(ROOT / name, tree_copy / name)
+    for folder in ("fp8fix", "tests", "examples", "scripts"):
+        shutil.copytree(ROOT / folder, tree_copy / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    proc = subprocess.run([sys.executable, "-c", BUILD, str(out)], cwd=tree_copy, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sdist_name, wheel_name = next(out.glob("*.tar.gz")).name, next(out.glob("*.whl")).name
     with tarfile.open(out / sdist_name) as sdist:

@@ -70,18 +70,18 @@ def test_no_module_imports_another_modules_private_names() -> None:
     assert offenders == []
 
 
-@pytest.mark.parametrize("command", ["inspect", "convert"])
+@pytest.mark.parametrize("command", ["inspection", "conversion"])
 def test_commands_take_the_checkpoint_description_not_each_others_internals(command: str) -> None:
     """inspect, convert and verify share `model` (what the checkpoint is); none imports another
     command's modules, except convert's call of verify's public entry point."""
-    allowed = {"fp8fix.verify": {"verify", "VerifyReport"}} if command == "convert" else {}
+    allowed = {"fp8fix.verification": {"verify", "VerifyReport"}} if command == "conversion" else {}
     for module, name in imports(PACKAGE / f"{command}.py"):
         other = module.split(".")[1] if module.count(".") else ""
-        if other in {"inspect", "convert", "verify"} - {command}:
+        if other in {"inspection", "conversion", "verification"} - {command}:
             assert name in allowed.get(module, set()), f"{command}.py imports {module}.{name}"
-    verify_imports = [m for path in (PACKAGE / "verify").glob("*.py") for m, _ in imports(path)]
+    verify_imports = [m for path in (PACKAGE / "verification").glob("*.py") for m, _ in imports(path)]
     assert not [
-        m for m in verify_imports if m.split(".")[1] in ("inspect", "convert", "plan") and "config_edit" not in m
+        m for m in verify_imports if m.split(".")[1] in ("inspection", "conversion", "plan") and "config_edit" not in m
     ]
 
 

@@ -17,7 +17,7 @@ from fp8fix.report.text import human_size, name_pattern
 from fp8fix.verdicts import verdicts_json
 
 if TYPE_CHECKING:
-    from fp8fix.convert import ConvertResult
+    from fp8fix.conversion import ConvertResult
 
 
 def module_groups(plan: ConversionPlan) -> list[dict[str, Any]]:

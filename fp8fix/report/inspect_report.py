@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from fp8fix.inspect import Report
+from fp8fix.inspection import Report
 from fp8fix.report.text import human_size, name_pattern
 
 

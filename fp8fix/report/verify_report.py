@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fp8fix.verify.report import VerifyReport
+from fp8fix.verification.report import VerifyReport
 
 
 def verify_lines(report: VerifyReport) -> list[str]:

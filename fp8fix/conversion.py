@@ -30,7 +30,7 @@ from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.plan.planner import plan_for_target
 from fp8fix.registry.architectures import Registry
 from fp8fix.report.model_card import commit_title, write_card
-from fp8fix.verify import VerifyReport, verify
+from fp8fix.verification import VerifyReport, verify
 from fp8fix.vocab import Encoding, Layout, OutputFormat, Target
 
 

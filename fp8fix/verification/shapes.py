@@ -17,8 +17,8 @@ import math
 
 from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES
 from fp8fix.registry.formats import COMPRESSED_TENSORS
-from fp8fix.verify.context import VerifyContext
-from fp8fix.verify.mapping import Target
+from fp8fix.verification.context import VerifyContext
+from fp8fix.verification.mapping import Target
 
 
 def check_shapes(ctx: VerifyContext, mapping: dict[str, list[Target]], compressed_tensors: bool) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fp8fix.registry.formats import LEGACY_RENAMES
-from fp8fix.verify.context import VerifyContext
+from fp8fix.verification.context import VerifyContext
 
 
 def current_names(param: str) -> tuple[str, ...]:

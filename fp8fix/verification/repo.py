@@ -8,8 +8,8 @@ from fp8fix.io.source_files import CHUNK
 from fp8fix.numerics.recodings import scale_factor
 from fp8fix.plan.config_edit import Scheme, can_write, output_config, scheme_of
 from fp8fix.registry.formats import COMPRESSED_TENSORS, quantization_config
-from fp8fix.verify.context import VerifyContext
-from fp8fix.verify.mapping import Target
+from fp8fix.verification.context import VerifyContext
+from fp8fix.verification.mapping import Target
 
 
 def check_input_scale(ctx: VerifyContext, name: str, weight: str, targets: list[Target]) -> None:

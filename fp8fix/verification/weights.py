@@ -21,9 +21,9 @@ from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, NAN_CODES, REQUANT_CLAMP
 from fp8fix.numerics.fp8 import is_power_of_two, steps_at, torch_dtype
 from fp8fix.numerics.recodings import value_map
 from fp8fix.numerics.requantize import requantize_map
-from fp8fix.verify.context import CHUNK_ELEMENTS, Mismatch, VerifyContext, scale_values
-from fp8fix.verify.mapping import Target
-from fp8fix.verify.report import WeightCheck
+from fp8fix.verification.context import CHUNK_ELEMENTS, Mismatch, VerifyContext, scale_values
+from fp8fix.verification.mapping import Target
+from fp8fix.verification.report import WeightCheck
 
 
 def check_weight(ctx: VerifyContext, weight: Fp8Weight, targets: list[Target]) -> WeightCheck:

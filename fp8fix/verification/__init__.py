@@ -33,12 +33,12 @@ from fp8fix.io.source_files import SourceFiles
 from fp8fix.io.workers import run_tasks, worker_count
 from fp8fix.model import describe_checkpoint
 from fp8fix.registry.architectures import Registry
-from fp8fix.verify.context import VerifyContext
-from fp8fix.verify.mapping import Target, map_tensors, module_renames
-from fp8fix.verify.repo import check_bytes, check_input_scale, check_repo, compressed_tensors_output
-from fp8fix.verify.report import VerifyReport, WeightCheck
-from fp8fix.verify.shapes import check_shapes
-from fp8fix.verify.weights import check_stacked_experts, check_weight
+from fp8fix.verification.context import VerifyContext
+from fp8fix.verification.mapping import Target, map_tensors, module_renames
+from fp8fix.verification.repo import check_bytes, check_input_scale, check_repo, compressed_tensors_output
+from fp8fix.verification.report import VerifyReport, WeightCheck
+from fp8fix.verification.shapes import check_shapes
+from fp8fix.verification.weights import check_stacked_experts, check_weight
 
 __all__ = ["VerifyReport", "WeightCheck", "verify"]
 

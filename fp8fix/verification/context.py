@@ -11,7 +11,7 @@ from fp8fix.io.source_files import SourceFiles
 from fp8fix.model import CheckpointModel, FusedModule
 from fp8fix.numerics.dtypes import ITEM_SIZE
 from fp8fix.registry.formats import FormatSpec
-from fp8fix.verify.report import VerifyReport
+from fp8fix.verification.report import VerifyReport
 
 #: Elements compared per step: memory stays at a few row chunks whatever the tensor's size.
 CHUNK_ELEMENTS = 1024 * 1024
