@@ -1,3 +1,86 @@
-"""fp8fix: fix FP8 checkpoints that runtimes load wrongly or not at all."""
+"""fp8fix: fix FP8 checkpoints that runtimes load wrongly or not at all.
+
+The Python API (README "Use from Python"): `convert`, `inspect`, `verify`, `push`, `architectures`
+and `architecture_template`, their result types and the errors they raise. The names load on
+first use, so `import fp8fix` (and the CLI's start-up) stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from fp8fix.api import (
+        Architecture,
+        Fp8fixError,
+        HubError,
+        InvalidCheckpoint,
+        OutputBusy,
+        PushResult,
+        RegistryEntryError,
+        SourceChanged,
+        UnsupportedCheckpoint,
+        UsageError,
+        VerificationFailed,
+        architecture_template,
+        architectures,
+        convert,
+        inspect,
+        push,
+        verify,
+    )
+    from fp8fix.conversion import ConvertResult
+    from fp8fix.inspection import Report as InspectReport
+    from fp8fix.registry.architectures import Registry
+    from fp8fix.verification import VerifyReport
+
+__all__ = [
+    "__version__",
+    "convert",
+    "inspect",
+    "verify",
+    "push",
+    "architectures",
+    "architecture_template",
+    "Architecture",
+    "PushResult",
+    "ConvertResult",
+    "InspectReport",
+    "VerifyReport",
+    "Registry",
+    "Fp8fixError",
+    "UsageError",
+    "InvalidCheckpoint",
+    "UnsupportedCheckpoint",
+    "VerificationFailed",
+    "HubError",
+    "OutputBusy",
+    "SourceChanged",
+    "RegistryEntryError",
+]
+
+
+#: Where the public names that `fp8fix.api` does not define (or re-export) live: (module, attribute).
+_ELSEWHERE = {
+    "ConvertResult": ("fp8fix.conversion", "ConvertResult"),
+    "InspectReport": ("fp8fix.inspection", "Report"),
+    "VerifyReport": ("fp8fix.verification", "VerifyReport"),
+    "Registry": ("fp8fix.registry.architectures", "Registry"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module 'fp8fix' has no attribute {name!r}")
+    import importlib
+
+    module, attribute = _ELSEWHERE.get(name, ("fp8fix.api", name))
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,8 +1,11 @@
-"""The `fp8fix` command line: parse options, call the library, print the result.
+"""The `fp8fix` command line: parse options, call the Python API (`fp8fix.api`), print the result.
 
-Kept thin on purpose: every decision lives in the library modules. User mistakes
-become one line on stderr and their exit code, never a traceback; which error exits
-how is `errors.ERROR_TABLE`'s call, not this module's.
+Kept thin on purpose: every command is one API call under the same option names (a test
+checks the two against each other), and every decision lives in the library. What this
+module owns is output: text wrapped to 80 columns, or `--json` (errors too, as JSON
+objects), `-q` (nothing but errors) and `-v` (each module and tensor). User mistakes
+become one line on stderr and their exit code, never a traceback; which error exits how
+is `errors.ERROR_TABLE`'s call. A closed pipe (`fp8fix inspect ... | head`) ends quietly.
 """
 
 from __future__ import annotations
@@ -10,25 +13,67 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
+import shutil
 import sys
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from fp8fix import __version__
-from fp8fix.errors import DEBUG_VARIABLE, EXIT_BUG, RegistryEntryError, bug_line, user_error
-from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, TARGETS
+from fp8fix.errors import DEBUG_VARIABLE, EXIT_BUG, EXIT_HUB, RegistryEntryError, bug_line, user_error
+from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, SCHEMA_VERSION, TARGETS
 
 if TYPE_CHECKING:
     from fp8fix.registry.architectures import Registry
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: Text output is wrapped to the terminal's width, or to COLUMNS, or (a log, a pipe) to this.
+WIDTH = 80
+
+
+def wrapped(lines: Iterable[str], width: int | None = None) -> list[str]:
+    """Each line cut at spaces to `width` columns (the terminal's, COLUMNS, else 80), continuation lines
+    indented 4 more than the line; a word longer than the width (a tensor path) stays whole."""
+    width = width or shutil.get_terminal_size((WIDTH, 24)).columns
+    out: list[str] = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = " " * (len(line) - len(line.lstrip(" ")) + 4)
+        out += textwrap.wrap(line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False) or [
+            line
+        ]
+    return out
+
+
+def echo_lines(lines: Iterable[str], quiet: bool = False) -> None:
+    if not quiet:
+        for line in wrapped(lines):
+            click.echo(line)
+
+
+def echo_json(payload: dict[str, Any]) -> None:
+    click.echo(json.dumps(payload, indent=2))
+
+
+def error_json(code: int, line: str, error: BaseException) -> dict[str, Any]:
+    """An error as `--json` prints it (README "JSON output")."""
+    message = line.removeprefix("Error: ")
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "error": {"type": type(error).__name__, "message": message, "exit_code": code},
+    }
+
 
 def reports_errors(func: F) -> F:
-    """Turn the errors of `errors.ERROR_TABLE` (fp8fix's own, Ctrl-C, OS errors) into one line and an exit code.
+    """Turn the errors of `errors.ERROR_TABLE` (fp8fix's own, Ctrl-C, OS errors) into one line and an exit
+    code (and, under --json, a JSON error object on stdout); a closed stdout into a quiet exit.
 
     Anything else is a bug: one line saying so and exit 70 (FP8FIX_DEBUG=1 re-raises it for the traceback).
     """
@@ -37,6 +82,8 @@ def reports_errors(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
+        except BrokenPipeError:
+            quiet_exit()
         except (Exception, KeyboardInterrupt) as e:
             known = user_error(e)
             if known is None:
@@ -44,34 +91,75 @@ def reports_errors(func: F) -> F:
                     raise
                 known = EXIT_BUG, bug_line(e)
             code, line = known
+            if kwargs.get("as_json"):
+                echo_json(error_json(code, line, e))
             click.echo(line, err=True)
             sys.exit(code)
 
     return wrapper  # type: ignore[return-value]
 
 
-def _registry(ctx: click.Context, param: click.Parameter, paths: tuple[Path, ...]) -> Registry:
+def quiet_exit() -> None:
+    """The reader of stdout went away (`| head`): stop without a word, as Unix tools do."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's own flush at exit cannot fail again
+    sys.exit(0)
+
+
+def _registry(ctx: click.Context, param: click.Parameter, paths: tuple[Path, ...]) -> Registry | None:
     """The built-in registry extended by every --arch-file entry (validated: a bad one is a usage error)."""
     from fp8fix.registry.architectures import Registry
 
+    if not paths:
+        return None
     try:
         return Registry.builtin().with_arch_files(paths)
     except RegistryEntryError as e:
         raise click.BadParameter(str(e), ctx=ctx, param=param) from None
 
 
-def source_options(func: F) -> F:
-    """SOURCE: a checkpoint folder, or a Hub repo id with --revision; --arch-file for unknown architectures."""
-    func = click.option(
+def arch_file_option(func: F) -> F:
+    return click.option(
         "--arch-file",
         "registry",
         type=click.Path(path_type=Path, dir_okay=False),
         multiple=True,
         callback=_registry,
-        help="A registry entry (JSON, as in fp8fix/registry/architectures/) for an architecture fp8fix does not know.",
+        help="A registry entry (JSON, as in fp8fix/registry/architectures/; `fp8fix architectures --template` "
+        "starts one) for an architecture fp8fix does not know.",
     )(func)
+
+
+def token_option(func: F) -> F:
+    return click.option(
+        "--token",
+        metavar="TOKEN",
+        help="Hugging Face token [default: HF_TOKEN, or the one `hf auth login` saved].",
+    )(func)
+
+
+def source_options(func: F) -> F:
+    """SOURCE: a checkpoint folder, or a Hub repo id with --revision; --arch-file for unknown architectures."""
+    func = arch_file_option(func)
+    func = token_option(func)
     func = click.option("--revision", help="Branch, tag or commit of a Hub SOURCE.")(func)
     return click.argument("source")(func)
+
+
+def output_options(verbose: str | None) -> Callable[[F], F]:
+    """--json, -q and (where there is more to say) -v."""
+
+    def apply(func: F) -> F:
+        if verbose:
+            func = click.option("-v", "--verbose", is_flag=True, help=verbose)(func)
+        func = click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (no progress, no report).")(
+            func
+        )
+        return click.option(
+            "--json", "as_json", is_flag=True, help='Print the result as JSON on stdout (README "JSON output").'
+        )(func)
+
+    return apply
 
 
 def jobs_option(help_text: str) -> Callable[[F], F]:
@@ -85,12 +173,39 @@ def jobs_option(help_text: str) -> Callable[[F], F]:
     )
 
 
+if TYPE_CHECKING:
+    IntParam = click.ParamType[int]  # generic in click >= 8.2's typing; a plain class at run time before
+else:
+    IntParam = click.ParamType
+
+
+class ByteSize(IntParam):
+    """A size in bytes: 1000, 100KB, 20GB, 5GiB."""
+
+    name = "size"
+    UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", str(value))
+        if not m or float(m.group(1)) <= 0:
+            self.fail(f"{value!r} is not a size such as 20GB, 512MiB or 1000000", param, ctx)
+        return int(float(m.group(1)) * self.UNITS[(m.group(2) or "").upper()])
+
+
 def push_options(func: F) -> F:
     for option in reversed(
         [
             click.option("--private", is_flag=True, help="Create the Hub repo private (when it does not exist)."),
             click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to main."),
             click.option("--commit-message", help="Commit / PR title [default: what was converted and how]."),
+            click.option(
+                "--commit-size",
+                type=ByteSize(),
+                help="Bytes per commit: larger folders go out in several commits, which a rerun resumes "
+                "[default: 20GiB].",
+            ),
         ]
     ):
         func = option(func)
@@ -100,7 +215,11 @@ def push_options(func: F) -> F:
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="fp8fix")
 def main() -> None:
-    """Fix FP8 checkpoints that runtimes load wrongly or not at all."""
+    """Fix FP8 checkpoints that runtimes load wrongly or not at all.
+
+    Shell completion (click's): eval "$(_FP8FIX_COMPLETE=bash_source fp8fix)"
+    in ~/.bashrc (zsh_source / fish_source for zsh and fish).
+    """
 
 
 CONVERT_EPILOG = """\b
@@ -126,7 +245,7 @@ Layouts (how fused modules such as qkv_proj carry their scales); without
 \b
 Exit codes: 0 done, 1 --verify found a mismatch or OUTPUT could not be
 written, 2 usage error (options, OUTPUT not empty or inside SOURCE), 3 invalid
-or unsupported checkpoint, 4 Hub error.
+or unsupported checkpoint, 4 Hub error (the conversion record is printed first).
 """
 
 
@@ -156,7 +275,7 @@ or unsupported checkpoint, 4 Hub error.
     type=click.Choice(sorted(ENCODING_NAMES, reverse=True)),
     help="Change the FP8 encoding: e4m3fnuz for AMD MI300-class GPUs, e4m3fn (OCP) back.",
 )
-@click.option("--verify", "run_verify", is_flag=True, help="Verify OUTPUT against SOURCE before it appears.")
+@click.option("--verify", is_flag=True, help="Verify OUTPUT against SOURCE before it appears.")
 @jobs_option(
     "Processes writing shards in parallel where the work is CPU-bound (--to, requantizing), and "
     "verifying with --verify; capped at the shard count. Output is identical whatever the number."
@@ -165,90 +284,110 @@ or unsupported checkpoint, 4 Hub error.
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists and is not empty.")
 @click.option("--push-to-hub", metavar="REPO_ID", help="Then upload OUTPUT to this Hub repo.")
 @push_options
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (for CI).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@output_options("Also list every module and every tensor written anew.")
 @reports_errors
 def convert(
-    source: str, registry: Registry, revision: str | None, output: Path, push_to_hub: str | None, **options: Any
+    source: str,
+    output: Path,
+    registry: Registry | None,
+    push_to_hub: str | None,
+    as_json: bool,
+    quiet: bool,
+    verbose: bool,
+    private: bool,
+    create_pr: bool,
+    commit_message: str | None,
+    commit_size: int | None,
+    **options: Any,
 ) -> None:
     """Convert the FP8 checkpoint SOURCE (folder or Hub repo id) into a fixed copy in OUTPUT.
 
     SOURCE is never modified. OUTPUT appears only once complete: an error or an
     interrupt leaves nothing behind.
     """
-    from fp8fix.conversion import ConvertOptions
-    from fp8fix.conversion import convert as run_convert
+    from fp8fix import api
     from fp8fix.errors import HubError
-    from fp8fix.io.hub import push_folder, resolve_source
-    from fp8fix.report.convert_report import result_json, result_lines
 
-    as_json = options["as_json"]
-    folder, repo_id = resolve_source(source, revision)
-    settings = ConvertOptions(
-        layout=options["layout"],
-        to=options["to"],
-        target=options["target"],
-        output_format=options["output_format"],
-        dry_run=options["dry_run"],
-        overwrite=options["overwrite"],
-        quiet=options["quiet"] or as_json,
-        verify=options["run_verify"],
-        jobs=options["jobs"],
-        source_repo=repo_id,
-        revision=revision,
-    )
-    result = run_convert(folder, output, settings, registry)
-    for warning in result.warnings:
+    result = api.convert(source, output, registry=registry, progress=not (quiet or as_json), **options)
+    for warning in result.warnings:  # even with -q: each is something to act on (README "Use in CI")
         click.echo(f"warning: {warning}", err=True)
-    if as_json:
-        payload = result_json(result)
-    else:
-        for line in result_lines(result):
-            click.echo(line)
+    payload = result.to_json() if as_json else {}
+    echo_lines(() if as_json else _result_lines(result, verbose), quiet)
     if push_to_hub and result.written:
         try:
-            url = push_folder(
-                output,
+            pushed = api.push(
                 push_to_hub,
-                private=options["private"],
-                create_pr=options["create_pr"],
-                commit_message=options["commit_message"] or result.commit_title,
+                output,
+                private=private,
+                create_pr=create_pr,
+                commit_message=commit_message or result.commit_title,
+                commit_size=commit_size,
+                token=options["token"],
+                progress=not (quiet or as_json),
             )
         except HubError as e:
-            raise HubError(f"{e}. {output} is intact: retry with `fp8fix push {output} {push_to_hub}`") from None
-        if as_json:
-            payload["pushed"] = url
-        else:
-            click.echo(f"pushed: {url}")
+            error = HubError(
+                f"{e.command_line or e}. {output} is intact: retry with `fp8fix push {push_to_hub} {output}`"
+            )
+            if not as_json:
+                raise error from None
+            # the conversion happened: its record goes out with the push's error, then the exit code
+            echo_json({**payload, "pushed": None, "push_error": error_json(EXIT_HUB, str(error), error)["error"]})
+            click.echo(f"Error: {error}", err=True)
+            sys.exit(EXIT_HUB)
+        payload["pushed"] = pushed.url
+        if not as_json and not quiet:
+            click.echo(f"pushed: {pushed.url}")
     if as_json:
-        click.echo(json.dumps(payload, indent=2))
+        echo_json(payload)
+
+
+def _result_lines(result: Any, verbose: bool) -> list[str]:
+    from fp8fix.report.convert_report import result_lines
+
+    return result_lines(result, verbose)
 
 
 PUSH_EPILOG = """\b
 Examples:
-  fp8fix push ./Phi-3-mini-fp8-fixed me/Phi-3-mini-fp8-fixed
-  fp8fix push ./out org/model-FP8 --create-pr      # propose the fix to the model's owner
+  fp8fix push me/Phi-3-mini-fp8-fixed ./Phi-3-mini-fp8-fixed
+  fp8fix push org/model-FP8 ./out --create-pr      # propose the fix to the model's owner
+  fp8fix push me/big-model ./big-model --commit-size 10GB   # smaller commits; a rerun resumes
 
 \b
-Exit codes: 0 pushed, 2 usage error, 3 OUTPUT is not a checkpoint folder, 4 Hub error.
+REPO_ID comes first, as in `hf upload`. The old order (FOLDER REPO_ID) still works,
+with a deprecation warning, when FOLDER is an existing folder and REPO_ID is not.
+
+\b
+Exit codes: 0 pushed, 2 usage error, 3 FOLDER is not a checkpoint folder, 4 Hub error.
 """
 
 
 @main.command(epilog=PUSH_EPILOG)
-@click.argument("output", type=click.Path(path_type=Path))
 @click.argument("repo_id")
+@click.argument("folder", type=click.Path(path_type=Path))
 @push_options
+@token_option
+@output_options(None)
 @reports_errors
-def push(output: Path, repo_id: str, private: bool, create_pr: bool, commit_message: str | None) -> None:
-    """Upload the converted checkpoint folder OUTPUT to the Hub repo REPO_ID in one commit (or pull request)."""
-    from fp8fix.errors import InvalidCheckpoint
-    from fp8fix.io.hub import push_folder
-    from fp8fix.report.model_card import commit_message as default_message
+def push(repo_id: str, folder: Path, as_json: bool, quiet: bool, **options: Any) -> None:
+    """Upload the converted checkpoint FOLDER to the Hub repo REPO_ID (commits of at most --commit-size,
+    config and card last; a rerun skips what the Hub already has), or to one pull request."""
+    from fp8fix import api
 
-    if not (output / "config.json").is_file():
-        raise InvalidCheckpoint(f"{output}: not a checkpoint folder (no config.json)")
-    message = commit_message or default_message(output)
-    click.echo(f"pushed: {push_folder(output, repo_id, private=private, create_pr=create_pr, commit_message=message)}")
+    if Path(repo_id).is_dir() and not folder.is_dir():  # the order of fp8fix <= 0.1: push FOLDER REPO_ID
+        repo_id, folder = str(folder), Path(repo_id)
+        if not quiet:
+            click.echo(
+                f"warning: `fp8fix push FOLDER REPO_ID` is deprecated: use `fp8fix push {repo_id} {folder}` "
+                "(REPO_ID first, as `hf upload` takes it)",
+                err=True,
+            )
+    pushed = api.push(repo_id, folder, progress=not (quiet or as_json), **options)
+    if as_json:
+        echo_json(pushed.to_json())
+    elif not quiet:
+        click.echo(f"pushed: {pushed.url}")
 
 
 INSPECT_EPILOG = """\b
@@ -256,7 +395,7 @@ Examples:
   fp8fix inspect ./Phi-3-mini-fp8
   fp8fix inspect org/model-FP8 --revision main     # headers only, no weights downloaded
   fp8fix inspect ./model --scan-data --json > report.json
-  fp8fix inspect ./model --strict      # CI gate: exit 1 if convert would fix something
+  fp8fix inspect ./model --strict -q    # CI gate: exit 1 if convert would fix something
 
 \b
 Exit codes: 0 inspected (no --strict finding), 1 --strict and a finding convert
@@ -266,30 +405,26 @@ fixes, 2 usage error, 3 invalid checkpoint, 4 Hub error.
 
 @main.command(epilog=INSPECT_EPILOG)
 @source_options
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema: README, 'inspect --json').")
 @click.option("--strict", is_flag=True, help="Exit 1 when there is a finding that `fp8fix convert` would fix.")
 @click.option("--scan-data", is_flag=True, help="Also read the FP8 weights: NaN codes, fnuz data under an fn label.")
+@output_options("List every FP8 module on its own row.")
 @reports_errors
 def inspect(
-    source: str, registry: Registry, revision: str | None, as_json: bool, strict: bool, scan_data: bool
+    source: str, registry: Registry | None, as_json: bool, quiet: bool, verbose: bool, strict: bool, **options: Any
 ) -> None:
     """Report what the checkpoint SOURCE is, its problems, and which loaders take it.
 
     Reads config.json, the safetensors headers and the scales; the weights only
     with --scan-data. A Hub SOURCE is read from the Hub's header API when it can be.
     """
-    from fp8fix.inspection import inspect_checkpoint
-    from fp8fix.io.hub import is_repo_id, remote_headers, resolve_source
+    from fp8fix import api
     from fp8fix.report.inspect_report import report_lines
 
-    remote = remote_headers(source, revision) if is_repo_id(source) and not scan_data else None
-    report = inspect_checkpoint(remote or resolve_source(source, revision)[0], scan_data=scan_data, registry=registry)
-    report.source = source
+    report = api.inspect(source, registry=registry, **options)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        echo_json(report.to_json())
     else:
-        for line in report_lines(report):
-            click.echo(line)
+        echo_lines(report_lines(report, verbose), quiet)
     if strict and report.fixable:
         sys.exit(1)
 
@@ -309,11 +444,10 @@ Exit codes: 0 faithful, 1 mismatch (the tensors are named), 2 usage error,
 @source_options
 @click.argument("output", type=click.Path(path_type=Path))
 @jobs_option("Processes checking tensors in parallel. The report is identical whatever the number.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@output_options("Also list every weight found exact.")
 @reports_errors
 def verify_command(
-    source: str, registry: Registry, revision: str | None, output: Path, jobs: int, as_json: bool, quiet: bool
+    source: str, output: Path, registry: Registry | None, as_json: bool, quiet: bool, verbose: bool, **options: Any
 ) -> None:
     """Prove OUTPUT a faithful conversion of SOURCE, tensor by tensor.
 
@@ -321,15 +455,52 @@ def verify_command(
     within half an fp8 step; every other tensor byte-identical; index, config and
     copied files as they should be. Streams with bounded memory.
     """
-    from fp8fix.io.hub import resolve_source
+    from fp8fix import api
     from fp8fix.report.verify_report import verify_lines
-    from fp8fix.verification import verify
 
-    report = verify(resolve_source(source, revision)[0], output, quiet=quiet or as_json, registry=registry, jobs=jobs)
+    report = api.verify(source, output, registry=registry, progress=not (quiet or as_json), **options)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        echo_json(report.to_json())
     else:
-        for line in verify_lines(report):
-            click.echo(line)
+        echo_lines(verify_lines(report, verbose), quiet and report.ok)
     if not report.ok:
         sys.exit(1)
+
+
+ARCHITECTURES_EPILOG = """\b
+Examples:
+  fp8fix architectures
+  fp8fix architectures --json
+  fp8fix architectures --template MyModelForCausalLM > my-arch.json   # edit, then --arch-file my-arch.json
+"""
+
+
+@main.command(epilog=ARCHITECTURES_EPILOG)
+@arch_file_option
+@click.option(
+    "--template",
+    metavar="NAME",
+    help="Print a starting registry entry for the architecture NAME (a fused qkv_proj and gate_up_proj, "
+    "to edit), for --arch-file.",
+)
+@output_options(None)
+@reports_errors
+def architectures(registry: Registry | None, template: str | None, as_json: bool, quiet: bool) -> None:
+    """List the architectures fp8fix knows: their fused modules and shards, and whether the unfused
+    layout exists (runtimes know per-shard names)."""
+    from fp8fix import api
+
+    if template is not None:
+        click.echo(json.dumps(api.architecture_template(template), indent=2))
+        return
+    found = api.architectures(registry=registry)
+    if as_json:
+        echo_json({"schema_version": SCHEMA_VERSION, "architectures": [a.to_json() for a in found]})
+        return
+    lines = []
+    for a in found:
+        modules = "; ".join(f"{m} ({', '.join(shards)})" for m, shards in a.fused_modules.items())
+        experts = f"; stacked experts {a.experts}" if a.experts else ""
+        layout = ", unfused layout" if a.unfused else ""
+        lines.append(f"{a.name}: {modules or 'nothing fused'}{experts}{layout}")
+    echo_lines(lines, quiet)

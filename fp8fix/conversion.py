@@ -69,6 +69,12 @@ class ConvertResult:
     commit_title: str = ""  # what was converted and how, for a Hub commit
     warnings: list[str] = field(default_factory=list)  # what the user should know but did not stop the conversion
 
+    def to_json(self) -> dict[str, Any]:
+        """What `convert --json` prints (README "JSON output")."""
+        from fp8fix.report.convert_report import result_json
+
+        return result_json(self)
+
 
 def convert(source: Path, output: Path, options: ConvertOptions, registry: Registry | None = None) -> ConvertResult:
     registry = registry or Registry.builtin()

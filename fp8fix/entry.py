@@ -45,6 +45,9 @@ def run() -> None:
             e.show()
             sys.exit(e.exit_code)
         sys.exit(code if isinstance(code, int) else 0)
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): end quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
     except Terminated:
         sys.stderr.write("Terminated: nothing was written.\n")
         sys.exit(EXIT_TERMINATED)

@@ -23,7 +23,10 @@ ISSUES_URL = "https://github.com/fp8fix/fp8fix/issues"
 
 
 class Fp8fixError(Exception):
-    """A problem the user can fix."""
+    """A problem the user can fix. `command_line`: the message as the CLI words it (options as flags),
+    where the Python API reworded it (options as keyword arguments)."""
+
+    command_line: str | None = None
 
 
 class UsageError(Fp8fixError):
@@ -109,6 +112,8 @@ def bug_line(error: BaseException) -> str:
 
 
 def _message(error: BaseException) -> str:
+    if isinstance(error, Fp8fixError) and error.command_line:
+        return error.command_line
     if isinstance(error, OSError) and not isinstance(error, Fp8fixError):
         where = f"{error.filename}: " if error.filename else ""
         return f"{where}{error.strerror or error}"

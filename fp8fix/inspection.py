@@ -23,9 +23,8 @@ from fp8fix.plan.targets import best, candidates, score
 from fp8fix.registry.architectures import Registry, unregistered_note
 from fp8fix.registry.formats import quantization_config
 from fp8fix.verdicts import facts_of, loader_verdicts, verdicts_json
-from fp8fix.vocab import InputScaleKind, ScaleReport
+from fp8fix.vocab import SCHEMA_VERSION, InputScaleKind, ScaleReport
 
-SCHEMA_VERSION = 1
 #: float16's smallest normal: vLLM >= 0.20 requantizes through float16, which loses weights below it.
 FLOAT16_MIN_NORMAL = 2.0**-14
 

@@ -30,6 +30,9 @@ InputScaleKind = Literal["static", "static-per-shard", "dynamic"]
 #: What verify found for one FP8 weight.
 WeightVerdict = Literal["exact", "rounded", "requantized"]
 
+#: The version of the layout of every `--json` document (and `to_json()` in the Python API); README "JSON output".
+SCHEMA_VERSION = 1
+
 #: `--to` names of the FP8 weight encodings.
 Encoding = Literal["e4m3fn", "e4m3fnuz"]
 ENCODING_NAMES: tuple[Encoding, ...] = get_args(Encoding)

@@ -21,6 +21,8 @@ from fp8fix.cli import main
 
 # A bug surfaces as its exception and traceback in tests, not as the CLI's one-line exit 70.
 os.environ.setdefault("FP8FIX_DEBUG", "1")
+# Report lines unwrapped, so tests match whole lines (tests/test_output.py checks the 80-column wrapping).
+os.environ.setdefault("COLUMNS", "1000")
 
 
 def run_cli(*args: str | Path, check_output: bool = True) -> Result:

@@ -19,6 +19,11 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 
+def git_blob_id(data: bytes) -> str:
+    """The id git (and the Hub's tree API, as `oid`) gives a file's content."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
 @dataclass
 class Commit:
     repo_id: str
@@ -38,6 +43,8 @@ class FakeHub:
     fail_with: int | str | None = None  # answer every request with this status, or "gated"
     authorization: list[str] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)  # repo id -> folder served by /{repo}/resolve/...
+    trees: dict[tuple[str, str], dict[str, bytes]] = field(default_factory=dict)  # (repo, revision) -> committed
+    fail_commit_after: int | None = None  # answer HTTP 500 to commits once this many have landed
     url: str = ""
 
     def start(self) -> FakeHub:
@@ -101,21 +108,17 @@ class FakeHub:
                         siblings = [{"rfilename": p.name} for p in sorted(folder.iterdir())] if folder else []
                         sha = hub.repos.get(repo, {}).get("sha") or ("f" * 40 if folder else None)
                         return self._send(200, {"id": repo, "sha": sha, "siblings": siblings})
-                    if rest[0] == "tree":  # snapshot_download lists the files first
+                    if rest[0] == "tree":  # snapshot_download lists the files first; a push, what is there
                         folder = hub.files.get(repo)
-                        entries = (
-                            [
-                                {
-                                    "type": "file",
-                                    "path": p.name,
-                                    "size": p.stat().st_size,
-                                    "oid": hashlib.sha1(p.read_bytes()).hexdigest(),
-                                }
-                                for p in sorted(folder.iterdir())
-                            ]
-                            if folder
-                            else []
-                        )
+                        if folder:
+                            content = {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+                        else:
+                            revision = unquote(rest[1]) if len(rest) > 1 else "main"
+                            content = {**hub.trees.get((repo, "main"), {}), **hub.trees.get((repo, revision), {})}
+                        entries = [
+                            {"type": "file", "path": name, "size": len(data), "oid": git_blob_id(data)}
+                            for name, data in sorted(content.items())
+                        ]
                         return self._send(200, entries)
                     if rest[0] == "discussions" and method == "POST":  # create_pr: the PR first, then its commit
                         data = json.loads(body)
@@ -188,6 +191,8 @@ class FakeHub:
                     self.wfile.write(data)
 
             def _commit(self, repo: str, revision: str, body: bytes) -> None:
+                if hub.fail_commit_after is not None and len(hub.commits) >= hub.fail_commit_after:
+                    return self._send(500, {"error": "interrupted"})
                 header: dict[str, Any] = {}
                 files: dict[str, bytes] = {}
                 for line in body.decode().splitlines():
@@ -197,6 +202,7 @@ class FakeHub:
                     elif item["key"] == "file":
                         files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
                 create_pr = revision.startswith("refs/pr/")
+                hub.trees.setdefault((repo, revision), {}).update(files)
                 hub.commits.append(
                     Commit(repo, revision, header.get("summary", ""), header.get("description", ""), create_pr, files)
                 )

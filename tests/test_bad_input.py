@@ -242,7 +242,7 @@ def test_errors_print_one_line_without_traceback_from_the_real_process(tmp_path:
         [sys.executable, "-m", "fp8fix", "convert", str(src), str(tmp_path / "out")], capture_output=True, text=True
     )
     assert proc.returncode == 3
-    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("Error: config.json")
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"Error: SOURCE {src}: config.json: invalid JSON")
     assert "Traceback" not in proc.stderr
 
 

@@ -4,6 +4,7 @@ through the real HfApi client to a small server on 127.0.0.1 (tests/hub_server.p
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -137,7 +138,6 @@ def test_convert_and_push(tmp_path: Path, fake_hub: FakeHub) -> None:
         "--push-to-hub",
         "me/tiny-mi300",
         "--private",
-        "-q",
         env=env,
     )
     assert proc.returncode == 0, proc.stderr
@@ -160,12 +160,12 @@ def test_push_as_a_pull_request_once(tmp_path: Path, fake_hub: FakeHub) -> None:
     src = build(tmp_path / "src", phi3())
     env = online_env(tmp_path, fake_hub)
     assert fp8fix("convert", src, tmp_path / "out", "--format", "keep", "-q", env=env).returncode == 0
-    first = fp8fix("push", tmp_path / "out", "org/tiny", "--create-pr", "--commit-message", "Fix FP8 scales", env=env)
+    first = fp8fix("push", "org/tiny", tmp_path / "out", "--create-pr", "--commit-message", "Fix FP8 scales", env=env)
     assert first.returncode == 0, first.stderr
     assert first.stdout.strip() == f"pushed: {fake_hub.url}/org/tiny/discussions/1"
     (commit,) = fake_hub.commits
     assert commit.create_pr and commit.revision == "refs/pr/1" and commit.summary.startswith("Fix FP8 scales (parent ")
-    again = fp8fix("push", tmp_path / "out", "org/tiny", "--create-pr", "--commit-message", "Fix FP8 scales", env=env)
+    again = fp8fix("push", "org/tiny", tmp_path / "out", "--create-pr", "--commit-message", "Fix FP8 scales", env=env)
     assert again.returncode == 0 and again.stdout == first.stdout
     assert len(fake_hub.commits) == 1 and len(fake_hub.pull_requests) == 1
 
@@ -183,7 +183,7 @@ def test_hub_failures_are_one_line_and_exit_4(
     proc = fp8fix("convert", src, tmp_path / "out", "--push-to-hub", "me/x", "-q", env=env)
     assert proc.returncode == 4, proc.stderr
     assert message in proc.stderr and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
-    assert f"retry with `fp8fix push {tmp_path / 'out'} me/x`" in proc.stderr
+    assert f"retry with `fp8fix push me/x {tmp_path / 'out'}`" in proc.stderr
     assert (tmp_path / "out" / "config.json").exists(), "a failed push must leave OUTPUT intact"
     assert TOKEN not in proc.stderr
     read = fp8fix("inspect", "org/remote", env=env)
@@ -202,7 +202,7 @@ def test_network_error(tmp_path: Path) -> None:
 
 def test_push_refuses_a_folder_that_is_not_a_checkpoint(tmp_path: Path, fake_hub: FakeHub) -> None:
     (tmp_path / "empty").mkdir()
-    proc = fp8fix("push", tmp_path / "empty", "me/x", env=online_env(tmp_path, fake_hub))
+    proc = fp8fix("push", "me/x", tmp_path / "empty", env=online_env(tmp_path, fake_hub))
     assert proc.returncode == 3 and fake_hub.requests == []
 
 
@@ -245,3 +245,89 @@ def test_convert_a_repo_id_online(tmp_path: Path, fake_hub: FakeHub) -> None:
     proc = fp8fix("convert", "org/remote", tmp_path / "out", "-q", "--verify", env=env)
     assert proc.returncode == 0, proc.stderr
     assert card_metadata((tmp_path / "out" / "README.md").read_text())["base_model"] == "org/remote"
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["examples/phi3-tiny-fp9", "./org/model", "~/nowhere/model", "phi3-tiny-fp9", "org/bad--name", "org/x/y"],
+)
+def test_a_source_that_looks_local_is_never_sent_to_the_hub(tmp_path: Path, fake_hub: FakeHub, source: str) -> None:
+    """A mistyped local folder (its parent exists), a path-like name, a bare name or a name the Hub would refuse
+    (huggingface_hub's validate_repo_id) is a local path: a usage error naming SOURCE, no Hub request."""
+    (tmp_path / "examples").mkdir()
+    env = online_env(tmp_path, fake_hub)
+    for command in ("inspect", "convert"):
+        args = [command, source] + ([str(tmp_path / "out")] if command == "convert" else [])
+        proc = fp8fix(*args, env=env, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(f"Error: SOURCE {source}: no such folder"), proc.stderr
+    assert fake_hub.requests == []
+
+
+def test_verify_errors_say_which_argument(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3())
+    (tmp_path / "half").mkdir()
+    proc = fp8fix("verify", src, tmp_path / "half", env=base_env(tmp_path))
+    assert proc.returncode == 3 and proc.stderr.startswith(f"Error: OUTPUT {tmp_path / 'half'}: config.json: missing")
+
+
+def test_pushing_offline_says_so(tmp_path: Path, fake_hub: FakeHub) -> None:
+    src = build(tmp_path / "src", phi3())
+    env = {**online_env(tmp_path, fake_hub), "HF_HUB_OFFLINE": "1"}
+    proc = fp8fix("push", "me/x", src, env=env)
+    assert proc.returncode == 4 and "cannot push: HF_HUB_OFFLINE is set" in proc.stderr
+
+
+def test_a_large_push_goes_out_in_commits_that_a_rerun_resumes(tmp_path: Path, fake_hub: FakeHub) -> None:
+    """With a commit size below each file's, every file is a commit of its own (config, index and card in
+    the last); a push cut off after two commits, run again, sends only what the Hub does not have."""
+    src = build(tmp_path / "src", phi3())
+    out = tmp_path / "out"
+    env = online_env(tmp_path, fake_hub)
+    assert fp8fix("convert", src, out, "--format", "keep", "-q", env=env).returncode == 0
+    files = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    fake_hub.fail_commit_after = 2
+    cut = fp8fix("push", "me/big", out, "--commit-size", "1KB", "--commit-message", "Upload", env=env)
+    assert cut.returncode == 4 and "HTTP 500" in cut.stderr
+    first = [c.files for c in fake_hub.commits]
+    assert len(first) == 2
+    fake_hub.fail_commit_after = None
+    again = fp8fix("push", "me/big", out, "--commit-size", "1KB", "--commit-message", "Upload", env=env)
+    assert again.returncode == 0, again.stderr
+    sent = [name for c in fake_hub.commits for name in c.files]
+    assert sorted(sent) == sorted(files)  # every file once: the rerun skipped the two commits that landed
+    assert set(fake_hub.commits[-1].files) == {"config.json", "model.safetensors.index.json", "README.md"}
+    assert all(c.summary.startswith("Upload (") for c in fake_hub.commits)
+    for commit in fake_hub.commits:
+        assert all(data == (out / name).read_bytes() for name, data in commit.files.items())
+    nothing_left = fp8fix("push", "me/big", out, "--commit-size", "1KB", env=env)
+    assert nothing_left.returncode == 0 and len(fake_hub.commits) == len(files) - 2
+
+
+def test_push_takes_a_token_and_the_old_argument_order_with_a_warning(tmp_path: Path, fake_hub: FakeHub) -> None:
+    src = build(tmp_path / "src", phi3())
+    out = tmp_path / "out"
+    env = base_env(tmp_path, HF_ENDPOINT=fake_hub.url, HF_HUB_CACHE=str(tmp_path / "cache"))  # no HF_TOKEN
+    assert fp8fix("convert", src, out, "--format", "keep", "-q", env=env).returncode == 0
+    proc = fp8fix("push", out, "me/old-order", "--token", TOKEN, "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "deprecated" in proc.stderr and "fp8fix push me/old-order" in proc.stderr
+    pushed = json.loads(proc.stdout)
+    assert pushed["schema_version"] == 1 and pushed["repo_id"] == "me/old-order"
+    assert pushed["url"].startswith(f"{fake_hub.url}/me/old-order/commit/")
+    assert fake_hub.authorization and all(a == f"Bearer {TOKEN}" for a in fake_hub.authorization)
+    assert TOKEN not in proc.stdout + proc.stderr
+
+
+def test_convert_json_keeps_the_record_when_the_push_fails(tmp_path: Path, fake_hub: FakeHub) -> None:
+    src = build(tmp_path / "src", phi3())
+    fake_hub.fail_with = 403
+    proc = fp8fix(
+        "convert", src, tmp_path / "out", "--push-to-hub", "me/x", "--json", env=online_env(tmp_path, fake_hub)
+    )
+    assert proc.returncode == 4
+    record = json.loads(proc.stdout)
+    assert record["schema_version"] == 1 and record["written"] and record["output"] == str(tmp_path / "out")
+    assert record["pushed"] is None and record["push_error"]["exit_code"] == 4
+    assert "no permission" in record["push_error"]["message"] and "retry with" in record["push_error"]["message"]
+    assert proc.stderr.startswith("Error: me/x: no permission")

@@ -169,6 +169,9 @@ def test_unsupported_formats_are_described_not_refused(tmp_path: Path) -> None:
     assert "pack-quantized" in report["format_label"]
 
 
-def test_inspect_bad_input_is_exit_3(tmp_path: Path) -> None:
-    result = run_cli("inspect", tmp_path / "nothing")
-    assert result.exit_code == 3 and "not a folder" in result.output
+def test_inspect_bad_input_names_the_folder(tmp_path: Path) -> None:
+    result = run_cli("inspect", tmp_path / "nothing")  # a local path that does not exist: a usage error
+    assert result.exit_code == 2 and f"SOURCE {tmp_path / 'nothing'}: no such folder" in result.output
+    (tmp_path / "empty").mkdir()
+    result = run_cli("inspect", tmp_path / "empty")
+    assert result.exit_code == 3 and f"SOURCE {tmp_path / 'empty'}: config.json: missing" in result.output

@@ -93,10 +93,19 @@ def read_json(path: Path, what: str = "") -> Any:
         raise InvalidCheckpoint(f"{path.name}: invalid JSON: {e}") from None
 
 
-def open_checkpoint(root: Path) -> Checkpoint:
-    """Read config, index and every shard header of the checkpoint folder `root`."""
+def open_checkpoint(root: Path, role: str = "SOURCE") -> Checkpoint:
+    """Read config, index and every shard header of the checkpoint folder `root`; errors name the folder
+    and which argument it is (`role`: SOURCE or OUTPUT)."""
     if not root.is_dir():
-        raise InvalidCheckpoint(f"{root}: not a folder; SOURCE must be a checkpoint folder with config.json")
+        what = "no such folder" if not root.exists() else "not a folder"
+        raise InvalidCheckpoint(f"{role} {root}: {what}; {role} must be a checkpoint folder with config.json")
+    try:
+        return _read_checkpoint(root)
+    except InvalidCheckpoint as e:
+        raise InvalidCheckpoint(f"{role} {root}: {e}") from None
+
+
+def _read_checkpoint(root: Path) -> Checkpoint:
     config = read_json(root / CONFIG, "a checkpoint folder needs the model's config.json")
     if not isinstance(config, dict):
         raise InvalidCheckpoint(f"{CONFIG}: expected a JSON object")

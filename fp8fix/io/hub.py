@@ -7,11 +7,13 @@ bars show. Hub failures become one line and exit code 4; the token never appears
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from fp8fix.errors import Fp8fixError, HubError, UsageError
 from fp8fix.io.checkpoint import Checkpoint, checkpoint_from_headers
@@ -35,9 +37,26 @@ ALLOW_PATTERNS = [
 ]
 
 
+def looks_local(source: str) -> bool:
+    """True when SOURCE names a local path, which is never sent to the Hub: it exists; it starts like a
+    path (`./`, `../`, `/`, `~`); it has no `/` (Hub ids here are `org/name`); its parent folder exists
+    (`examples/phi3-tiny-fp9`); or huggingface_hub's `validate_repo_id` refuses it."""
+    if source in (".", "..") or source.startswith(("./", "../", "/", "~", ".\\")) or Path(source).exists():
+        return True
+    if "/" not in source or Path(source).parent.exists() or not REPO_ID.match(source):
+        return True
+    from huggingface_hub.utils import HFValidationError, validate_repo_id  # type: ignore[attr-defined]
+
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return True
+    return False
+
+
 def is_repo_id(source: str) -> bool:
-    """`org/name` that is not a local path (a local folder of that spelling always wins)."""
-    return not Path(source).exists() and bool(REPO_ID.match(source))
+    """`org/name` that is not a local path (see `looks_local`)."""
+    return not looks_local(source)
 
 
 def _scrub(text: str) -> str:
@@ -64,6 +83,8 @@ def hub_errors(repo_id: str, revision: str | None = None, action: str = "read") 
     except errors.RevisionNotFoundError:
         raise HubError(f"{where}: revision not found in the repo") from None
     except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled):
+        if action == "write":
+            raise HubError(f"{where}: cannot push: HF_HUB_OFFLINE is set (or the Hub is unreachable)") from None
         raise HubError(
             f"{where}: not in the local Hub cache, and the Hub is unreachable or HF_HUB_OFFLINE is set"
         ) from None
@@ -82,17 +103,54 @@ def hub_errors(repo_id: str, revision: str | None = None, action: str = "read") 
         raise HubError(_scrub(f"{where}: unexpected answer from the Hub ({type(e).__name__}: {e})")) from None
 
 
-def resolve_source(source: str, revision: str | None) -> tuple[Path, str | None]:
-    """The local folder to read, and the repo id when SOURCE named a Hub repo."""
-    if not is_repo_id(source):
+def resolve_source(
+    source: str, revision: str | None, token: str | None = None, role: str = "SOURCE"
+) -> tuple[Path, str | None]:
+    """The local folder to read, and the repo id when SOURCE named a Hub repo; `role` names the argument
+    in errors."""
+    if looks_local(source):
         if revision:
-            raise UsageError(f"{source}: --revision applies to Hub repo ids, and this is a local path")
-        return Path(source), None
+            raise UsageError(f"{role} {source}: --revision applies to Hub repo ids, and this is a local path")
+        return local_folder(source, role), None
     from huggingface_hub import snapshot_download
 
     with hub_errors(source, revision):
-        folder = snapshot_download(source, revision=revision, allow_patterns=ALLOW_PATTERNS)
-    return Path(folder), source
+        snapshot = snapshot_download(source, revision=revision, allow_patterns=ALLOW_PATTERNS, token=token)
+    return Path(snapshot), source
+
+
+def local_folder(source: str | os.PathLike[str], role: str = "SOURCE") -> Path:
+    """A local SOURCE (or OUTPUT), which must exist: else a usage error naming it and `role`."""
+    folder = Path(source).expanduser()
+    if not folder.exists():
+        raise UsageError(
+            f"{role} {source}: no such folder (a local path; a Hub repo is named org/name, and is "
+            "looked up only when no local folder or parent folder of that name exists)"
+        )
+    return folder
+
+
+#: Bytes per commit when pushing: a 700 GB checkpoint goes out in commits a rerun can resume between.
+COMMIT_BYTES = 20 * 1024**3
+#: Pushed in the last commit: until they land, a partly pushed repo does not look like a checkpoint.
+LAST_FILES = ("config.json", "model.safetensors.index.json", "README.md")
+
+
+def upload_batches(files: list[tuple[str, int]], limit: int) -> list[list[str]]:
+    """Files (path, size) in commits of at most `limit` bytes (a larger file alone), `LAST_FILES`
+    together in the last one; one commit when all fit."""
+    if sum(n for _, n in files) <= limit:
+        return [[path for path, _ in files]] if files else []
+    batches: list[list[str]] = []
+    size = 0
+    for path, n in sorted(f for f in files if f[0] not in LAST_FILES):
+        if not batches or size + n > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(path)
+        size += n
+    last = sorted(path for path, _ in files if path in LAST_FILES)
+    return batches + ([last] if last else [])
 
 
 def push_folder(
@@ -102,34 +160,76 @@ def push_folder(
     private: bool = False,
     create_pr: bool = False,
     commit_message: str,
+    token: str | None = None,
+    commit_bytes: int = COMMIT_BYTES,
 ) -> str:
-    """Upload `folder` to `repo_id` in one commit (or one pull request); return the commit or PR URL.
+    """Upload `folder` to `repo_id` (or to one pull request); return the last commit's or the PR's URL.
 
-    With `create_pr`, an open pull request with the same title (which names the
-    parent commit) is reused instead of opening an identical second one.
+    Files go out in commits of at most `commit_bytes` (config, index and card last), and files
+    the Hub already holds with the same content are skipped: an interrupted push, run again,
+    resumes where it stopped. With `create_pr`, an open pull request with the same title (which
+    names the parent commit) is continued instead of opening a second one.
     """
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi
 
-    api = HfApi()
+    api = HfApi(token=token)
     message = commit_message
     with hub_errors(repo_id, action="write"):
         api.create_repo(repo_id, private=private or None, exist_ok=True)  # None: the owner's default
+        revision, url = None, ""
         if create_pr:
             parent = api.repo_info(repo_id).sha
             message = f"{message} (parent {parent[:12]})" if parent else message
-            for pr in api.get_repo_discussions(repo_id, discussion_type="pull_request", discussion_status="open"):
-                if pr.title == message:
-                    return str(pr.url)
-        info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=folder,
-            commit_message=message,
-            create_pr=create_pr,
-        )
-    return str(info.pr_url if create_pr and info.pr_url else info.commit_url)
+            discussions = api.get_repo_discussions(repo_id, discussion_type="pull_request", discussion_status="open")
+            pr = next((pr for pr in discussions if pr.title == message), None)
+            if pr is None:  # as upload_folder does: the pull request first, then its commits on refs/pr/N
+                pr = api.create_pull_request(repo_id, title=message, description=commit_message)
+            revision, url = pr.git_reference, str(pr.url)
+        local = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+        present = _remote_files(api, repo_id, revision)
+        todo = [(name, path.stat().st_size) for name, path in local.items() if not _same(path, present.get(name))]
+        batches = upload_batches(todo, commit_bytes)
+        for i, batch in enumerate(batches):
+            info = api.create_commit(
+                repo_id,
+                [CommitOperationAdd(path_in_repo=name, path_or_fileobj=local[name]) for name in batch],
+                commit_message=message if len(batches) == 1 else f"{message} ({i + 1}/{len(batches)})",
+                revision=revision,
+            )
+            url = url if create_pr else str(info.commit_url)
+    return url or f"{api.endpoint}/{repo_id}"
 
 
-def remote_headers(repo_id: str, revision: str | None) -> Checkpoint | None:
+def _remote_files(api: Any, repo_id: str, revision: str | None) -> dict[str, Any]:
+    """The files the repo holds at `revision` (main by default), by path: none for a new repo."""
+    from huggingface_hub import errors
+    from huggingface_hub.hf_api import RepoFile
+
+    try:
+        entries = api.list_repo_tree(repo_id, revision=revision, recursive=True)
+        return {e.path: e for e in entries if isinstance(e, RepoFile)}
+    except (errors.RevisionNotFoundError, errors.EntryNotFoundError):
+        return {}
+
+
+def _same(path: Path, remote: Any) -> bool:
+    """True when the Hub's file has `path`'s content: same size, then the same LFS sha256 or git blob id."""
+    if remote is None or remote.size != path.stat().st_size:
+        return False
+    lfs = getattr(remote, "lfs", None)
+    if lfs is not None:
+        return bool(_digest(path, hashlib.sha256()) == lfs.sha256)
+    return bool(_digest(path, hashlib.sha1(f"blob {remote.size}\0".encode())) == remote.blob_id)
+
+
+def _digest(path: Path, hasher: Any) -> str:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            hasher.update(chunk)
+    return str(hasher.hexdigest())
+
+
+def remote_headers(repo_id: str, revision: str | None, token: str | None = None) -> Checkpoint | None:
     """config.json and every shard header of a Hub repo, without downloading the weights.
 
     None when the Hub cannot give the headers (offline: use the cache instead).
@@ -139,8 +239,8 @@ def remote_headers(repo_id: str, revision: str | None) -> Checkpoint | None:
     if constants.HF_HUB_OFFLINE:
         return None
     with hub_errors(repo_id, revision):
-        folder = snapshot_download(repo_id, revision=revision, allow_patterns=["*.json", "*.md"])
-        meta = HfApi().get_safetensors_metadata(repo_id, revision=revision)
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=["*.json", "*.md"], token=token)
+        meta = HfApi(token=token).get_safetensors_metadata(repo_id, revision=revision)
     headers = {
         file: (fm.metadata, {n: (t.dtype, t.shape, t.data_offsets) for n, t in fm.tensors.items()})
         for file, fm in meta.files_metadata.items()

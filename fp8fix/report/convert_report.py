@@ -15,6 +15,7 @@ from fp8fix.plan.pieces import ConversionPlan, ModuleChange
 from fp8fix.plan.targets import TARGET_LOADERS
 from fp8fix.report.text import human_size, name_pattern
 from fp8fix.verdicts import verdicts_json
+from fp8fix.vocab import SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from fp8fix.conversion import ConvertResult
@@ -83,15 +84,16 @@ def plan_loaders(plan: ConversionPlan) -> dict[str, dict[str, Any]]:
     return verdicts_json(plan.loaders)
 
 
-def plan_lines(plan: ConversionPlan) -> list[str]:
-    """The plan as text: what the checkpoint is, each kind of module change, the output files."""
+def plan_lines(plan: ConversionPlan, verbose: bool = False) -> list[str]:
+    """The plan as text: what the checkpoint is, each kind of module change (each module, and each
+    tensor written anew, with `verbose`), the output files."""
     how = f"best for --target {plan.target}" if plan.layout_was_default else "chosen"
     lines = [
         f"source:  {plan.source} ({plan.architecture}, {plan.format.label})",
         f"layout:  {plan.layout} ({how})"
         + (f"; written as {plan.output_format}" if plan.output_format != "keep" else ""),
     ]
-    groups = module_groups(plan)
+    groups = [g for m in plan.modules for g in module_groups(_only(plan, m))] if verbose else module_groups(plan)
     encoding = encoding_line(plan)
     if encoding:
         lines.append(encoding)
@@ -107,7 +109,17 @@ def plan_lines(plan: ConversionPlan) -> list[str]:
         changed = sum(not t.unchanged for t in shard.tensors)
         size = human_size(shard.nbytes)
         lines.append(f"  file {shard.name}: {len(shard.tensors)} tensors ({changed} new or rewritten), {size}")
+        if verbose:
+            lines += [
+                f"    {t.name} {t.dtype} {list(t.shape)}" + (f" <- {t.source}" if t.source != t.name else "")
+                for t in shard.tensors
+                if not t.unchanged
+            ]
     return lines
+
+
+def _only(plan: ConversionPlan, module: ModuleChange) -> ConversionPlan:
+    return dataclasses.replace(plan, modules=[module])
 
 
 def loader_lines(plan: ConversionPlan) -> list[str]:
@@ -167,10 +179,10 @@ def source_loads_everywhere(plan: ConversionPlan) -> list[str]:
     return list(wanted) if all(plan.source_loaders[name].loads for name in wanted) else []
 
 
-def result_lines(result: ConvertResult) -> list[str]:
+def result_lines(result: ConvertResult, verbose: bool = False) -> list[str]:
     """What `convert` prints for people: the plan, config edits, copies, loaders, notes, outcome."""
     plan = result.plan
-    lines = plan_lines(plan)
+    lines = plan_lines(plan, verbose)
     lines += [f"  config.json: {edit}" for edit in result.config_edits]
     if result.copied_files:
         lines.append(f"  copied: {', '.join(result.copied_files)}")
@@ -188,7 +200,7 @@ def result_lines(result: ConvertResult) -> list[str]:
 
 
 def result_json(result: ConvertResult) -> dict[str, Any]:
-    payload = plan_json(result.plan)
+    payload = {"schema_version": SCHEMA_VERSION, **plan_json(result.plan)}
     payload.update(
         output=str(result.output),
         written=result.written,

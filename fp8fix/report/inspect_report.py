@@ -9,8 +9,9 @@ from fp8fix.inspection import Report
 from fp8fix.report.text import human_size, name_pattern
 
 
-def report_lines(report: Report) -> list[str]:
-    """The report for people: a few header lines, one row per kind of module, findings, loaders."""
+def report_lines(report: Report, verbose: bool = False) -> list[str]:
+    """The report for people: a few header lines, one row per kind of module (per module with
+    `verbose`), findings, loaders."""
     hints = ", ".join(f"{k} {v}" for k, v in report.format_hints.items())
     supported = "" if report.convert_supported else " [convert: not supported yet]"
     arch = report.architecture or "unknown"
@@ -28,12 +29,13 @@ def report_lines(report: Report) -> list[str]:
     for m in report.modules:
         shape = "-" if m.scale_shape is None else "[" + ", ".join(map(str, m.scale_shape)) + "]"
         key = (m.fused is not None, m.shards, m.scale, m.scale_dtype or "-", shape, m.input_scale)
-        groups[key].append(m.module)
+        groups[(*key, m.module) if verbose else key].append(m.module)
     lines.append(f"FP8 modules:  {len(report.modules)}")
-    lines.append(f"  {'modules':<48} {'count':>5}  {'fused':<8} {'weight scale':<24} input scale")
-    for (is_fused, shards, kind, dtype, shape, inp), names in groups.items():
+    lines.append(f"  {'count':>5}  {'fused':<8}  {'weight scale':<22}  {'input':<16}  modules")
+    for (is_fused, shards, kind, dtype, shape, inp, *_), names in groups.items():
         fused = f"{shards} shards" if is_fused else "-"
-        lines.append(f"  {name_pattern(names):<48} {len(names):>5}  {fused:<8} {f'{kind} {dtype} {shape}':<24} {inp}")
+        scale = f"{kind} {dtype} {shape}"
+        lines.append(f"  {len(names):>5}  {fused:<8}  {scale:<22}  {inp:<16}  {name_pattern(names)}")
     if report.kv_cache_scales:
         kinds = sorted({s["name"].rsplit(".", 1)[-1] for s in report.kv_cache_scales})
         lines.append(f"kv-cache scales: {len(report.kv_cache_scales)} ({', '.join(kinds)})")

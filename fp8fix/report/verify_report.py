@@ -5,10 +5,13 @@ from __future__ import annotations
 from fp8fix.verification.report import VerifyReport
 
 
-def verify_lines(report: VerifyReport) -> list[str]:
+def verify_lines(report: VerifyReport, verbose: bool = False) -> list[str]:
+    """The verdict and summary, every weight not exact (every weight with `verbose`), every problem."""
     lines = [f"{'faithful' if report.ok else 'MISMATCH'}: {report.summary()}"]
     for w in report.weights:
-        if w.kind != "exact":
+        if verbose and w.kind == "exact":
+            lines.append(f"  exact       {w.tensor}")
+        elif w.kind != "exact":
             rounded = f", {w.rounded_codes} codes rounded" if w.rounded_codes else ""
             lines.append(
                 f"  {w.kind:<11} {w.tensor}: max error {w.max_error:.3g} ({w.max_error_steps:.2f} fp8 steps){rounded}"

@@ -52,8 +52,8 @@ def verify(
     tensors; their reports are merged in order, so the report is the same whatever `jobs`.
     """
     global _checks
-    model = describe_checkpoint(open_checkpoint(source), registry or Registry.builtin())
-    out = open_checkpoint(output)
+    model = describe_checkpoint(open_checkpoint(source, "SOURCE"), registry or Registry.builtin())
+    out = open_checkpoint(output, "OUTPUT")
     fmt = model.require_format()
     with SourceFiles() as files:
         ctx = VerifyContext(model, out, fmt, VerifyReport(str(source), str(output)), files)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fp8fix.vocab import WeightVerdict
+from fp8fix.vocab import SCHEMA_VERSION, WeightVerdict
 
 MAX_PROBLEMS = 50
 
@@ -46,9 +46,7 @@ class VerifyReport:
             self.problem(text)
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["ok"] = self.ok
-        return data
+        return {"schema_version": SCHEMA_VERSION, **asdict(self), "ok": self.ok}
 
     def summary(self) -> str:
         kinds = {k: sum(w.kind == k for w in self.weights) for k in ("exact", "rounded", "requantized")}

@@ -1,0 +1,395 @@
+"""fp8fix's Python API: `convert`, `inspect`, `verify`, `push` and `architectures`, as the CLI runs them.
+
+Each function takes what the matching command takes, as keyword arguments of the same names
+(`fp8fix convert --layout fused` is `fp8fix.convert(..., layout="fused")`; a test keeps the
+two in step), validates them before any work (a `ValueError` naming the valid values), and
+returns the result object the command prints (each has `to_json()`, the command's `--json`).
+Paths are `str` or `os.PathLike`; a `str` SOURCE that is a Hub repo id (`org/name`, not a local
+path) is downloaded through huggingface_hub, as on the command line. Progress bars are off
+unless `progress=True`. Problems raise the `Fp8fixError` subclasses the CLI turns into exit
+codes, with options named as keyword arguments. `registry` / `arch_files` add architecture
+entries for this call only: nothing global changes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fp8fix.errors import (  # the errors the API raises, public as fp8fix.<name>
+    Fp8fixError,
+    HubError,
+    InvalidCheckpoint,
+    OutputBusy,
+    RegistryEntryError,
+    SourceChanged,
+    UnsupportedCheckpoint,
+    UsageError,
+    VerificationFailed,
+)
+from fp8fix.vocab import (
+    ENCODING_NAMES,
+    LAYOUTS,
+    OUTPUT_FORMATS,
+    SCHEMA_VERSION,
+    TARGETS,
+    Encoding,
+    Layout,
+    OutputFormat,
+    Target,
+)
+
+if TYPE_CHECKING:
+    from fp8fix.conversion import ConvertResult
+    from fp8fix.inspection import Report
+    from fp8fix.registry.architectures import Registry
+    from fp8fix.verification import VerifyReport
+
+PathArg = str | os.PathLike[str]
+
+__all__ = [
+    "Architecture",
+    "PushResult",
+    "architecture_template",
+    "architectures",
+    "convert",
+    "inspect",
+    "push",
+    "verify",
+    "Fp8fixError",
+    "HubError",
+    "InvalidCheckpoint",
+    "OutputBusy",
+    "RegistryEntryError",
+    "SourceChanged",
+    "UnsupportedCheckpoint",
+    "UsageError",
+    "VerificationFailed",
+]
+
+
+def convert(
+    source: PathArg,
+    output: PathArg,
+    *,
+    layout: Layout | None = None,
+    to: Encoding | None = None,
+    target: Target = "auto",
+    output_format: OutputFormat | None = None,
+    verify: bool = False,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    jobs: int = 1,
+    revision: str | None = None,
+    token: str | None = None,
+    arch_files: Sequence[PathArg] = (),
+    registry: Registry | None = None,
+    progress: bool = False,
+) -> ConvertResult:
+    """Convert the FP8 checkpoint `source` (folder or Hub repo id) into a fixed copy at `output`.
+
+    `source` is never modified; `output` appears only once complete. Returns what was planned and
+    written (`result.plan.modules`: each fused module's action and why; `result.plan.loaders`:
+    what each runtime does with the output; `result.verification` with `verify=True`).
+    """
+    from fp8fix.conversion import ConvertOptions
+    from fp8fix.conversion import convert as run_convert
+    from fp8fix.io.hub import resolve_source
+
+    _choice("layout", layout, LAYOUTS)
+    _choice("to", to, ENCODING_NAMES)
+    _choice("target", target, TARGETS, optional=False)
+    _choice("output_format", output_format, OUTPUT_FORMATS)
+    _jobs(jobs)
+    with api_errors():
+        reg = _registry(registry, arch_files)
+        folder, repo_id = resolve_source(_text(source), revision, token) if isinstance(source, str) else _local(source)
+        options = ConvertOptions(
+            layout=layout,
+            to=to,
+            target=target,
+            output_format=output_format,
+            dry_run=dry_run,
+            overwrite=overwrite,
+            quiet=not progress,
+            verify=verify,
+            jobs=jobs,
+            source_repo=repo_id,
+            revision=revision,
+        )
+        return run_convert(folder, Path(output), options, reg)
+
+
+def inspect(
+    source: PathArg,
+    *,
+    scan_data: bool = False,
+    revision: str | None = None,
+    token: str | None = None,
+    arch_files: Sequence[PathArg] = (),
+    registry: Registry | None = None,
+) -> Report:
+    """What the checkpoint `source` is, its problems, and which loaders take it (`report.loaders`).
+
+    A Hub repo id is read from the Hub's header API when it can be (no weights downloaded).
+    """
+    from fp8fix.inspection import inspect_checkpoint
+    from fp8fix.io.hub import is_repo_id, remote_headers, resolve_source
+
+    with api_errors():
+        reg = _registry(registry, arch_files)
+        text = _text(source) if isinstance(source, str) else None
+        remote = remote_headers(text, revision, token) if text and is_repo_id(text) and not scan_data else None
+        if remote is None:
+            remote_or_folder: Any = resolve_source(text, revision, token)[0] if text else _local(source)[0]
+        else:
+            remote_or_folder = remote
+        report = inspect_checkpoint(remote_or_folder, scan_data=scan_data, registry=reg)
+        report.source = text if text is not None else str(source)
+        return report
+
+
+def verify(
+    source: PathArg,
+    output: PathArg,
+    *,
+    jobs: int = 1,
+    revision: str | None = None,
+    token: str | None = None,
+    arch_files: Sequence[PathArg] = (),
+    registry: Registry | None = None,
+    progress: bool = False,
+) -> VerifyReport:
+    """Check that `output` is a faithful conversion of `source`; `report.ok`, `report.problems`."""
+    from fp8fix.io.hub import resolve_source
+    from fp8fix.verification import verify as run_verify
+
+    _jobs(jobs)
+    with api_errors():
+        reg = _registry(registry, arch_files)
+        folder = resolve_source(_text(source), revision, token)[0] if isinstance(source, str) else _local(source)[0]
+        return run_verify(folder, Path(output), quiet=not progress, registry=reg, jobs=jobs)
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """Where a push went: the commit's URL, or the pull request's."""
+
+    repo_id: str
+    url: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "repo_id": self.repo_id, "url": self.url}
+
+
+def push(
+    repo_id: str,
+    folder: PathArg,
+    *,
+    private: bool = False,
+    create_pr: bool = False,
+    commit_message: str | None = None,
+    commit_size: int | None = None,
+    token: str | None = None,
+    progress: bool = False,
+) -> PushResult:
+    """Upload the converted checkpoint `folder` to the Hub repo `repo_id` (the order of `hf upload`).
+
+    Large folders go out in several commits of at most `commit_size` bytes (default: 20 GiB); a
+    rerun after an interruption skips what the Hub already has. With `create_pr`, one pull request.
+    """
+    from fp8fix.io.hub import COMMIT_BYTES, push_folder
+    from fp8fix.report.model_card import commit_message as default_message
+
+    if commit_size is not None and (not isinstance(commit_size, int) or commit_size < 1):
+        raise ValueError(f"commit_size must be a positive number of bytes, not {commit_size!r}")
+    path = Path(folder)
+    with api_errors(), _hub_progress(progress):
+        if not (path / "config.json").is_file():
+            raise InvalidCheckpoint(f"FOLDER {path}: not a checkpoint folder (no config.json)")
+        message = commit_message or default_message(path)
+        url = push_folder(
+            path,
+            repo_id,
+            private=private,
+            create_pr=create_pr,
+            commit_message=message,
+            token=token,
+            commit_bytes=commit_size or COMMIT_BYTES,
+        )
+    return PushResult(repo_id, url)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture fp8fix converts: its fused modules (with their shards) and experts."""
+
+    name: str
+    fused_modules: dict[str, list[str]]  # module suffix -> shard names
+    unfused: bool  # runtimes know per-shard names for every fused module (the unfused layout exists)
+    experts: str | None  # the stacked-experts module suffix, if any
+    source: str  # the entry's file
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "fused_modules": self.fused_modules,
+            "unfused": self.unfused,
+            "experts": self.experts,
+            "source": self.source,
+        }
+
+
+def architectures(*, arch_files: Sequence[PathArg] = (), registry: Registry | None = None) -> list[Architecture]:
+    """Every architecture of the registry (built in, plus `arch_files` / `registry`), sorted by name."""
+    with api_errors():
+        reg = _registry(registry, arch_files)
+    return [
+        Architecture(
+            name,
+            {m.module: [s.shard for s in m.shards] for m in spec.fused_modules},
+            bool(spec.fused_modules) and all(m.can_unfuse for m in spec.fused_modules),
+            spec.experts.module if spec.experts else None,
+            spec.source,
+        )
+        for name, spec in sorted(reg.entries.items())
+    ]
+
+
+def architecture_template(name: str) -> dict[str, Any]:
+    """A starting registry entry for the architecture `name` (`--arch-file`): a Phi-3-style fused
+    qkv_proj and gate_up_proj, each shard's rows an expression over config.json, to edit."""
+    if not name or not isinstance(name, str):
+        raise ValueError("name must be the config.json architectures[0] of the model, e.g. 'MyModelForCausalLM'")
+    return {
+        "architectures": [name],
+        "notes": (
+            "A starting point: make each fused module's suffix, shard order and row expressions say how "
+            f"{name} stores them (README 'Architectures'); drop a shard's 'unfused' where no runtime knows "
+            "per-shard names. Check with: fp8fix inspect SOURCE --arch-file THIS_FILE"
+        ),
+        "defaults": {"num_key_value_heads": "num_attention_heads", "head_dim": "hidden_size // num_attention_heads"},
+        "fused_modules": [
+            {
+                "module": "self_attn.qkv_proj",
+                "shards": [
+                    {"shard": "q", "rows": "num_attention_heads * head_dim", "unfused": "self_attn.q_proj"},
+                    {"shard": "k", "rows": "num_key_value_heads * head_dim", "unfused": "self_attn.k_proj"},
+                    {"shard": "v", "rows": "num_key_value_heads * head_dim", "unfused": "self_attn.v_proj"},
+                ],
+            },
+            {
+                "module": "mlp.gate_up_proj",
+                "shards": [
+                    {"shard": "gate", "rows": "intermediate_size", "unfused": "mlp.gate_proj"},
+                    {"shard": "up", "rows": "intermediate_size", "unfused": "mlp.up_proj"},
+                ],
+            },
+        ],
+    }
+
+
+def _choice(name: str, value: object, valid: Iterable[str], optional: bool = True) -> None:
+    valid = tuple(valid)
+    if (value is None and optional) or value in valid:
+        return
+    listed = ", ".join(repr(v) for v in valid) + (" or None" if optional else "")
+    raise ValueError(f"{name} must be one of {listed}, not {value!r}")
+
+
+def _jobs(jobs: object) -> None:
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ValueError(f"jobs must be a whole number of processes, at least 1, not {jobs!r}")
+
+
+def _text(source: str) -> str:
+    if not source:
+        raise ValueError("source must name a checkpoint folder or a Hub repo id, not ''")
+    return source
+
+
+def _local(source: PathArg) -> tuple[Path, None]:
+    """A path object SOURCE: always a local folder, never a Hub id."""
+    from fp8fix.io.hub import local_folder
+
+    return local_folder(source), None
+
+
+def _registry(registry: Registry | None, arch_files: Sequence[PathArg]) -> Registry:
+    from fp8fix.registry.architectures import Registry
+
+    if isinstance(arch_files, (str, os.PathLike)):
+        raise ValueError("arch_files must be a list of paths, not a single path")
+    base = registry or Registry.builtin()
+    return base.with_arch_files(Path(p) for p in arch_files) if arch_files else base
+
+
+#: CLI options as the messages spell them -> the keyword argument of this API.
+_FLAGS = {
+    "layout": "layout",
+    "format": "output_format",
+    "to": "to",
+    "target": "target",
+    "jobs": "jobs",
+    "revision": "revision",
+}
+_SWITCHES = {
+    "overwrite": "overwrite=True",
+    "verify": "verify=True",
+    "scan-data": "scan_data=True",
+    "dry-run": "dry_run=True",
+    "arch-file": "arch_files",
+    "create-pr": "create_pr=True",
+}
+_FLAG = re.compile(r"--(" + "|".join(_FLAGS) + r") ([\w.-]+)|--(" + "|".join(_SWITCHES) + r")\b")
+
+
+def api_message(text: str) -> str:
+    """A message written for the command line, with each option as this API's keyword argument."""
+
+    def keyword(m: re.Match[str]) -> str:
+        if m.group(1):
+            return f'{_FLAGS[m.group(1)]}="{m.group(2)}"'
+        return _SWITCHES[m.group(3)]
+
+    return _FLAG.sub(keyword, text)
+
+
+@contextmanager
+def api_errors() -> Iterator[None]:
+    """Re-raise fp8fix's errors with their options named as keyword arguments (same type, same cause)."""
+    try:
+        yield
+    except Fp8fixError as e:
+        text = str(e)
+        rewritten = api_message(text)
+        if rewritten == text:
+            raise
+        error = type(e)(rewritten)
+        error.command_line = text  # the CLI, which calls this API, prints the message with its flags
+        raise error from e.__cause__
+
+
+@contextmanager
+def _hub_progress(progress: bool) -> Iterator[None]:
+    """huggingface_hub's own progress bars for an upload, only when asked for (and not disabled by its
+    HF_HUB_DISABLE_PROGRESS_BARS)."""
+    from huggingface_hub.utils import (  # type: ignore[attr-defined]
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
+
+    was_disabled = are_progress_bars_disabled()
+    if not progress:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not progress and not was_disabled:
+            enable_progress_bars()
