@@ -106,7 +106,7 @@ def convert(
     _choice("target", target, TARGETS, optional=False)
     _choice("output_format", output_format, OUTPUT_FORMATS)
     _jobs(jobs)
-    with api_errors():
+    with api_errors(), _hub_progress(progress, source):
         reg = _registry(registry, arch_files)
         folder, repo_id = resolve_source(_text(source), revision, token) if isinstance(source, str) else _local(source)
         options = ConvertOptions(
@@ -133,6 +133,7 @@ def inspect(
     token: str | None = None,
     arch_files: Sequence[PathArg] = (),
     registry: Registry | None = None,
+    progress: bool = False,
 ) -> Report:
     """What the checkpoint `source` is, its problems, and which loaders take it (`report.loaders`).
 
@@ -141,16 +142,16 @@ def inspect(
     from fp8fix.inspection import inspect_checkpoint
     from fp8fix.io.hub import is_repo_id, remote_headers, resolve_source
 
-    with api_errors():
+    with api_errors(), _hub_progress(progress, source):  # downloads of a Hub SOURCE's config files
         reg = _registry(registry, arch_files)
-        text = _text(source) if isinstance(source, str) else None
-        remote = remote_headers(text, revision, token) if text and is_repo_id(text) and not scan_data else None
-        if remote is None:
-            remote_or_folder: Any = resolve_source(text, revision, token)[0] if text else _local(source)[0]
+        if not isinstance(source, str):
+            report = inspect_checkpoint(_local(source)[0], scan_data=scan_data, registry=reg)
         else:
-            remote_or_folder = remote
-        report = inspect_checkpoint(remote_or_folder, scan_data=scan_data, registry=reg)
-        report.source = text if text is not None else str(source)
+            text = _text(source)
+            remote = remote_headers(text, revision, token) if is_repo_id(text) and not scan_data else None
+            checkpoint = remote or resolve_source(text, revision, token)[0]
+            report = inspect_checkpoint(checkpoint, scan_data=scan_data, registry=reg)
+        report.source = os.fspath(source)
         return report
 
 
@@ -170,7 +171,7 @@ def verify(
     from fp8fix.verification import verify as run_verify
 
     _jobs(jobs)
-    with api_errors():
+    with api_errors(), _hub_progress(progress, source):
         reg = _registry(registry, arch_files)
         folder = resolve_source(_text(source), revision, token)[0] if isinstance(source, str) else _local(source)[0]
         return run_verify(folder, Path(output), quiet=not progress, registry=reg, jobs=jobs)
@@ -209,7 +210,7 @@ def push(
     if commit_size is not None and (not isinstance(commit_size, int) or commit_size < 1):
         raise ValueError(f"commit_size must be a positive number of bytes, not {commit_size!r}")
     path = Path(folder)
-    with api_errors(), _hub_progress(progress):
+    with api_errors(), _hub_progress(progress, repo_id):
         if not (path / "config.json").is_file():
             raise InvalidCheckpoint(f"FOLDER {path}: not a checkpoint folder (no config.json)")
         message = commit_message or default_message(path)
@@ -376,9 +377,15 @@ def api_errors() -> Iterator[None]:
 
 
 @contextmanager
-def _hub_progress(progress: bool) -> Iterator[None]:
-    """huggingface_hub's own progress bars for an upload, only when asked for (and not disabled by its
-    HF_HUB_DISABLE_PROGRESS_BARS)."""
+def _hub_progress(progress: bool, repo: object) -> Iterator[None]:
+    """huggingface_hub's own progress bars, for the downloads and uploads of `repo` when it is a Hub repo
+    id, only when asked for (and not disabled by its HF_HUB_DISABLE_PROGRESS_BARS). A local SOURCE
+    does not import huggingface_hub at all (0.1 s of start-up)."""
+    from fp8fix.io.hub import is_repo_id
+
+    if progress or not isinstance(repo, str) or not is_repo_id(repo):
+        yield
+        return
     from huggingface_hub.utils import (  # type: ignore[attr-defined]
         are_progress_bars_disabled,
         disable_progress_bars,
@@ -386,10 +393,9 @@ def _hub_progress(progress: bool) -> Iterator[None]:
     )
 
     was_disabled = are_progress_bars_disabled()
-    if not progress:
-        disable_progress_bars()
+    disable_progress_bars()
     try:
         yield
     finally:
-        if not progress and not was_disabled:
+        if not was_disabled:
             enable_progress_bars()

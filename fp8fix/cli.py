@@ -420,7 +420,7 @@ def inspect(
     from fp8fix import api
     from fp8fix.report.inspect_report import report_lines
 
-    report = api.inspect(source, registry=registry, **options)
+    report = api.inspect(source, registry=registry, progress=not (quiet or as_json), **options)
     if as_json:
         echo_json(report.to_json())
     else:
