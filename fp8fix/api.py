@@ -129,6 +129,7 @@ def inspect(
     source: PathArg,
     *,
     scan_data: bool = False,
+    tp: Sequence[int] = (),
     revision: str | None = None,
     token: str | None = None,
     arch_files: Sequence[PathArg] = (),
@@ -137,20 +138,23 @@ def inspect(
 ) -> Report:
     """What the checkpoint `source` is, its problems, and which loaders take it (`report.loaders`).
 
-    A Hub repo id is read from the Hub's header API when it can be (no weights downloaded).
+    A Hub repo id is read from the Hub's header API when it can be (no weights downloaded). `tp`:
+    tensor-parallel sizes to check a block-scaled checkpoint's rank shares at (`report.tensor_parallel`).
     """
+    if isinstance(tp, int) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in tp):
+        raise ValueError(f"tp must be a list of tensor-parallel sizes (whole numbers >= 1), not {tp!r}")
     from fp8fix.inspection import inspect_checkpoint
     from fp8fix.io.hub import is_repo_id, remote_headers, resolve_source
 
     with api_errors(), _hub_progress(progress, source):  # downloads of a Hub SOURCE's config files
         reg = _registry(registry, arch_files)
         if not isinstance(source, str):
-            report = inspect_checkpoint(_local(source)[0], scan_data=scan_data, registry=reg)
+            report = inspect_checkpoint(_local(source)[0], scan_data=scan_data, registry=reg, tp=tp)
         else:
             text = _text(source)
             remote = remote_headers(text, revision, token) if is_repo_id(text) and not scan_data else None
             checkpoint = remote or resolve_source(text, revision, token)[0]
-            report = inspect_checkpoint(checkpoint, scan_data=scan_data, registry=reg)
+            report = inspect_checkpoint(checkpoint, scan_data=scan_data, registry=reg, tp=tp)
         report.source = os.fspath(source)
         return report
 

@@ -175,8 +175,26 @@ def jobs_option(help_text: str) -> Callable[[F], F]:
 
 if TYPE_CHECKING:
     IntParam = click.ParamType[int]  # generic in click >= 8.2's typing; a plain class at run time before
+    SizesParam = click.ParamType[tuple[int, ...]]
 else:
-    IntParam = click.ParamType
+    IntParam = SizesParam = click.ParamType
+
+
+class SizeList(SizesParam):
+    """A comma-separated list of tensor-parallel sizes: 4,8."""
+
+    name = "sizes"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            sizes = tuple(int(part) for part in str(value).split(",") if part.strip())
+        except ValueError:
+            sizes = (0,)
+        if any(n < 1 for n in sizes):
+            self.fail(f"{value!r} is not a list of sizes such as 4,8", param, ctx)
+        return sizes
 
 
 class ByteSize(IntParam):
@@ -407,6 +425,13 @@ fixes, 2 usage error, 3 invalid checkpoint, 4 Hub error.
 @source_options
 @click.option("--strict", is_flag=True, help="Exit 1 when there is a finding that `fp8fix convert` would fix.")
 @click.option("--scan-data", is_flag=True, help="Also read the FP8 weights: NaN codes, fnuz data under an fn label.")
+@click.option(
+    "--tp",
+    type=SizeList(),
+    default=(),
+    help="Tensor-parallel sizes, e.g. 4,8: for block-FP8 checkpoints, each module whose rank share is not "
+    "whole blocks at each size, and what vLLM 0.32 does about it.",
+)
 @output_options("List every FP8 module on its own row.")
 @reports_errors
 def inspect(

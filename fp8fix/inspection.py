@@ -8,7 +8,7 @@ a sliding memory map) to find NaN codes and e4m3fnuz data under an e4m3fn label.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from fp8fix.io.safetensors_file import read_values
 from fp8fix.io.source_files import SourceFiles
 from fp8fix.model import CheckpointModel, Fp8Weight, describe_checkpoint
 from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_DTYPES
+from fp8fix.parallel import tensor_parallel_report
 from fp8fix.plan.targets import best, candidates, score
 from fp8fix.registry.architectures import Registry, unregistered_note
 from fp8fix.registry.formats import quantization_config
@@ -68,6 +69,8 @@ class Report:
     data_scanned: bool
     schema_version: int = SCHEMA_VERSION
     notes: list[str] = field(default_factory=list)
+    #: with `--tp`: each size's modules whose rank share is not whole blocks (block-scaled checkpoints)
+    tensor_parallel: dict[str, Any] | None = None
 
     @property
     def fixable(self) -> list[Finding]:
@@ -77,7 +80,9 @@ class Report:
         return asdict(self)
 
 
-def inspect_checkpoint(root: Path | Checkpoint, scan_data: bool = False, registry: Registry | None = None) -> Report:
+def inspect_checkpoint(
+    root: Path | Checkpoint, scan_data: bool = False, registry: Registry | None = None, tp: Sequence[int] = ()
+) -> Report:
     """Inspect a local folder, or a checkpoint whose headers came from the Hub (no data: scale values unread)."""
     ckpt = root if isinstance(root, Checkpoint) else open_checkpoint(root)
     model = describe_checkpoint(ckpt, registry or Registry.builtin())
@@ -116,6 +121,12 @@ def inspect_checkpoint(root: Path | Checkpoint, scan_data: bool = False, registr
         report.notes.append("headers read from the Hub: scale values and weights were not read")
     report.findings = _findings(model, modules, scan_data and ckpt.has_data)
     report.loaders = _loaders(model)
+    if tp:
+        parallel = tensor_parallel_report(model, list(tp))
+        if parallel is None:
+            report.notes.append("--tp: not block-scaled: per-tensor and per-channel scales split at any size")
+        else:
+            report.tensor_parallel = parallel.to_json()
     return report
 
 

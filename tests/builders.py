@@ -511,3 +511,41 @@ def mimo_v2(root: Path, layers: int = 2, seed: int = 0) -> Path:
     groups = [{n: tensors[n] for n in names[: len(names) // 2]}, {n: tensors[n] for n in names[len(names) // 2 :]}]
     write_files(root, groups, config)
     return root
+
+
+def block_fp8_checkpoint(
+    root: Path,
+    config: dict[str, Any],
+    linears: dict[str, tuple[int, int]],
+    extra: dict[str, torch.Tensor] | None = None,
+    seed: int = 0,
+) -> Path:
+    """A block-FP8 checkpoint as DeepSeek-style exporters write it: every module of `linears` (path ->
+    [rows, cols]) an e4m3fn weight with F32 128x128 `weight_scale_inv`; BF16 embeddings, norms and
+    lm_head, and `extra` tensors as given; `config` as given (its quantization_config included)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    tensors: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        "lm_head.weight": torch.randn(vocab, hidden, generator=gen).to(torch.bfloat16),
+    }
+    for layer in range(config["num_hidden_layers"]):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{layer}.{norm}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    for module, (rows, cols) in linears.items():
+        codes, scales = block_quantize(torch.randn(rows, cols, generator=gen) * 0.02)
+        tensors[f"{module}.weight"], tensors[f"{module}.weight_scale_inv"] = codes, scales
+    tensors.update(extra or {})
+    root.mkdir(parents=True)
+    names = sorted(tensors)
+    write_files(root, [{n: tensors[n] for n in names[::2]}, {n: tensors[n] for n in names[1::2]}], config)
+    return root
+
+
+def mlp_linears(prefix: str, intermediate: int, hidden: int) -> dict[str, tuple[int, int]]:
+    return {
+        f"{prefix}.gate_proj": (intermediate, hidden),
+        f"{prefix}.up_proj": (intermediate, hidden),
+        f"{prefix}.down_proj": (hidden, intermediate),
+    }

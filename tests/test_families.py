@@ -277,54 +277,35 @@ DEEPSEEK_R1_SHRUNK = {
 
 def deepseek_r1(root: Path) -> Path:
     """A DeepSeek-R1-shaped block-FP8 checkpoint: the published config (shrunk), its tensor names and
-    F32 128x128 `weight_scale_inv` grids, BF16 norms, embeddings and lm_head."""
-    from tests.builders import block_quantize, write_files
+    F32 128x128 `weight_scale_inv` grids, BF16 norms, router, embeddings and lm_head."""
+    from tests.builders import block_fp8_checkpoint, mlp_linears
 
     c = {**DEEPSEEK_R1_CONFIG, **DEEPSEEK_R1_SHRUNK}
-    gen = torch.Generator().manual_seed(3)
     hidden, heads, qk = c["hidden_size"], c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
-    attention = {
-        "q_a_proj": (c["q_lora_rank"], hidden),
-        "q_b_proj": (heads * qk, c["q_lora_rank"]),
-        "kv_a_proj_with_mqa": (c["kv_lora_rank"] + c["qk_rope_head_dim"], hidden),
-        "kv_b_proj": (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
-        "o_proj": (hidden, heads * c["v_head_dim"]),
-    }
-    mlp = lambda inter: {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}  # noqa: E731
-    tensors: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": torch.randn(c["vocab_size"], hidden, generator=gen).to(torch.bfloat16),
-        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-        "lm_head.weight": torch.randn(c["vocab_size"], hidden, generator=gen).to(torch.bfloat16),
-    }
     linears: dict[str, tuple[int, int]] = {}
+    extra: dict[str, torch.Tensor] = {}
     for layer in range(c["num_hidden_layers"]):
         p = f"model.layers.{layer}."
-        linears.update({f"{p}self_attn.{n}": shape for n, shape in attention.items()})
+        linears.update(
+            {
+                f"{p}self_attn.q_a_proj": (c["q_lora_rank"], hidden),
+                f"{p}self_attn.q_b_proj": (heads * qk, c["q_lora_rank"]),
+                f"{p}self_attn.kv_a_proj_with_mqa": (c["kv_lora_rank"] + c["qk_rope_head_dim"], hidden),
+                f"{p}self_attn.kv_b_proj": (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
+                f"{p}self_attn.o_proj": (hidden, heads * c["v_head_dim"]),
+            }
+        )
         if layer < c["first_k_dense_replace"]:
-            linears.update({f"{p}mlp.{n}": shape for n, shape in mlp(c["intermediate_size"]).items()})
+            linears.update(mlp_linears(f"{p}mlp", c["intermediate_size"], hidden))
         else:
             for e in range(c["n_routed_experts"]):
-                linears.update({f"{p}mlp.experts.{e}.{n}": s for n, s in mlp(c["moe_intermediate_size"]).items()})
-            linears.update({f"{p}mlp.shared_experts.{n}": s for n, s in mlp(c["moe_intermediate_size"]).items()})
-            tensors[f"{p}mlp.gate.weight"] = torch.randn(c["n_routed_experts"], hidden, generator=gen).to(
-                torch.bfloat16
-            )
-            tensors[f"{p}mlp.gate.e_score_correction_bias"] = torch.zeros(c["n_routed_experts"])
-        for norm in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "self_attn.q_a_layernorm",
-            "self_attn.kv_a_layernorm",
-        ):
-            size = {"self_attn.q_a_layernorm": c["q_lora_rank"], "self_attn.kv_a_layernorm": c["kv_lora_rank"]}
-            tensors[f"{p}{norm}.weight"] = torch.ones(size.get(norm, hidden), dtype=torch.bfloat16)
-    for module, (rows, cols) in linears.items():
-        codes, scales = block_quantize(torch.randn(rows, cols, generator=gen) * 0.02)
-        tensors[f"{module}.weight"], tensors[f"{module}.weight_scale_inv"] = codes, scales
-    root.mkdir(parents=True)
-    names = sorted(tensors)
-    write_files(root, [{n: tensors[n] for n in names[::2]}, {n: tensors[n] for n in names[1::2]}], c)
-    return root
+                linears.update(mlp_linears(f"{p}mlp.experts.{e}", c["moe_intermediate_size"], hidden))
+            linears.update(mlp_linears(f"{p}mlp.shared_experts", c["moe_intermediate_size"], hidden))
+            extra[f"{p}mlp.gate.weight"] = torch.zeros(c["n_routed_experts"], hidden, dtype=torch.bfloat16)
+            extra[f"{p}mlp.gate.e_score_correction_bias"] = torch.zeros(c["n_routed_experts"])
+        extra[f"{p}self_attn.q_a_layernorm.weight"] = torch.ones(c["q_lora_rank"], dtype=torch.bfloat16)
+        extra[f"{p}self_attn.kv_a_layernorm.weight"] = torch.ones(c["kv_lora_rank"], dtype=torch.bfloat16)
+    return block_fp8_checkpoint(root, c, linears, extra=extra, seed=3)
 
 
 @pytest.mark.parametrize("options", [(), ("--to", "e4m3fnuz")])

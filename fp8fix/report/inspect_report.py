@@ -53,4 +53,23 @@ def report_lines(report: Report, verbose: bool = False) -> list[str]:
     lines.append("loaders:")
     for loader, row in report.loaders.items():
         lines.append(f"  {row['verdict']:<11}  {loader}: {row['reason']}")
+    return lines + tensor_parallel_lines(report.tensor_parallel)
+
+
+def tensor_parallel_lines(parallel: dict[str, Any] | None) -> list[str]:
+    """`inspect --tp`: per size, each kind of module whose rank share is not whole blocks."""
+    if parallel is None:
+        return []
+    b0, b1 = parallel["block"]
+    lines = [f"tensor parallel ({parallel['runtime']}, {b0}x{b1} blocks):"]
+    for tp, entry in parallel["sizes"].items():
+        if entry["clean"]:
+            lines.append(f"  TP {tp}: every rank's share is whole blocks")
+            continue
+        lines.append(f"  TP {tp}:")
+        for g in entry["modules"]:
+            share = f"{g['per_rank']} of {g['size']} per rank" if g["per_rank"] is not None else f"{g['size']}"
+            lines.append(f"    {g['behaviour']:<11}  {g['modules']} ({g['role']}, {share}): {g['message']}")
+    clean = ", ".join(map(str, parallel["clean_sizes"])) or "none"
+    lines.append(f"  every share whole blocks at TP: {clean}")
     return lines

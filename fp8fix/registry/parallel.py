@@ -1,0 +1,101 @@
+"""What vLLM 0.32 does with a block-FP8 module whose tensor-parallel slice is not whole blocks, as data.
+
+Each module of an MLP (or attention's output projection) has a role in tensor parallelism, read
+off its name: the dimension vLLM splits across ranks, and what vLLM does when a rank's share
+is not a whole number of blocks. Every rule cites the vLLM 0.32 source it comes from, and
+tests/loaders/test_tensor_parallel.py calls those very functions with the partition sizes
+`fp8fix inspect --tp` reports, so the table cannot drift from the code. Other runtimes and
+other vLLM versions differ (the issue tracker has per-model fixes); fp8fix claims nothing
+about them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from fp8fix.vocab import Verdict
+
+FP8_UTILS = "vllm 0.32 model_executor/layers/quantization/utils/fp8_utils.py"
+MOE_ORACLE = "vllm 0.32 model_executor/layers/fused_moe/oracle/fp8.py"
+LINEAR = "vllm 0.32 model_executor/layers/linear.py"
+
+
+@dataclass(frozen=True)
+class ParallelRole:
+    """How vLLM splits a module across tensor-parallel ranks, and what it does with a partial block."""
+
+    name: str  # row-parallel, merged-column, fused-moe
+    pattern: re.Pattern[str]  # matched against the module path
+    dimension: str  # the split dimension: "in" (columns) or "out" (rows) of the [out, in] weight
+    block_axis: int  # the block size that must divide a rank's share: 0 block_n (rows), 1 block_k (columns)
+    verdict: Verdict  # vLLM 0.32's answer when the share is not whole blocks
+    message: str  # vLLM's own error text or behaviour, formatted with {per_rank}, {block}
+    evidence: str
+    second_message: str = ""  # fused MoE: when block_n divides the share but block_k does not (TP > 1)
+
+
+#: The roles, first match wins. MLP modules of dense layers and shared experts are vLLM's
+#: MergedColumnParallelLinear (gate_up) and RowParallelLinear (down); routed experts go to the fused
+#: MoE layer, which checks (and may refine) the intermediate share of gate, up and down together.
+ROLES: tuple[ParallelRole, ...] = (
+    ParallelRole(  # gate / up: the intermediate is their rows; down: its columns
+        "fused-moe",
+        re.compile(r"(^|\.)experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$"),
+        "intermediate",
+        0,
+        "fails",
+        "The output_size of gate's and up's weight = {per_rank} is not divisible by weight quantization "
+        "block_n = {block}.",
+        f"{FP8_UTILS} validate_fp8_block_shape_moe; {MOE_ORACLE} refine_fp8_moe_block_shape",
+        "The input_size of down's weight = {per_rank} is not divisible by weight quantization block_k = {block}.",
+    ),
+    ParallelRole(
+        "row-parallel",
+        re.compile(r"(^|\.)(down_proj|o_proj|dense_4h_to_h)$"),
+        "in",
+        1,
+        "fails",
+        "Weight input_size_per_partition = {per_rank} is not divisible by weight quantization block_k = {block}.",
+        f"{FP8_UTILS} validate_fp8_block_shape (row parallel)",
+    ),
+    ParallelRole(  # DeepSeek's MLA up-projections: plain ColumnParallelLinear in vLLM's deepseek_v2.py
+        "column-parallel",
+        re.compile(r"(^|\.)(q_b_proj|kv_b_proj)$"),
+        "out",
+        0,
+        "fails",
+        "Weight output_partition_size = {per_rank} is not divisible by weight quantization block_n = {block}.",
+        f"{FP8_UTILS} validate_fp8_block_shape (column parallel)",
+    ),
+    ParallelRole(
+        "merged-column",
+        re.compile(r"(^|\.)(gate_proj|up_proj|gate_up_proj)$"),
+        "out",
+        0,
+        "loads",
+        "merged gate/up layers skip the block check (allow_fp8_block_shape_mismatch); the paired down_proj "
+        "is checked instead",
+        f"{LINEAR} MergedColumnParallelLinear._maybe_allow_fp8_block_shape_mismatch; "
+        f"{FP8_UTILS} validate_fp8_block_shape",
+    ),
+)
+
+#: The finest block vLLM 0.32 refines fused-MoE scales to (gcd of the blocks, the share and hidden).
+MIN_REFINED_BLOCK = 32
+REFINED_MESSAGE = (
+    "FP8 MoE block scales refined from {block}x{block} to {refined}x{refined} to fit the TP-sharded "
+    "intermediate size {per_rank}: only the Triton MoE kernels take refined blocks (no DeepGEMM / CUTLASS "
+    "block kernels: slower)"
+)
+
+
+def role_of(module: str) -> ParallelRole | None:
+    return next((r for r in ROLES if r.pattern.search(module)), None)
+
+
+#: The checkpoint's rows or columns do not split into equal shares at all (vLLM's ensure_divisibility).
+INDIVISIBLE_MESSAGE = "{size} is not divisible by {tp}"
+INDIVISIBLE_EVIDENCE = "vllm 0.32 distributed/utils.py ensure_divisibility (via divide)"
+#: Modules whose intermediate is their columns (the rest of a fused MoE's modules: their rows).
+DOWN_PROJECTIONS = re.compile(r"(^|\.)(down_proj|w2)$")

@@ -1,0 +1,181 @@
+"""`inspect --tp`: block-FP8 modules whose tensor-parallel share is not whole blocks (issue 17), on
+shrunk copies of the reported cases, each keeping what matters: the split dimension divided by the
+TP size is not a multiple of 128 where the real one is not, and is where the real one is.
+
+- Qwen3-30B-A3B-FP8 at TP 4: routed experts' intermediate 768 -> 192 per rank (here 384 -> 96):
+  vLLM 0.32 refines the MoE block grid (64x64 there, 32x32 here), Triton kernels only.
+- DeepSeek-R1 at TP 32: dense MLP intermediate 18432 -> 576 per rank (here 4608 -> 144): the
+  row-parallel down_proj is refused; MLA's q_b / kv_b / o projections split whole (128 heads).
+- Qwen3.6-35B-A3B-FP8 at TP 8: shared expert 512 -> 64 per rank: its down_proj is refused.
+tests/loaders/test_tensor_parallel.py calls vLLM's own validation functions with these shares.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.builders import block_fp8_checkpoint, mlp_linears
+from tests.conftest import run_cli
+from tests.test_families import DEEPSEEK_R1_CONFIG
+
+BLOCK_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def qwen3_moe(root: Path) -> Path:
+    """Qwen3-30B-A3B-FP8's config keys, shrunk: 4 heads of 128 (o_proj splits whole, as 32 x 128 does)."""
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "moe_intermediate_size": 384,
+        "num_experts": 2,
+        "num_experts_per_tok": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 128,
+        "num_hidden_layers": 1,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-06,
+        "vocab_size": 256,
+        "torch_dtype": "bfloat16",
+        "quantization_config": BLOCK_FP8,
+    }
+    p = "model.layers.0"
+    linears = {
+        f"{p}.self_attn.q_proj": (512, 256),
+        f"{p}.self_attn.k_proj": (128, 256),
+        f"{p}.self_attn.v_proj": (128, 256),
+        f"{p}.self_attn.o_proj": (256, 512),
+    }
+    for e in range(2):
+        linears.update(mlp_linears(f"{p}.mlp.experts.{e}", 384, 256))
+    return block_fp8_checkpoint(root, config, linears)
+
+
+def deepseek_dense(root: Path) -> Path:
+    """DeepSeek-R1's published config with sizes shrunk: one dense layer, 128 heads (4 per rank at TP 32,
+    as in the release) of smaller dims, dense intermediate 32 x 144."""
+    config = {
+        **DEEPSEEK_R1_CONFIG,
+        "hidden_size": 256,
+        "intermediate_size": 4608,
+        "q_lora_rank": 128,
+        "kv_lora_rank": 128,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 64,
+        "num_hidden_layers": 1,
+        "first_k_dense_replace": 1,
+        "vocab_size": 256,
+    }
+    p = "model.layers.0"
+    linears = {
+        f"{p}.self_attn.q_a_proj": (128, 256),
+        f"{p}.self_attn.q_b_proj": (128 * 128, 128),
+        f"{p}.self_attn.kv_a_proj_with_mqa": (128 + 64, 256),
+        f"{p}.self_attn.kv_b_proj": (128 * 128, 128),
+        f"{p}.self_attn.o_proj": (256, 128 * 64),
+        **mlp_linears(f"{p}.mlp", 4608, 256),
+    }
+    return block_fp8_checkpoint(root, config, linears)
+
+
+def shared_expert(root: Path) -> Path:
+    """A Qwen-MoE with a shared expert of 512 (Qwen3.6-35B-A3B-FP8's), shrunk elsewhere."""
+    config = {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "hidden_size": 256,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 2,
+        "num_experts_per_tok": 1,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "vocab_size": 256,
+        "torch_dtype": "bfloat16",
+        "quantization_config": BLOCK_FP8,
+    }
+    p = "model.layers.0.mlp"
+    linears = {**mlp_linears(f"{p}.shared_expert", 512, 256)}
+    for e in range(2):
+        linears.update(mlp_linears(f"{p}.experts.{e}", 512, 256))
+    return block_fp8_checkpoint(root, config, linears)
+
+
+CASES = {"qwen3-moe": (qwen3_moe, 4), "deepseek-dense": (deepseek_dense, 32), "shared-expert": (shared_expert, 8)}
+
+
+def tp_report(src: Path, *sizes: int) -> dict[str, Any]:
+    result = run_cli("inspect", src, "--tp", ",".join(map(str, sizes)), "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)["tensor_parallel"]
+
+
+def groups(report: dict[str, Any], tp: int) -> dict[str, dict[str, Any]]:
+    return {g["modules"]: g for g in report["sizes"][str(tp)]["modules"]}
+
+
+def test_qwen3_moe_experts_are_refined_at_tp_4(tmp_path: Path) -> None:
+    report = tp_report(qwen3_moe(tmp_path / "src"), 4, 8)
+    assert report["block"] == [128, 128] and report["runtime"] == "vLLM 0.32"
+    (experts,) = report["sizes"]["4"]["modules"]
+    assert experts["role"] == "fused-moe" and experts["count"] == 6 and experts["per_rank"] == 96
+    assert experts["behaviour"] == "refines" and experts["loads"] and "to 32x32" in experts["message"]
+    at_8 = groups(report, 8)
+    assert any(
+        g["message"] == "The output_size of gate's and up's weight = 48 is not divisible by weight quantization "
+        "block_n = 128."
+        for g in at_8.values()
+    )
+    assert at_8["model.layers.0.self_attn.o_proj"]["message"] == (
+        "Weight input_size_per_partition = 64 is not divisible by weight quantization block_k = 128."
+    )
+    assert report["clean_sizes"] == [1]
+
+
+def test_deepseek_dense_down_proj_is_refused_at_tp_32(tmp_path: Path) -> None:
+    report = tp_report(deepseek_dense(tmp_path / "src"), 32)
+    found = groups(report, 32)
+    assert set(found) == {"model.layers.0.mlp.down_proj", "model.layers.{0}.{mlp.gate_proj,mlp.up_proj}"}
+    down = found["model.layers.0.mlp.down_proj"]
+    assert (down["role"], down["size"], down["per_rank"], down["behaviour"]) == ("row-parallel", 4608, 144, "refuses")
+    assert (
+        down["message"]
+        == "Weight input_size_per_partition = 144 is not divisible by weight quantization block_k = 128."
+    )
+    assert found["model.layers.{0}.{mlp.gate_proj,mlp.up_proj}"]["behaviour"] == "skips-check"
+    assert report["clean_sizes"] == [1, 2, 4]  # 4608 / 4 = 9 blocks; as 18432 / 16 is 9 in the release
+
+
+def test_shared_expert_down_proj_is_refused_at_tp_8(tmp_path: Path) -> None:
+    found = groups(tp_report(shared_expert(tmp_path / "src"), 8), 8)
+    down = found["model.layers.0.mlp.shared_expert.down_proj"]
+    assert (down["per_rank"], down["behaviour"]) == (64, "refuses")
+    experts = next(g for g in found.values() if g["role"] == "fused-moe")
+    assert experts["behaviour"] == "refines" and "to 64x64" in experts["message"]
+
+
+def test_text_report_and_checkpoints_without_blocks(tmp_path: Path) -> None:
+    text = run_cli("inspect", deepseek_dense(tmp_path / "src"), "--tp", "16,32").output
+    assert "tensor parallel (vLLM 0.32, 128x128 blocks):" in text and "  TP 32:" in text
+    assert "every share whole blocks at TP: 1, 2, 4" in text
+    from tests.builders import build, phi3
+
+    plain = build(tmp_path / "plain", phi3())
+    report = json.loads(run_cli("inspect", plain, "--tp", "4", "--json").output)
+    assert report["tensor_parallel"] is None and any("not block-scaled" in n for n in report["notes"])
+
+
+@pytest.mark.parametrize("bad", ["0", "4,x", "-2"])
+def test_bad_sizes_are_usage_errors(tmp_path: Path, bad: str) -> None:
+    result = run_cli("inspect", tmp_path, "--tp", bad)
+    assert result.exit_code == 2 and "--tp" in result.output
