@@ -219,6 +219,7 @@ def cyclic_defaults(entry: dict) -> None:
         (lambda e: e["fused_modules"][1]["shards"][0].update(rows="intermediate_size ** 2"), "unsupported syntax"),
         (lambda e: e.update(defaults={"head_dim": "hidden_size / 2"}), "defaults.head_dim"),
         (lambda e: e["fused_modules"][1].update(shards=e["fused_modules"][1]["shards"][:1]), "at least 2"),
+        (lambda e: e["fused_modules"][1].pop("shards"), "fused_modules[1] has no 'shards'"),
         (lambda e: e["fused_modules"][0].update(block_grid="per-group"), "'per-group' with groups"),
         (lambda e: e["fused_modules"][0].update(block_grid="chunked"), "block_grid of self_attn.qkv_proj"),
     ],
