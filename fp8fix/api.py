@@ -81,6 +81,7 @@ def convert(
     to: Encoding | None = None,
     target: Target = "auto",
     output_format: OutputFormat | None = None,
+    tp: int | None = None,
     verify: bool = False,
     dry_run: bool = False,
     overwrite: bool = False,
@@ -106,6 +107,8 @@ def convert(
     _choice("target", target, TARGETS, optional=False)
     _choice("output_format", output_format, OUTPUT_FORMATS)
     _jobs(jobs)
+    if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
+        raise ValueError(f"tp must be a tensor-parallel size (a whole number >= 1) or None, not {tp!r}")
     with api_errors(), _hub_progress(progress, source):
         reg = _registry(registry, arch_files)
         folder, repo_id = resolve_source(_text(source), revision, token) if isinstance(source, str) else _local(source)
@@ -119,6 +122,7 @@ def convert(
             quiet=not progress,
             verify=verify,
             jobs=jobs,
+            tp=tp,
             source_repo=repo_id,
             revision=revision,
         )

@@ -293,6 +293,12 @@ or unsupported checkpoint, 4 Hub error (the conversion record is printed first).
     type=click.Choice(sorted(ENCODING_NAMES, reverse=True)),
     help="Change the FP8 encoding: e4m3fnuz for AMD MI300-class GPUs, e4m3fn (OCP) back.",
 )
+@click.option(
+    "--tp",
+    type=click.IntRange(min=1),
+    help="Zero-pad block-FP8 MLP intermediates (dense, shared and routed experts) so every rank's share "
+    "is whole blocks at this tensor-parallel size and its divisors; config.json sizes follow; outputs unchanged.",
+)
 @click.option("--verify", is_flag=True, help="Verify OUTPUT against SOURCE before it appears.")
 @jobs_option(
     "Processes writing shards in parallel where the work is CPU-bound (--to, requantizing), and "

@@ -45,6 +45,7 @@ class ConvertOptions:
     quiet: bool = False
     verify: bool = False
     jobs: int = 1  # processes writing shards where the work is CPU-bound (recoding, requantizing), and verifying
+    tp: int | None = None  # pad MLP intermediates so every share is whole blocks at this tensor-parallel size
     source_repo: str | None = None  # the Hub repo SOURCE came from, for the model card
     revision: str | None = None
 
@@ -54,6 +55,7 @@ class ConvertOptions:
             f"--layout {plan.layout}"
             + (f" --format {plan.output_format}" if plan.output_format != "keep" else "")
             + (f" --to {self.to}" if self.to else "")
+            + (f" --tp {self.tp}" if self.tp else "")
             + (" --verify" if self.verify else "")
         )
 
@@ -82,7 +84,7 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
     check_output(source, output, options.overwrite)
     ckpt = open_checkpoint(source)
     model = describe_checkpoint(ckpt, registry)
-    plan = plan_for_target(model, options.layout, options.to, options.target, options.output_format)
+    plan = plan_for_target(model, options.layout, options.to, options.target, options.output_format, options.tp)
     rewritten = plan.config_files
     edits = [edit for _, file_edits in rewritten.values() for edit in file_edits]
     copies = ckpt.copied_files(rewritten)

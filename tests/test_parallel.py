@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.builders import block_fp8_checkpoint, mlp_linears
 from tests.conftest import run_cli
@@ -33,7 +34,7 @@ def qwen3_moe(root: Path) -> Path:
         "hidden_size": 256,
         "intermediate_size": 768,
         "moe_intermediate_size": 384,
-        "num_experts": 2,
+        "num_experts": 4,
         "num_experts_per_tok": 1,
         "num_attention_heads": 4,
         "num_key_value_heads": 1,
@@ -54,9 +55,14 @@ def qwen3_moe(root: Path) -> Path:
         f"{p}.self_attn.v_proj": (128, 256),
         f"{p}.self_attn.o_proj": (256, 512),
     }
-    for e in range(2):
+    for e in range(4):
         linears.update(mlp_linears(f"{p}.mlp.experts.{e}", 384, 256))
-    return block_fp8_checkpoint(root, config, linears)
+    extra = {
+        f"{p}.mlp.gate.weight": torch.zeros(4, 256, dtype=torch.bfloat16),  # the router, BF16
+        f"{p}.self_attn.q_norm.weight": torch.ones(128, dtype=torch.bfloat16),
+        f"{p}.self_attn.k_norm.weight": torch.ones(128, dtype=torch.bfloat16),
+    }
+    return block_fp8_checkpoint(root, config, linears, extra=extra)
 
 
 def deepseek_dense(root: Path) -> Path:
@@ -88,27 +94,38 @@ def deepseek_dense(root: Path) -> Path:
 
 
 def shared_expert(root: Path) -> Path:
-    """A Qwen-MoE with a shared expert of 512 (Qwen3.6-35B-A3B-FP8's), shrunk elsewhere."""
+    """A Qwen-MoE with a shared expert of 512 (Qwen3.6-35B-A3B-FP8's), shrunk elsewhere (Qwen2-MoE's
+    layout, which vLLM's CPU build loads: BF16 attention in `ignored_layers`, 8 experts for TP 8)."""
+    attention = [f"model.layers.0.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
     config = {
         "architectures": ["Qwen2MoeForCausalLM"],
         "model_type": "qwen2_moe",
         "hidden_size": 256,
+        "intermediate_size": 512,
         "moe_intermediate_size": 512,
         "shared_expert_intermediate_size": 512,
-        "num_experts": 2,
+        "num_experts": 8,
         "num_experts_per_tok": 1,
         "num_attention_heads": 8,
-        "num_key_value_heads": 2,
+        "num_key_value_heads": 8,
         "num_hidden_layers": 1,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": False,
+        "rms_norm_eps": 1e-06,
         "vocab_size": 256,
         "torch_dtype": "bfloat16",
-        "quantization_config": BLOCK_FP8,
+        "quantization_config": {**BLOCK_FP8, "ignored_layers": attention},
     }
     p = "model.layers.0.mlp"
     linears = {**mlp_linears(f"{p}.shared_expert", 512, 256)}
-    for e in range(2):
+    for e in range(8):
         linears.update(mlp_linears(f"{p}.experts.{e}", 512, 256))
-    return block_fp8_checkpoint(root, config, linears)
+    extra = {f"{m}.weight": torch.randn(256, 256, dtype=torch.float32).mul(0.02).to(torch.bfloat16) for m in attention}
+    extra.update({f"{m}.bias": torch.zeros(256, dtype=torch.bfloat16) for m in attention[:3]})
+    extra[f"{p}.gate.weight"] = torch.zeros(8, 256, dtype=torch.bfloat16)
+    extra[f"{p}.shared_expert_gate.weight"] = torch.zeros(1, 256, dtype=torch.bfloat16)
+    return block_fp8_checkpoint(root, config, linears, extra=extra)
 
 
 CASES = {"qwen3-moe": (qwen3_moe, 4), "deepseek-dense": (deepseek_dense, 32), "shared-expert": (shared_expert, 8)}
@@ -128,7 +145,7 @@ def test_qwen3_moe_experts_are_refined_at_tp_4(tmp_path: Path) -> None:
     report = tp_report(qwen3_moe(tmp_path / "src"), 4, 8)
     assert report["block"] == [128, 128] and report["runtime"] == "vLLM 0.32"
     (experts,) = report["sizes"]["4"]["modules"]
-    assert experts["role"] == "fused-moe" and experts["count"] == 6 and experts["per_rank"] == 96
+    assert experts["role"] == "fused-moe" and experts["count"] == 12 and experts["per_rank"] == 96
     assert experts["behaviour"] == "refines" and experts["loads"] and "to 32x32" in experts["message"]
     at_8 = groups(report, 8)
     assert any(

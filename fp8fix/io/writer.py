@@ -25,7 +25,9 @@ from fp8fix.numerics.requantize import RequantizeStats, requantize, requantize_m
 from fp8fix.plan.pieces import (
     ConversionPlan,
     CopyRange,
+    Fill,
     OutputShard,
+    PadRows,
     Recode,
     RepeatRange,
     Requantize,
@@ -86,7 +88,10 @@ def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False, jobs: i
 def _cpu_bound(plan: ConversionPlan) -> bool:
     """Recoding and requantizing pass bytes through Python; plain copies are the kernel's (and the disk's)."""
     return any(
-        isinstance(p, Recode | Requantize | RequantizeBlocks) for s in plan.shards for t in s.tensors for p in t.pieces
+        isinstance(p, Recode | Requantize | RequantizeBlocks | PadRows)
+        for s in plan.shards
+        for t in s.tensors
+        for p in t.pieces
     )
 
 
@@ -121,6 +126,10 @@ def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progres
                     _write_all(out, _rescale(sources, piece, tensor.name) * piece.times)
                 elif isinstance(piece, Recode):
                     stats.inexact_codes += _recode(sources, out, piece, tensor.source)
+                elif isinstance(piece, Fill):
+                    _fill(out, piece)
+                elif isinstance(piece, PadRows):
+                    _pad_rows(sources, out, piece, tensor.source)
                 elif isinstance(piece, RequantizeBlocks):
                     error = _requantize_blocks(sources, out, piece, tensor.source)
                     stats.requantized.setdefault(tensor.source, RequantizeStats()).update(error)
@@ -298,3 +307,29 @@ def _requantize_blocks(sources: _Sources, out: int, piece: RequantizeBlocks, sou
         block[...] = np.frombuffer(table.codes, dtype=np.uint8)[block]
     _write_all(out, codes)
     return worst
+
+
+def _fill(out: int, piece: Fill) -> None:
+    """`piece.value` repeated, in writes of at most RECODE_WINDOW bytes."""
+    per_window = max(1, RECODE_WINDOW // max(len(piece.value), 1))
+    for first in range(0, piece.times, per_window):
+        _write_all(out, piece.value * min(per_window, piece.times - first))
+
+
+def _pad_rows(sources: _Sources, out: int, piece: PadRows, source: str) -> None:
+    """Rows copied (recoded or rescaled as the piece says), each followed by its pad, window by window."""
+    rows_per_window = max(1, RECODE_WINDOW // piece.row_bytes)
+    window = rows_per_window * piece.row_bytes
+    for start in range(piece.start, piece.end, window):
+        data: bytes | bytearray = sources.read(piece.path, start, min(piece.end, start + window))
+        if piece.recoding:
+            recoding = RECODINGS[piece.recoding]
+            if any(bytes([c]) in data for c in recoding.forbidden):
+                _refuse_codes(
+                    sources, CopyRange(piece.path, piece.start, piece.end), recoding.forbidden, source, recoding.why
+                )
+            data = recode(data, piece.recoding)
+        if piece.rescale:
+            data = scale_exactly(bytes(data), *piece.rescale)
+        rows = [data[i : i + piece.row_bytes] for i in range(0, len(data), piece.row_bytes)]
+        _write_all(out, piece.pad.join(rows) + piece.pad)

@@ -53,12 +53,14 @@ def output_config(
     compressed_tensors: Scheme | None = None,
     channel: bool = False,
     unfused_config: dict[str, Any] | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> dict[str, tuple[dict[str, Any], list[str]]]:
     """The config files OUTPUT gets where they differ from SOURCE's: name lists following `renames`,
     and where modules were unfused, the config.json keys the registry entry says describe the layout
     (`unfused_config`: MiMo's `attention_projection_layout`), those config.json already has; then,
     with `compressed_tensors`, quantization_config written as compressed-tensors in that scheme; with
-    `channel` (a compressed-tensors source), its weights' strategy made channel.
+    `channel` (a compressed-tensors source), its weights' strategy made channel; with `sizes` (`--tp`
+    padding), those config.json sizes set.
     Convert writes these; verify expects them."""
     from fp8fix.plan.compressed_tensors import channel_strategy_config, compressed_tensors_config
 
@@ -70,6 +72,14 @@ def output_config(
         out[CONFIG] = (
             content,
             [*edits, *(f"{k}: {config[k]!r} -> {v!r} (modules unfused)" for k, v in layout_keys.items())],
+        )
+    changed = {k: v for k, v in (sizes or {}).items() if config.get(k) != v}
+    if changed:
+        content, edits = out.get(CONFIG, (config, []))
+        why = "(MLPs zero-padded: whole blocks per tensor-parallel rank)"
+        out[CONFIG] = (
+            {**content, **changed},
+            [*edits, *(f"{k}: {config[k]} -> {v} {why}" for k, v in changed.items())],
         )
     if compressed_tensors is not None:
         content, edits = out.get(CONFIG, (config, []))

@@ -26,7 +26,9 @@ from fp8fix.numerics.recodings import FN_TO_FNUZ, FNUZ_TO_FN, FNUZ_TO_FN_SAME_SC
 from fp8fix.plan.pieces import (
     CopyRange,
     EncodingChange,
+    Fill,
     OutputShard,
+    PadRows,
     Piece,
     Recode,
     RepeatRange,
@@ -86,6 +88,10 @@ def _recoding_for(t: TensorInfo) -> Recoding:
 
 
 def _recoded(piece: Piece, recoding: Recoding, name: str) -> Piece:
+    if isinstance(piece, Fill):  # the zero codes of padded rows: 0x00 in either encoding
+        return piece
+    if isinstance(piece, PadRows):  # the rows recoded, the zero codes of the padded columns as they are
+        return replace(piece, recoding=recoding.name)
     if isinstance(piece, CopyRange):
         return Recode(piece.path, piece.start, piece.end, recoding.name)
     if isinstance(piece, Requantize) and recoding is FN_TO_FNUZ:
@@ -124,6 +130,10 @@ def _recoded(piece: Piece, recoding: Recoding, name: str) -> Piece:
 
 
 def _rescaled(piece: Piece, dtype: str, factor: float, name: str) -> Piece:
+    if isinstance(piece, Fill):  # the scales of padded blocks multiply zero codes: any positive value does
+        return piece
+    if isinstance(piece, PadRows):
+        return replace(piece, rescale=(dtype, factor))
     if isinstance(piece, CopyRange):
         return Rescale(piece.path, piece.start, piece.end, dtype, factor)
     if isinstance(piece, RepeatRange):

@@ -104,7 +104,36 @@ class Rescale(SourceRange):
         return (self.end - self.start) * self.times
 
 
-Piece = CopyRange | RepeatRange | Requantize | RequantizeBlocks | Recode | Rescale
+@dataclass(frozen=True)
+class PadRows(SourceRange):
+    """Whole rows of `row_bytes` copied from the source, each followed by `pad` (zero codes, or scale
+    values): the columns `--tp` adds to a down projection and its block scales. `recoding` maps the row
+    bytes (fn <-> fnuz) and `rescale` multiplies them ((dtype, factor): scales), as Recode / Rescale do;
+    the pad is written as it is."""
+
+    row_bytes: int
+    pad: bytes
+    recoding: str | None = None
+    rescale: tuple[str, float] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return (self.end - self.start) // self.row_bytes * (self.row_bytes + len(self.pad))
+
+
+@dataclass(frozen=True)
+class Fill:
+    """`value` written `times` times, from no source: zero codes of rows `--tp` adds, or their scales."""
+
+    value: bytes
+    times: int
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.value) * self.times
+
+
+Piece = CopyRange | RepeatRange | Requantize | RequantizeBlocks | Recode | Rescale | PadRows | Fill
 
 
 @dataclass
@@ -193,6 +222,7 @@ class ConversionPlan:
     renames: dict[str, list[str]]  # fused module path -> per-shard module paths (unfused layout)
     has_index: bool
     encoding: EncodingChange | None = None
+    padding: Any = None  # plan.padding.TpPadding with --tp: the MLPs padded and config sizes changed
     sources: dict[str, TensorInfo] = field(default_factory=dict)  # the source's tensors, for messages
     target: Target = "auto"
     output_format: OutputFormat = "keep"

@@ -22,7 +22,8 @@ from fp8fix.plan.encoding import plan_encoding
 from fp8fix.plan.experts import plan_experts
 from fp8fix.plan.fused import plan_fused_module
 from fp8fix.plan.output import planned_checkpoint
-from fp8fix.plan.pieces import ConversionPlan, CopyRange, ModuleChange, OutputShard, OutputTensor
+from fp8fix.plan.padding import plan_tp_padding
+from fp8fix.plan.pieces import ConversionPlan, CopyRange, Fill, ModuleChange, OutputShard, OutputTensor
 from fp8fix.plan.targets import best, candidates
 from fp8fix.registry.architectures import unregistered_note
 from fp8fix.registry.formats import COMPRESSED_TENSORS
@@ -36,6 +37,7 @@ def plan_for_target(
     to: Encoding | None = None,
     target: Target = "auto",
     output_format: OutputFormat | None = None,
+    tp: int | None = None,
 ) -> ConversionPlan:
     """The conversion `convert` writes: `layout` and `output_format` where given, the rest what `target`'s
     loaders take best. An explicit layout alone keeps the source's format: it asks for that change only
@@ -48,21 +50,25 @@ def plan_for_target(
         model.require_convertible()
         found = candidates(model, layout, output_format)
         if not found:  # every candidate refused: plan the first for its error
-            return plan_conversion(model, layout or arch.default_layout, to, output_format or "keep")
+            return plan_conversion(model, layout or arch.default_layout, to, output_format or "keep", tp)
         chosen = best(found, target, arch.default_layout)
-        plan = plan_conversion(model, chosen.layout, to, chosen.output_format)
+        plan = plan_conversion(model, chosen.layout, to, chosen.output_format, tp)
         plan.layout_was_default = layout is None
     else:
-        plan = plan_conversion(model, layout, to, output_format)
+        plan = plan_conversion(model, layout, to, output_format, tp)
     plan.target = target
     return plan
 
 
 def plan_conversion(
-    model: CheckpointModel, layout: Layout, to: Encoding | None = None, output_format: OutputFormat = "keep"
+    model: CheckpointModel,
+    layout: Layout,
+    to: Encoding | None = None,
+    output_format: OutputFormat = "keep",
+    tp: int | None = None,
 ) -> ConversionPlan:
-    """The whole conversion in `layout` and `output_format`: fused-module layout first, then (with `to`)
-    the FP8 encoding, then the tensor names and shapes of the output format."""
+    """The whole conversion in `layout` and `output_format`: fused-module layout first, then (with `tp`)
+    MLP padding, then (with `to`) the FP8 encoding, then the tensor names and shapes of the output format."""
     ckpt = model.checkpoint
     fmt = model.require_format()
     arch_name, arch = model.require_architecture()
@@ -95,6 +101,9 @@ def plan_conversion(
         change, outputs = plan_experts(weight, chosen)
         changes.append(change)
         replacements.update(outputs)
+    padding = plan_tp_padding(model, tp) if tp else None
+    if padding is not None:
+        replacements.update(padding.outputs)
     shards = [_plan_shard(name, header.metadata, header.tensors, replacements) for name, header in ckpt.shards.items()]
     _check_unique_names(shards)
     encoding = plan_encoding(model, shards, to) if to else None
@@ -130,7 +139,9 @@ def plan_conversion(
             compressed_tensors.scheme_of(model, strategy) if strategy else None,
             channel=chosen == "channel" and output_format == "keep",
             unfused_config=arch.unfused_config,
+            sizes=padding.config if padding else None,
         ),
+        padding=padding,
     )
     if model.spec is None:
         plan.notes.append(unregistered_note(arch_name))
@@ -192,6 +203,8 @@ def check_pieces_inside_sources(shards: list[OutputShard], sources: dict[str, Te
     for shard in shards:
         for out in shard.tensors:
             for piece in out.pieces:
+                if isinstance(piece, Fill):  # written from nothing
+                    continue
                 tensors = starts.get(piece.path, [])
                 i = bisect.bisect_right([t.start for t in tensors], piece.start) - 1
                 inside = i >= 0 and tensors[i].start <= piece.start <= piece.end <= tensors[i].end

@@ -99,3 +99,34 @@ INDIVISIBLE_MESSAGE = "{size} is not divisible by {tp}"
 INDIVISIBLE_EVIDENCE = "vllm 0.32 distributed/utils.py ensure_divisibility (via divide)"
 #: Modules whose intermediate is their columns (the rest of a fused MoE's modules: their rows).
 DOWN_PROJECTIONS = re.compile(r"(^|\.)(down_proj|w2)$")
+
+#: `--tp` padding: the config.json size of each MLP's intermediate, by the MLP module's path (first
+#: match), as an expression over config.json. vLLM 0.32 sizes them so: models/qwen3_moe.py and
+#: deepseek_v2.py (routed experts: moe_intermediate_size), qwen2_moe.py (shared_expert:
+#: shared_expert_intermediate_size), deepseek_v2.py and glm4_moe.py (shared_experts:
+#: moe_intermediate_size * n_shared_experts), every dense MLP (intermediate_size).
+PADDED_SIZES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"\.experts\.\d+$"), "moe_intermediate_size"),
+    (re.compile(r"\.shared_expert$"), "shared_expert_intermediate_size"),
+    (re.compile(r"\.shared_experts$"), "moe_intermediate_size * n_shared_experts"),
+    (re.compile(r"(^|\.)mlp$"), "intermediate_size"),
+)
+
+
+def padded_size_of(mlp: str) -> str | None:
+    """The config expression sizing the intermediate of the MLP module `mlp`; None when unknown."""
+    return next((expression for pattern, expression in PADDED_SIZES if pattern.search(mlp)), None)
+
+
+_PROJECTION = re.compile(r"^(.*)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def mlp_weights(shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str, str]]:
+    """MLP module path -> {gate_proj, up_proj, down_proj: weight tensor name}, for every module with all
+    three as 2-D tensors (any dtype), from tensor names and shapes."""
+    found: dict[str, dict[str, str]] = {}
+    for name, shape in shapes.items():
+        m = _PROJECTION.match(name)
+        if m and len(shape) == 2:
+            found.setdefault(m.group(1), {})[m.group(2)] = name
+    return {mlp: w for mlp, w in found.items() if len(w) == 3}

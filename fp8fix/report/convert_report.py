@@ -97,6 +97,7 @@ def plan_lines(plan: ConversionPlan, verbose: bool = False) -> list[str]:
     encoding = encoding_line(plan)
     if encoding:
         lines.append(encoding)
+    lines += padding_lines(plan)
     if not groups:
         lines.append("modules: no fused modules in this checkpoint")
     for g in groups:
@@ -120,6 +121,32 @@ def plan_lines(plan: ConversionPlan, verbose: bool = False) -> list[str]:
 
 def _only(plan: ConversionPlan, module: ModuleChange) -> ConversionPlan:
     return dataclasses.replace(plan, modules=[module])
+
+
+def padding_lines(plan: ConversionPlan) -> list[str]:
+    """`--tp N`: each kind of MLP padded (intermediate before -> after), the growth, the experts note."""
+    padding = plan.padding
+    if padding is None:
+        return []
+    total = plan.total_bytes
+    grown = padding.added_bytes
+    lines = [
+        f"tp {padding.tp}: MLP intermediates zero-padded to multiples of {padding.multiple} "
+        f"(+{human_size(grown)}, {100 * grown / max(total - grown, 1):.2f}% of the checkpoint); outputs unchanged"
+    ]
+    groups: dict[tuple[str, int, int], list[Any]] = defaultdict(list)
+    for m in padding.mlps:
+        groups[(m.size, m.intermediate, m.padded)].append(m)
+    for (size, before, after), members in groups.items():
+        grown = sum(m.added_bytes for m in members)
+        change = f"{before} -> {after}" if after != before else f"{before}, already whole blocks"
+        lines.append(f"  pad {name_pattern([m.module for m in members])} ({size}): {change}, +{human_size(grown)}")
+    if any(".experts." in m.module and m.padded != m.intermediate for m in padding.mlps):
+        lines.append(
+            "  note: routed experts need no padding under expert parallelism (vLLM --enable-expert-parallel "
+            "keeps each expert whole on one rank)"
+        )
+    return lines
 
 
 def loader_lines(plan: ConversionPlan) -> list[str]:
@@ -168,6 +195,15 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
             for s in plan.shards
         ],
         "encoding": None if plan.encoding is None else dataclasses.asdict(plan.encoding),
+        "tensor_parallel": None
+        if plan.padding is None
+        else {
+            "tp": plan.padding.tp,
+            "multiple": plan.padding.multiple,
+            "config": plan.padding.config,
+            "added_bytes": plan.padding.added_bytes,
+            "mlps": [dataclasses.asdict(m) for m in plan.padding.mlps],
+        },
         "loaders": plan_loaders(plan),
         "source_loaders": verdicts_json(plan.source_loaders),
     }

@@ -35,6 +35,7 @@ from fp8fix.model import describe_checkpoint
 from fp8fix.registry.architectures import Registry
 from fp8fix.verification.context import VerifyContext
 from fp8fix.verification.mapping import Target, map_tensors, module_renames
+from fp8fix.verification.padding import check_padded, padded_sizes, padded_tensors
 from fp8fix.verification.repo import check_bytes, check_input_scale, check_repo, compressed_tensors_output
 from fp8fix.verification.report import VerifyReport, WeightCheck
 from fp8fix.verification.shapes import check_shapes
@@ -57,6 +58,7 @@ def verify(
     fmt = model.require_format()
     with SourceFiles() as files:
         ctx = VerifyContext(model, out, fmt, VerifyReport(str(source), str(output)), files)
+        ctx.padded = padded_tensors(ctx)
         checks = _TensorChecks(ctx, map_tensors(ctx))
         with progress_bar(checks.total, "fp8fix verify", quiet) as bar:
             runs = checks.runs(RUNS_PER_JOB * jobs)
@@ -72,7 +74,7 @@ def verify(
                 checks.check(0, len(checks.items), bar)
         scheme = compressed_tensors_output(ctx)
         check_shapes(ctx, checks.mapping, scheme is not None)
-        check_repo(ctx, module_renames(ctx, checks.mapping), scheme)
+        check_repo(ctx, module_renames(ctx, checks.mapping), scheme, padded_sizes(ctx))
     return ctx.report
 
 
@@ -110,7 +112,12 @@ class _TensorChecks:
         ctx = self.ctx
         for (name, targets), cost in zip(self.items[start:end], self.costs[start:end], strict=True):
             weight = self.weights.get(name)
-            if weight is not None and weight.stacked:
+            if name in ctx.padded:  # `--tp`: a padded MLP weight (its scale is checked with it)
+                if name not in self.scale_names:
+                    check = check_padded(ctx, name, weight)
+                    if check is not None:
+                        ctx.report.weights.append(check)
+            elif weight is not None and weight.stacked:
                 ctx.report.weights.append(check_stacked_experts(ctx, weight))
             elif weight is not None:
                 ctx.report.weights.append(check_weight(ctx, weight, targets))

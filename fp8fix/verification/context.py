@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint
 from fp8fix.io.checkpoint import Checkpoint, check_scale_values
@@ -28,6 +29,7 @@ class VerifyContext:
     fmt: FormatSpec
     report: VerifyReport
     files: SourceFiles  # descriptors of both checkpoints' files
+    padded: dict[str, Any] = field(default_factory=dict)  # `--tp`: SOURCE tensors OUTPUT holds padded (padding.py)
 
     @property
     def src(self) -> Checkpoint:

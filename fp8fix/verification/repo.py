@@ -59,7 +59,9 @@ def check_bytes(ctx: VerifyContext, name: str, targets: list[Target]) -> None:
             ctx.report.identical_tensors += 1
 
 
-def check_repo(ctx: VerifyContext, renames: dict[str, list[str]], scheme: Scheme | None) -> None:
+def check_repo(
+    ctx: VerifyContext, renames: dict[str, list[str]], scheme: Scheme | None, sizes: dict[str, int] | None = None
+) -> None:
     """Shard files, index, `format: pt`, config.json (only renamed name-list entries, and the
     compressed-tensors `scheme` where OUTPUT was written as compressed-tensors) and copied files."""
     src, out, report = ctx.src, ctx.out, ctx.report
@@ -79,7 +81,7 @@ def check_repo(ctx: VerifyContext, renames: dict[str, list[str]], scheme: Scheme
             report.problem(f"{name}: __metadata__ has no format: pt")
     unfused_config = ctx.model.spec.unfused_config if ctx.model.spec else None
     rewritten = output_config(
-        src.config, src.root, ctx.fmt.name_lists, renames, scheme, channel_output(ctx), unfused_config
+        src.config, src.root, ctx.fmt.name_lists, renames, scheme, channel_output(ctx), unfused_config, sizes
     )
     if out.config != rewritten.get(CONFIG, (src.config, []))[0]:
         report.problem(

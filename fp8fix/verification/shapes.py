@@ -40,7 +40,9 @@ def check_shapes(ctx: VerifyContext, mapping: dict[str, list[Target]], compresse
         for out_name, parts in by_output.items():
             o = ctx.out.tensors[out_name]
             fused = ctx.model.fused.get(name.rpartition(".")[0])
-            if name in experts_scales and math.prod(o.shape) > 1:
+            if name in ctx.padded:  # `--tp`: grown along one axis (padding.py checks how)
+                expected = {ctx.padded[name].shape(t.shape)}
+            elif name in experts_scales and math.prod(o.shape) > 1:
                 expected = {t.shape, *experts_scales[name]}
             elif name in weight_scales and len(o.shape) == 2 and o.shape[1] == 1 and o.shape != t.shape:
                 expected = {(_weight_rows(ctx, out_name), 1)}  # the channel layout: one scale per row

@@ -79,7 +79,7 @@ def check_stacked_experts(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
         for r0 in range(0, rows, step_rows):
             r1 = min(rows, r0 + step_rows)
             a, b = ctx.read_rows(w, r0, r1, cols), ctx.read_rows(o, r0, r1, cols)
-            if not _same_values(a, b, w.dtype, o.dtype, ratios[0], name, r0, cols):
+            if not same_values(a, b, w.dtype, o.dtype, ratios[0], name, r0, cols):
                 experts_of_rows = torch.arange(r0, r1) // inner
                 s_src, s_out = src_grid[experts_of_rows].float(), out_grid[experts_of_rows].float()
                 _compare_values(w, o, target, r0, r1, a, b, s_src, s_out, check)
@@ -156,7 +156,7 @@ def _compare_rows(
             r1 = min(end, r0 + step_rows)
             a, b = ctx.read_rows(w, r0, r1, cols), ctx.read_rows(o, r0 + shift, r1 + shift, cols)
             exact_ratio = is_power_of_two(ratio)
-            if exact_ratio and _same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 + shift, cols):
+            if exact_ratio and same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 + shift, cols):
                 continue
             if _as_mapped(w, o, a, b, r0, shift, cols, src_scales, out_scales, check, exact_ratio):
                 continue
@@ -174,7 +174,7 @@ def _runs(start: int, end: int, key: Callable[[int], object]) -> Iterator[tuple[
         row = stop
 
 
-def _same_values(a: bytes, b: bytes, src: str, out: str, ratio: float, name: str, row0: int, cols: int) -> bool:
+def same_values(a: bytes, b: bytes, src: str, out: str, ratio: float, name: str, row0: int, cols: int) -> bool:
     """True when `b` is exactly `a`'s values at the new scale; False when some codes round (check those
     with floats); raises on anything else."""
     expected, rounded, overflow = value_map(src, out, ratio)
@@ -331,7 +331,7 @@ def _compare_block(
         o0 = r0 - target.start + target.out_offset
         a, b = ctx.read_rows(w, r0, r1, cols), ctx.read_rows(o, o0, o0 + (r1 - r0), cols)
         same_scales = all(x * ratio == y for x, y in zip(s_src, s_out, strict=True))
-        if same_scales and _same_values(a, b, w.dtype, o.dtype, ratio, o.name, o0, cols):
+        if same_scales and same_values(a, b, w.dtype, o.dtype, ratio, o.name, o0, cols):
             continue
         block = ctx.fmt.block
         _compare_values(

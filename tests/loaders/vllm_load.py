@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import vllm._custom_ops as ops  # noqa: E402
 from harness import run, scaled  # noqa: E402  (this folder, first on sys.path when run as a script)
 from vllm.config import set_current_vllm_config  # noqa: E402
+from vllm.distributed import parallel_state  # noqa: E402
 from vllm.distributed.parallel_state import (  # noqa: E402
     ensure_model_parallel_initialized,
     init_distributed_environment,
@@ -80,7 +81,10 @@ def scale_of(layer: torch.nn.Module) -> torch.Tensor:
 _DISTRIBUTED: list[bool] = []
 
 
-def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+def build_model(folder: Path, tp: int = 1, rank: int = 0) -> torch.nn.Module:
+    """vLLM's model for `folder`, weights loaded, as rank `rank` of a tensor-parallel group of `tp`: the
+    process group has one member; the TP group's size and rank (what get_tensor_model_parallel_world_size
+    and _rank return) are set before the model is built, so every layer holds that rank's slice."""
     args = EngineArgs(
         model=str(folder),
         skip_tokenizer_init=True,
@@ -88,7 +92,9 @@ def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
         dtype="bfloat16",
         max_model_len=64,
         load_format="safetensors",
-        trust_remote_code=True,  # MiMo-V2.5's config class ships with the checkpoint (tests/builders.mimo_v2)
+        # MiMo-V2.5's config class ships with the checkpoint (tests/builders.mimo_v2); DeepSeek's auto_map
+        # names remote code the test checkpoints do not carry, and transformers has its config class
+        trust_remote_code=any(folder.glob("configuration_*.py")),
     )
     config = args.create_engine_config()
     with set_current_vllm_config(config):
@@ -98,7 +104,13 @@ def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
             )
             ensure_model_parallel_initialized(1, 1)
             _DISTRIBUTED.append(True)
-        model = get_model(vllm_config=config)
+        group = parallel_state.get_tp_group()
+        group.world_size, group.rank_in_group = tp, rank
+        return get_model(vllm_config=config)
+
+
+def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    model = build_model(folder)
     layers = {
         name: module
         for name, module in model.named_modules()
