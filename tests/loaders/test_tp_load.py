@@ -46,6 +46,15 @@ def load_ranks(folder: Path, tp: int, out: Path) -> list[tuple[dict, dict[str, t
     return ranks
 
 
+def source_rank0(src: Path, tp: int, out: Path) -> dict:
+    """What vLLM does with the unpadded source as rank 0 of `tp` (its result.json)."""
+    code = "from pathlib import Path; import vllm_tp_load as v; " + (
+        f"v.load_rank(Path({str(src)!r}), {tp}, 0, Path({str(out)!r}))"
+    )
+    subprocess.run([interpreter("vllm"), "-c", code], cwd=HERE, capture_output=True, timeout=600)
+    return json.loads((out / "result.json").read_text())
+
+
 def swiglu(
     gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, x: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,14 +93,9 @@ def test_qwen3_moe_padded_for_tp_4_loads_as_every_rank(tmp_path: Path) -> None:
         assert torch.equal(gate, dequant(out, f"{p}.gate_proj")) and torch.equal(up, dequant(out, f"{p}.up_proj"))
         assert torch.equal(down, dequant(out, f"{p}.down_proj"))
         same_mlp(s, gate, up, down, p)
-    (source_rank0, _), *_ = load_ranks(src, 1, tmp_path / "src-tp1")  # the source loads at TP 1 ...
-    assert source_rank0["loaded"]
-    code = (
-        "from pathlib import Path; import vllm_tp_load as v; "
-        f"v.load_rank(Path({str(src)!r}), 4, 0, Path({str(tmp_path / 'src-tp4')!r}))"
-    )
-    subprocess.run([interpreter("vllm"), "-c", code], cwd=HERE, capture_output=True, timeout=600)
-    refined = json.loads((tmp_path / "src-tp4" / "result.json").read_text())["moe_refined"]
+    (at_tp1, _), *_ = load_ranks(src, 1, tmp_path / "src-tp1")  # the source loads at TP 1 ...
+    assert at_tp1["loaded"]
+    refined = source_rank0(src, 4, tmp_path / "src-tp4")["moe_refined"]
     assert refined == {layer: [4, 4]}  # ... and at TP 4 only with its blocks refined to 32x32 (Triton only)
 
 
@@ -110,12 +114,7 @@ def test_deepseek_dense_padded_for_tp_32_loads_as_every_rank(tmp_path: Path) -> 
     assert share == 8192 // 32 and down.shape == (256, 8192)
     assert torch.equal(gate, dequant(out, f"{p}.gate_proj")) and torch.equal(down, dequant(out, f"{p}.down_proj"))
     same_mlp(s, gate, up, down, p)
-    code = (
-        "from pathlib import Path; import vllm_tp_load as v; "
-        f"v.load_rank(Path({str(src)!r}), 32, 0, Path({str(tmp_path / 'src-tp32')!r}))"
-    )
-    subprocess.run([interpreter("vllm"), "-c", code], cwd=HERE, capture_output=True, timeout=600)
-    refused = json.loads((tmp_path / "src-tp32" / "result.json").read_text())
+    refused = source_rank0(src, 32, tmp_path / "src-tp32")
     assert not refused["loaded"]
     assert (
         "Weight input_size_per_partition = 144 is not divisible by weight quantization block_k = 128."
@@ -137,12 +136,7 @@ def test_shared_expert_padded_for_tp_8_loads_as_every_rank(tmp_path: Path) -> No
     down = torch.cat([w[f"{p}.down_proj"] for _, w in ranks], dim=1)
     assert share == 1024 // 8 and torch.equal(down, dequant(out, f"{p}.down_proj"))
     same_mlp(s, gate, up, down, p)
-    code = (
-        "from pathlib import Path; import vllm_tp_load as v; "
-        f"v.load_rank(Path({str(src)!r}), 8, 0, Path({str(tmp_path / 'src-tp8')!r}))"
-    )
-    subprocess.run([interpreter("vllm"), "-c", code], cwd=HERE, capture_output=True, timeout=600)
-    refused = json.loads((tmp_path / "src-tp8" / "result.json").read_text())
+    refused = source_rank0(src, 8, tmp_path / "src-tp8")
     assert not refused["loaded"]
     assert (
         "Weight input_size_per_partition = 64 is not divisible by weight quantization block_k = 128."
