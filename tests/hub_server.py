@@ -163,7 +163,8 @@ class FakeHub:
                             },
                         )
                     if rest[0] == "commit":
-                        return self._commit(repo, unquote("/".join(rest[1:])), body)
+                        create_pr = "create_pr=1" in (url.query or "")
+                        return self._commit(repo, unquote("/".join(rest[1:])), body, create_pr)
                 self._send(404, {"error": f"not implemented: {method} {url.path}"})
 
             def _resolve(self, method: str, repo: str, name: str) -> None:
@@ -190,7 +191,9 @@ class FakeHub:
                 if method == "GET":
                     self.wfile.write(data)
 
-            def _commit(self, repo: str, revision: str, body: bytes) -> None:
+            def _commit(self, repo: str, revision: str, body: bytes, open_pr: bool = False) -> None:
+                """A commit to `revision`; with `open_pr` (the client's create_pr=1) a pull request opened
+                with it, titled by the commit, its commit on refs/pr/N."""
                 if hub.fail_commit_after is not None and len(hub.commits) >= hub.fail_commit_after:
                     return self._send(500, {"error": "interrupted"})
                 header: dict[str, Any] = {}
@@ -201,6 +204,20 @@ class FakeHub:
                         header = item["value"]
                     elif item["key"] == "file":
                         files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                pr_url = None
+                if open_pr:
+                    num = len(hub.pull_requests) + 1
+                    entry = {
+                        "num": num,
+                        "title": header.get("summary", ""),
+                        "status": "open",
+                        "isPullRequest": True,
+                        "author": {"name": "me"},
+                        "createdAt": "2026-11-29T00:00:00.000Z",
+                        "repo": {"name": repo, "type": "model"},
+                    }
+                    hub.pull_requests.append({"repo": repo, "entry": entry, "description": header.get("description")})
+                    revision, pr_url = f"refs/pr/{num}", f"{hub.url}/{repo}/discussions/{num}"
                 create_pr = revision.startswith("refs/pr/")
                 hub.trees.setdefault((repo, revision), {}).update(files)
                 hub.commits.append(
@@ -208,6 +225,8 @@ class FakeHub:
                 )
                 oid = f"{len(hub.commits):040x}"
                 answer: dict[str, Any] = {"commitUrl": f"{hub.url}/{repo}/commit/{oid}", "commitOid": oid}
+                if pr_url:
+                    answer["pullRequestUrl"] = pr_url
                 if not create_pr:
                     hub.repos.setdefault(repo, {})["sha"] = oid
                 self._send(200, answer)

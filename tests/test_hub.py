@@ -331,3 +331,20 @@ def test_convert_json_keeps_the_record_when_the_push_fails(tmp_path: Path, fake_
     assert record["pushed"] is None and record["push_error"]["exit_code"] == 4
     assert "no permission" in record["push_error"]["message"] and "retry with" in record["push_error"]["message"]
     assert proc.stderr.startswith("Error: me/x: no permission")
+
+
+def test_a_large_pull_request_is_one_pull_request_a_rerun_continues(tmp_path: Path, fake_hub: FakeHub) -> None:
+    src = build(tmp_path / "src", phi3())
+    out = tmp_path / "out"
+    env = online_env(tmp_path, fake_hub)
+    assert fp8fix("convert", src, out, "--format", "keep", "-q", env=env).returncode == 0
+    files = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    args = ("push", "org/big", out, "--create-pr", "--commit-size", "1KB", "--commit-message", "Fix")
+    fake_hub.fail_commit_after = 2
+    assert fp8fix(*args, env=env).returncode == 4
+    fake_hub.fail_commit_after = None
+    again = fp8fix(*args, env=env)
+    assert again.returncode == 0 and again.stdout.strip() == f"pushed: {fake_hub.url}/org/big/discussions/1"
+    assert len(fake_hub.pull_requests) == 1 and fake_hub.pull_requests[0]["entry"]["title"].startswith("Fix (parent ")
+    assert all(c.revision == "refs/pr/1" for c in fake_hub.commits)
+    assert sorted(n for c in fake_hub.commits for n in c.files) == sorted(files)

@@ -182,21 +182,25 @@ def push_folder(
             message = f"{message} (parent {parent[:12]})" if parent else message
             discussions = api.get_repo_discussions(repo_id, discussion_type="pull_request", discussion_status="open")
             pr = next((pr for pr in discussions if pr.title == message), None)
-            if pr is None:  # as upload_folder does: the pull request first, then its commits on refs/pr/N
-                pr = api.create_pull_request(repo_id, title=message, description=commit_message)
-            revision, url = pr.git_reference, str(pr.url)
+            if pr is not None:  # continue it: its commits go to refs/pr/N
+                revision, url = pr.git_reference, str(pr.url)
         local = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
         present = _remote_files(api, repo_id, revision)
         todo = [(name, path.stat().st_size) for name, path in local.items() if not _same(path, present.get(name))]
         batches = upload_batches(todo, commit_bytes)
         for i, batch in enumerate(batches):
+            opens_pr = create_pr and revision is None  # the first commit opens the pull request, titled `message`
             info = api.create_commit(
                 repo_id,
                 [CommitOperationAdd(path_in_repo=name, path_or_fileobj=local[name]) for name in batch],
-                commit_message=message if len(batches) == 1 else f"{message} ({i + 1}/{len(batches)})",
+                commit_message=message if opens_pr or len(batches) == 1 else f"{message} ({i + 1}/{len(batches)})",
+                create_pr=opens_pr,
                 revision=revision,
             )
-            url = url if create_pr else str(info.commit_url)
+            if opens_pr:
+                revision, url = info.pr_revision, str(info.pr_url)
+            elif not create_pr:
+                url = str(info.commit_url)
     return url or f"{api.endpoint}/{repo_id}"
 
 
