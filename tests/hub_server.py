@@ -47,6 +47,20 @@ class FakeHub:
     fail_commit_after: int | None = None  # answer HTTP 500 to commits once this many have landed
     url: str = ""
 
+    def open_pull_request(self, repo: str, title: str, description: str | None) -> dict[str, Any]:
+        """A new open pull request on `repo`, as the discussions API lists it."""
+        entry = {
+            "num": len(self.pull_requests) + 1,
+            "title": title,
+            "status": "open",
+            "isPullRequest": True,
+            "author": {"name": "me"},
+            "createdAt": "2026-11-29T00:00:00.000Z",
+            "repo": {"name": repo, "type": "model"},
+        }
+        self.pull_requests.append({"repo": repo, "entry": entry, "description": description})
+        return entry
+
     def start(self) -> FakeHub:
         hub = self
 
@@ -120,20 +134,10 @@ class FakeHub:
                             for name, data in sorted(content.items())
                         ]
                         return self._send(200, entries)
-                    if rest[0] == "discussions" and method == "POST":  # create_pr: the PR first, then its commit
+                    if rest[0] == "discussions" and method == "POST":  # a pull request opened on its own
                         data = json.loads(body)
-                        num = len(hub.pull_requests) + 1
-                        entry = {
-                            "num": num,
-                            "title": data.get("title", ""),
-                            "status": "open",
-                            "isPullRequest": True,
-                            "author": {"name": "me"},
-                            "createdAt": "2026-11-29T00:00:00.000Z",
-                            "repo": {"name": repo, "type": "model"},
-                        }
-                        hub.pull_requests.append({"repo": repo, "entry": entry, "description": data.get("description")})
-                        return self._send(200, {**entry, "url": f"{hub.url}/{repo}/discussions/{num}"})
+                        entry = hub.open_pull_request(repo, data.get("title", ""), data.get("description"))
+                        return self._send(200, {**entry, "url": f"{hub.url}/{repo}/discussions/{entry['num']}"})
                     if rest[0] == "discussions" and len(rest) == 2:
                         pr = next(
                             p for p in hub.pull_requests if p["repo"] == repo and p["entry"]["num"] == int(rest[1])
@@ -206,17 +210,7 @@ class FakeHub:
                         files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
                 pr_url = None
                 if open_pr:
-                    num = len(hub.pull_requests) + 1
-                    entry = {
-                        "num": num,
-                        "title": header.get("summary", ""),
-                        "status": "open",
-                        "isPullRequest": True,
-                        "author": {"name": "me"},
-                        "createdAt": "2026-11-29T00:00:00.000Z",
-                        "repo": {"name": repo, "type": "model"},
-                    }
-                    hub.pull_requests.append({"repo": repo, "entry": entry, "description": header.get("description")})
+                    num = hub.open_pull_request(repo, header.get("summary", ""), header.get("description"))["num"]
                     revision, pr_url = f"refs/pr/{num}", f"{hub.url}/{repo}/discussions/{num}"
                 create_pr = revision.startswith("refs/pr/")
                 hub.trees.setdefault((repo, revision), {}).update(files)
