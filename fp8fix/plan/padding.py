@@ -71,6 +71,11 @@ def plan_tp_padding(model: CheckpointModel, tp: int) -> TpPadding:
     old = {mlp: _evaluate(expr, config, mlp) for mlp, expr in sizes.items()}
     for mlp, weights in mlps.items():
         found = weights["gate_proj"].shape[0]
+        if weights["up_proj"].shape[0] != found or weights["down_proj"].shape[1] != found:
+            raise UnsupportedCheckpoint(
+                f"'{mlp}': gate_proj has {found} rows, up_proj {weights['up_proj'].shape[0]}, down_proj "
+                f"{weights['down_proj'].shape[1]} columns: not one intermediate size, nothing to pad to"
+            )
         if old[mlp] != found:
             raise UnsupportedCheckpoint(
                 f"config.json: '{sizes[mlp]}' is {old[mlp]}, but '{mlp}' has an intermediate of {found}: "
