@@ -248,6 +248,7 @@ Examples:
   fp8fix convert ./model ./out --layout per-shard --overwrite --json
   fp8fix convert ./model ./model-mi300 --to e4m3fnuz --layout fused --verify
   fp8fix convert ./model ./out --layout channel --dry-run
+  fp8fix convert ./DeepSeek-R1 ./DeepSeek-R1-tp32 --tp 32 --verify   # whole 128-blocks per rank
   fp8fix convert org/model-FP8 ./out --revision main --push-to-hub me/model-FP8-fixed --create-pr
 
 \b
@@ -420,6 +421,7 @@ Examples:
   fp8fix inspect org/model-FP8 --revision main     # headers only, no weights downloaded
   fp8fix inspect ./model --scan-data --json > report.json
   fp8fix inspect ./model --strict -q    # CI gate: exit 1 if convert would fix something
+  fp8fix inspect ./model --tp 4,8       # block-FP8 modules whose rank share is not whole blocks
 
 \b
 Exit codes: 0 inspected (no --strict finding), 1 --strict and a finding convert
