@@ -107,6 +107,10 @@ def test_verify_catches_a_nonzero_padding_and_a_size_without_padding(tmp_path: P
     patch_bytes(out, "model.layers.0.mlp.down_proj.weight", {4608 + 7: 0x38})  # row 0, a padded column
     result = run_cli("verify", src, out)
     assert result.exit_code == 1 and "down_proj.weight' rows 0" in result.output and "other than zero" in result.output
+    patch_bytes(out, "model.layers.0.mlp.down_proj.weight", {4608 + 7: 0x00})
+    patch_bytes(out, "model.layers.0.mlp.gate_proj.weight", {8000 * 256 + 3: 0x38})  # an appended row, late
+    result = run_cli("verify", src, out)
+    assert result.exit_code == 1 and "gate_proj.weight' rows" in result.output and "other than zero" in result.output
     plain = tmp_path / "plain"
     assert run_cli("convert", src, plain, "-q").exit_code == 0
     config = json.loads((plain / "config.json").read_text())

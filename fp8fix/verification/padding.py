@@ -105,25 +105,27 @@ def _scale_ratio(ctx: VerifyContext, weight: Fp8Weight) -> float:
 
 
 def _compare(ctx: VerifyContext, t: TensorInfo, o: TensorInfo, padded: Padded, ratio: float) -> None:
-    """SOURCE's values in OUTPUT's original region and zero codes in the padding, chunk by chunk of rows."""
+    """SOURCE's values in OUTPUT's original region and zero codes in the padding, chunk by chunk of rows:
+    SOURCE's rows (for down, each followed by its zero columns), then the rows appended (gate, up)."""
     item = ITEM_SIZE[t.dtype]
     rows, cols = t.shape
     out_rows, out_cols = o.shape
     step = max(1, CHUNK_ELEMENTS // max(out_cols, 1))
-    for r0 in range(0, out_rows, step):
-        r1 = min(out_rows, r0 + step)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
         b = ctx.read_rows(o, r0, r1, out_cols)
-        if r0 >= rows:  # appended rows (gate, up)
-            pad: bytes = b
-        elif padded.axis == 1:  # each row: the source row, then zero columns (down)
+        if padded.axis == 1:
             b, pad = _split_rows(b, cols * item, out_cols * item)
-        else:
-            r1 = min(r1, rows)
-            b, pad = ctx.read_rows(o, r0, r1, out_cols), b""
-        if pad.count(0) != len(pad):
-            raise Mismatch(f"'{o.name}' rows {r0}..{r1 - 1}: the padding holds codes other than zero")
-        if r0 < rows:
-            _same(ctx.read_rows(t, r0, min(r1, rows), cols), b, t.dtype, o.dtype, ratio, o.name, r0, cols)
+            _zeros(pad, o.name, r0, r1)
+        _same(ctx.read_rows(t, r0, r1, cols), b, t.dtype, o.dtype, ratio, o.name, r0, cols)
+    for r0 in range(rows, out_rows, step):
+        r1 = min(out_rows, r0 + step)
+        _zeros(ctx.read_rows(o, r0, r1, out_cols), o.name, r0, r1)
+
+
+def _zeros(pad: bytes, name: str, r0: int, r1: int) -> None:
+    if pad.count(0) != len(pad):
+        raise Mismatch(f"'{name}' rows {r0}..{r1 - 1}: the padding holds codes other than zero")
 
 
 def _split_rows(data: bytes, width: int, stride: int) -> tuple[bytes, bytes]:
