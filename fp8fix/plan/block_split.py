@@ -47,8 +47,7 @@ def split_block_scaled(
     scales: list[OutputTensor] = []
     counts = BlockCounts()
     for shard, (weight_name, scale_name) in enumerate(names):
-        rows = [r for a, b in m.shard_segments(shard) for r in (a, b)]
-        spans = list(zip(rows[::2], rows[1::2], strict=True))
+        spans = m.shard_segments(shard)
         total = sum(b - a for a, b in spans)
         w_pieces: list[Piece] = []
         s_pieces: list[Piece] = []
