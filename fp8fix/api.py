@@ -100,18 +100,17 @@ def convert(
     """
     from fp8fix.conversion import ConvertOptions
     from fp8fix.conversion import convert as run_convert
-    from fp8fix.io.hub import resolve_source
 
     _choice("layout", layout, LAYOUTS)
     _choice("to", to, ENCODING_NAMES)
     _choice("target", target, TARGETS, optional=False)
     _choice("output_format", output_format, OUTPUT_FORMATS)
-    _jobs(jobs)
-    if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
-        raise ValueError(f"tp must be a tensor-parallel size (a whole number >= 1) or None, not {tp!r}")
+    _count("jobs", jobs)
+    if tp is not None:
+        _count("tp", tp, "or None")
     with api_errors(), _hub_progress(progress, source):
         reg = _registry(registry, arch_files)
-        folder, repo_id = resolve_source(_text(source), revision, token) if isinstance(source, str) else _local(source)
+        folder, repo_id = _source(source, revision, token)
         options = ConvertOptions(
             layout=layout,
             to=to,
@@ -148,17 +147,14 @@ def inspect(
     if isinstance(tp, int) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in tp):
         raise ValueError(f"tp must be a list of tensor-parallel sizes (whole numbers >= 1), not {tp!r}")
     from fp8fix.inspection import inspect_checkpoint
-    from fp8fix.io.hub import is_repo_id, remote_headers, resolve_source
+    from fp8fix.io.hub import is_repo_id, remote_headers
 
     with api_errors(), _hub_progress(progress, source):  # downloads of a Hub SOURCE's config files
         reg = _registry(registry, arch_files)
-        if not isinstance(source, str):
-            report = inspect_checkpoint(_local(source)[0], scan_data=scan_data, registry=reg, tp=tp)
-        else:
-            text = _text(source)
-            remote = remote_headers(text, revision, token) if is_repo_id(text) and not scan_data else None
-            checkpoint = remote or resolve_source(text, revision, token)[0]
-            report = inspect_checkpoint(checkpoint, scan_data=scan_data, registry=reg, tp=tp)
+        hub = isinstance(source, str) and is_repo_id(source) and not scan_data
+        remote = remote_headers(source, revision, token) if isinstance(source, str) and hub else None
+        checkpoint = remote or _source(source, revision, token)[0]
+        report = inspect_checkpoint(checkpoint, scan_data=scan_data, registry=reg, tp=tp)
         report.source = os.fspath(source)
         return report
 
@@ -175,13 +171,12 @@ def verify(
     progress: bool = False,
 ) -> VerifyReport:
     """Check that `output` is a faithful conversion of `source`; `report.ok`, `report.problems`."""
-    from fp8fix.io.hub import resolve_source
     from fp8fix.verification import verify as run_verify
 
-    _jobs(jobs)
+    _count("jobs", jobs)
     with api_errors(), _hub_progress(progress, source):
         reg = _registry(registry, arch_files)
-        folder = resolve_source(_text(source), revision, token)[0] if isinstance(source, str) else _local(source)[0]
+        folder = _source(source, revision, token)[0]
         return run_verify(folder, Path(output), quiet=not progress, registry=reg, jobs=jobs)
 
 
@@ -311,22 +306,25 @@ def _choice(name: str, value: object, valid: Iterable[str], optional: bool = Tru
     raise ValueError(f"{name} must be one of {listed}, not {value!r}")
 
 
-def _jobs(jobs: object) -> None:
-    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
-        raise ValueError(f"jobs must be a whole number of processes, at least 1, not {jobs!r}")
+#: What each count option counts, for its ValueError.
+_COUNTS = {"jobs": "a whole number of processes, at least 1", "tp": "a tensor-parallel size (a whole number >= 1)"}
 
 
-def _text(source: str) -> str:
+def _count(name: str, value: object, alternative: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be {_COUNTS[name]}{' ' + alternative if alternative else ''}, not {value!r}")
+
+
+def _source(source: PathArg, revision: str | None, token: str | None) -> tuple[Path, str | None]:
+    """The folder to read and the Hub repo id, if any: a `str` SOURCE may be a Hub repo id (as on the
+    command line); a path object is always a local folder."""
+    from fp8fix.io.hub import local_folder, resolve_source
+
+    if not isinstance(source, str):
+        return local_folder(source), None
     if not source:
         raise ValueError("source must name a checkpoint folder or a Hub repo id, not ''")
-    return source
-
-
-def _local(source: PathArg) -> tuple[Path, None]:
-    """A path object SOURCE: always a local folder, never a Hub id."""
-    from fp8fix.io.hub import local_folder
-
-    return local_folder(source), None
+    return resolve_source(source, revision, token)
 
 
 def _registry(registry: Registry | None, arch_files: Sequence[PathArg]) -> Registry:
