@@ -229,7 +229,7 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> int:
 
 def _refuse_codes(
     sources: _Sources,
-    piece: CopyRange | Recode | Requantize | RequantizeBlocks,
+    piece: CopyRange | Recode | Requantize | RequantizeBlocks | PadRows,
     codes: tuple[int, ...],
     source: str,
     what: str,
@@ -270,10 +270,15 @@ def _recode(sources: _Sources, out: int, piece: Recode, source: str) -> int:
 
 
 def _rescale(sources: SourceFiles, piece: Rescale, name: str) -> bytes:
+    return _scaled(sources.read(piece.path, piece.start, piece.end), piece.dtype, piece.factor, piece.path, name)
+
+
+def _scaled(data: bytes, dtype: str, factor: float, path: Path, name: str) -> bytes:
+    """Scales multiplied by a power of two, exactly, or a clear error naming the scale."""
     try:
-        return scale_exactly(sources.read(piece.path, piece.start, piece.end), piece.dtype, piece.factor)
+        return scale_exactly(data, dtype, factor)
     except ValueError as e:
-        raise InvalidCheckpoint(f"{piece.path.name}: scale '{name}': {e}; cannot convert it exactly") from e
+        raise InvalidCheckpoint(f"{path.name}: scale '{name}': {e}; cannot convert it exactly") from e
 
 
 def _requantize(sources: _Sources, out: int, piece: Requantize, source: str) -> RequantizeStats:
@@ -318,18 +323,16 @@ def _fill(out: int, piece: Fill) -> None:
 
 def _pad_rows(sources: _Sources, out: int, piece: PadRows, source: str) -> None:
     """Rows copied (recoded or rescaled as the piece says), each followed by its pad, window by window."""
+    if piece.recoding:
+        recoding = RECODINGS[piece.recoding]
+        _refuse_codes(sources, piece, recoding.forbidden, source, recoding.why)
     rows_per_window = max(1, RECODE_WINDOW // piece.row_bytes)
     window = rows_per_window * piece.row_bytes
     for start in range(piece.start, piece.end, window):
         data: bytes | bytearray = sources.read(piece.path, start, min(piece.end, start + window))
         if piece.recoding:
-            recoding = RECODINGS[piece.recoding]
-            if any(bytes([c]) in data for c in recoding.forbidden):
-                _refuse_codes(
-                    sources, CopyRange(piece.path, piece.start, piece.end), recoding.forbidden, source, recoding.why
-                )
             data = recode(data, piece.recoding)
         if piece.rescale:
-            data = scale_exactly(bytes(data), *piece.rescale)
+            data = _scaled(bytes(data), *piece.rescale, piece.path, source)
         rows = [data[i : i + piece.row_bytes] for i in range(0, len(data), piece.row_bytes)]
         _write_all(out, piece.pad.join(rows) + piece.pad)
