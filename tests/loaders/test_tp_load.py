@@ -55,6 +55,17 @@ def source_rank0(src: Path, tp: int, out: Path) -> dict:
     return json.loads((out / "result.json").read_text())
 
 
+def merged_mlp(
+    ranks: list[tuple[dict, dict[str, torch.Tensor]]], prefix: str
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A dense MLP put back together from the ranks' slices: (share per rank, gate, up, down). Each rank
+    holds [its gate rows; its up rows] in gate_up_proj and its columns of down_proj."""
+    gate_up = [w[f"{prefix}.gate_up_proj"] for _, w in ranks]
+    share = gate_up[0].shape[0] // 2
+    gate, up = torch.cat([w[:share] for w in gate_up]), torch.cat([w[share:] for w in gate_up])
+    return share, gate, up, torch.cat([w[f"{prefix}.down_proj"] for _, w in ranks], dim=1)
+
+
 def swiglu(
     gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, x: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,11 +117,7 @@ def test_deepseek_dense_padded_for_tp_32_loads_as_every_rank(tmp_path: Path) -> 
     assert all(r["loaded"] for r, _ in ranks), [r for r, _ in ranks if not r["loaded"]][:1]
     p = "model.layers.0.mlp"
     out, s = load_tensors(tmp_path / "out"), load_tensors(src)
-    gate_up = [w[f"{p}.gate_up_proj"] for _, w in ranks]
-    share = gate_up[0].shape[0] // 2
-    gate = torch.cat([w[:share] for w in gate_up])
-    up = torch.cat([w[share:] for w in gate_up])
-    down = torch.cat([w[f"{p}.down_proj"] for _, w in ranks], dim=1)
+    share, gate, up, down = merged_mlp(ranks, p)
     assert share == 8192 // 32 and down.shape == (256, 8192)
     assert torch.equal(gate, dequant(out, f"{p}.gate_proj")) and torch.equal(down, dequant(out, f"{p}.down_proj"))
     same_mlp(s, gate, up, down, p)
@@ -130,10 +137,7 @@ def test_shared_expert_padded_for_tp_8_loads_as_every_rank(tmp_path: Path) -> No
     assert all(r["loaded"] and r["moe_refined"] == {layer: None} for r, _ in ranks), [r for r, _ in ranks]
     p = "model.layers.0.mlp.shared_expert"
     out, s = load_tensors(tmp_path / "out"), load_tensors(src)
-    gate_up = [w[f"{p}.gate_up_proj"] for _, w in ranks]
-    share = gate_up[0].shape[0] // 2
-    gate, up = torch.cat([w[:share] for w in gate_up]), torch.cat([w[share:] for w in gate_up])
-    down = torch.cat([w[f"{p}.down_proj"] for _, w in ranks], dim=1)
+    share, gate, up, down = merged_mlp(ranks, p)
     assert share == 1024 // 8 and torch.equal(down, dequant(out, f"{p}.down_proj"))
     same_mlp(s, gate, up, down, p)
     refused = source_rank0(src, 8, tmp_path / "src-tp8")
