@@ -21,7 +21,7 @@ from fp8fix.errors import UnsupportedCheckpoint
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import CheckpointModel
 from fp8fix.numerics.dtypes import ITEM_SIZE, encode_floats
-from fp8fix.parallel import COMMON_SIZES, ModuleShare, tensor_parallel_report
+from fp8fix.parallel import COMMON_SIZES, ModuleShare, TensorParallelReport, tensor_parallel_report
 from fp8fix.plan.pieces import CopyRange, Fill, OutputTensor, PadRows, Piece
 from fp8fix.registry.expressions import ExpressionError, config_lookup, evaluate
 from fp8fix.registry.parallel import mlp_weights, padded_size_of
@@ -61,10 +61,12 @@ def plan_tp_padding(model: CheckpointModel, tp: int) -> TpPadding:
         )
     b0, b1 = fmt.block
     multiple = tp * math.lcm(b0, b1)
-    _refuse_unpaddable(model, tp)
+    report = tensor_parallel_report(model, sorted({tp, *COMMON_SIZES}))  # every share, once
+    assert report is not None
+    _refuse_unpaddable(report, tp)
     ckpt = model.checkpoint
     mlps = _mlps(ckpt.tensors)
-    _refuse_unknown_mlps(model, tp, mlps)
+    _refuse_unknown_mlps(report, tp, mlps)
     config = ckpt.config
     padding = TpPadding(tp, multiple)
     sizes = {mlp: _size_expression(mlp, weights) for mlp, weights in mlps.items()}
@@ -93,29 +95,26 @@ def plan_tp_padding(model: CheckpointModel, tp: int) -> TpPadding:
     return padding
 
 
-def _refuse_unpaddable(model: CheckpointModel, tp: int) -> None:
+def _refuse_unpaddable(report: TensorParallelReport, tp: int) -> None:
     """Row- and column-parallel modules outside MLPs (split by attention heads) cannot be padded."""
-    report = tensor_parallel_report(model, sorted({tp, *COMMON_SIZES}))
-    assert report is not None
 
     def blocked(size: int) -> list[ModuleShare]:
         return [s for s in report.sizes[size] if not s.loads and padded_size_of(_parent(s.module)) is None]
 
-    if blocked(tp):
-        names = ", ".join(sorted({s.module for s in blocked(tp)})[:3])
+    at_tp = blocked(tp)
+    if at_tp:
+        names = ", ".join(sorted({s.module for s in at_tp})[:3])
         working = ", ".join(str(n) for n in sorted(report.sizes) if not blocked(n)) or "none"
         raise UnsupportedCheckpoint(
-            f"--tp {tp}: {len(blocked(tp))} module(s) split by attention heads are not whole blocks per rank "
-            f"({names}; {blocked(tp)[0].message}), and padding them would change the model; "
+            f"--tp {tp}: {len(at_tp)} module(s) split by attention heads are not whole blocks per rank "
+            f"({names}; {at_tp[0].message}), and padding them would change the model; "
             f"sizes whose attention splits whole: {working}"
         )
 
 
-def _refuse_unknown_mlps(model: CheckpointModel, tp: int, mlps: dict[str, dict[str, TensorInfo]]) -> None:
+def _refuse_unknown_mlps(report: TensorParallelReport, tp: int, mlps: dict[str, dict[str, TensorInfo]]) -> None:
     """An MLP module whose share is not whole blocks must belong to an MLP fp8fix pads (gate, up and down
     stored apart): a fused gate_up_proj is not padded, and a conversion that leaves it so would not load."""
-    report = tensor_parallel_report(model, [tp])
-    assert report is not None
     stranded = sorted({s.module for s in report.sizes[tp] if not s.loads and _parent(s.module) not in mlps})
     if stranded:
         raise UnsupportedCheckpoint(
