@@ -82,6 +82,7 @@ def convert(
     target: Target = "auto",
     output_format: OutputFormat | None = None,
     tp: int | None = None,
+    tp_bf16: bool = False,
     verify: bool = False,
     dry_run: bool = False,
     overwrite: bool = False,
@@ -109,6 +110,8 @@ def convert(
     if tp is not None:
         _count("tp", tp, "or None")
     with api_errors(), _hub_progress(progress, source):
+        if tp_bf16 and tp is None:
+            raise UsageError("--tp-bf16 needs --tp: it writes in BF16 the modules that padding for --tp cannot fix")
         reg = _registry(registry, arch_files)
         folder, repo_id = _source(source, revision, token)
         options = ConvertOptions(
@@ -122,6 +125,7 @@ def convert(
             verify=verify,
             jobs=jobs,
             tp=tp,
+            tp_bf16=tp_bf16,
             source_repo=repo_id,
             revision=revision,
         )
@@ -352,8 +356,14 @@ _SWITCHES = {
     "dry-run": "dry_run=True",
     "arch-file": "arch_files",
     "create-pr": "create_pr=True",
+    "tp-bf16": "tp_bf16=True",
 }
-_FLAG = re.compile(r"--(" + "|".join(_FLAGS) + r") ([\w.-]+)|--(" + "|".join(_SWITCHES) + r")\b")
+#: Options whose value is a number: written unquoted (`tp=8`), or bare (`tp`) without one.
+_NUMBERS = {"tp": "tp"}
+_FLAG = re.compile(
+    r"--(" + "|".join(_FLAGS) + r") ([\w.-]+)|--(" + "|".join(_SWITCHES) + r")\b"
+    r"|--(" + "|".join(_NUMBERS) + r")(?: (\d+))?(?![\w-])"
+)
 
 
 def api_message(text: str) -> str:
@@ -362,7 +372,9 @@ def api_message(text: str) -> str:
     def keyword(m: re.Match[str]) -> str:
         if m.group(1):
             return f'{_FLAGS[m.group(1)]}="{m.group(2)}"'
-        return _SWITCHES[m.group(3)]
+        if m.group(3):
+            return _SWITCHES[m.group(3)]
+        return _NUMBERS[m.group(4)] + (f"={m.group(5)}" if m.group(5) else "")
 
     return _FLAG.sub(keyword, text)
 

@@ -249,6 +249,7 @@ Examples:
   fp8fix convert ./model ./model-mi300 --to e4m3fnuz --layout fused --verify
   fp8fix convert ./model ./out --layout channel --dry-run
   fp8fix convert ./DeepSeek-R1 ./DeepSeek-R1-tp32 --tp 32 --verify   # whole 128-blocks per rank
+  fp8fix convert ./model ./model-tp8 --tp 8 --tp-bf16   # attention not whole blocks per rank: BF16
   fp8fix convert org/model-FP8 ./out --revision main --push-to-hub me/model-FP8-fixed --create-pr
 
 \b
@@ -299,6 +300,12 @@ or unsupported checkpoint, 4 Hub error (the conversion record is printed first).
     type=click.IntRange(min=1),
     help="Zero-pad block-FP8 MLP intermediates (dense, shared and routed experts) so every rank's share "
     "is whole blocks at this tensor-parallel size and its divisors; config.json sizes follow; outputs unchanged.",
+)
+@click.option(
+    "--tp-bf16",
+    is_flag=True,
+    help="With --tp: write the attention modules padding cannot fix (split by heads, not whole blocks per rank) "
+    "in BF16, listed as unquantized in quantization_config, instead of refusing; the rounding error is reported.",
 )
 @click.option("--verify", is_flag=True, help="Verify OUTPUT against SOURCE before it appears.")
 @jobs_option(

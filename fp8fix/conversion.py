@@ -46,6 +46,7 @@ class ConvertOptions:
     verify: bool = False
     jobs: int = 1  # processes writing shards where the work is CPU-bound (recoding, requantizing), and verifying
     tp: int | None = None  # pad MLP intermediates so every share is whole blocks at this tensor-parallel size
+    tp_bf16: bool = False  # with tp: write attention modules that padding cannot fix in BF16 instead of refusing
     source_repo: str | None = None  # the Hub repo SOURCE came from, for the model card
     revision: str | None = None
 
@@ -56,6 +57,7 @@ class ConvertOptions:
             + (f" --format {plan.output_format}" if plan.output_format != "keep" else "")
             + (f" --to {self.to}" if self.to else "")
             + (f" --tp {self.tp}" if self.tp else "")
+            + (" --tp-bf16" if self.tp_bf16 else "")
             + (" --verify" if self.verify else "")
         )
 
@@ -84,7 +86,9 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
     check_output(source, output, options.overwrite)
     ckpt = open_checkpoint(source)
     model = describe_checkpoint(ckpt, registry)
-    plan = plan_for_target(model, options.layout, options.to, options.target, options.output_format, options.tp)
+    plan = plan_for_target(
+        model, options.layout, options.to, options.target, options.output_format, options.tp, options.tp_bf16
+    )
     rewritten = plan.config_files
     edits = [edit for _, file_edits in rewritten.values() for edit in file_edits]
     copies = ckpt.copied_files(rewritten)
@@ -153,6 +157,10 @@ def _record_stats(plan: ConversionPlan, stats: WriteStats) -> None:
             module.max_error, module.max_error_steps = error.max_abs, error.max_steps
     if plan.encoding is not None:
         plan.encoding.inexact_codes = stats.inexact_codes
+    for bf16 in plan.padding.bf16 if plan.padding is not None else []:
+        rounding = stats.dequantized.get(bf16.weight)
+        if rounding is not None:
+            bf16.max_error, bf16.max_error_steps = rounding.max_abs, rounding.max_steps
 
 
 def new_index(ckpt: Checkpoint, plan: ConversionPlan) -> dict[str, Any]:

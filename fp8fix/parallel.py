@@ -17,11 +17,17 @@ from typing import Any
 
 from fp8fix.model import CheckpointModel
 from fp8fix.registry.parallel import (
+    ATTENTION_PROJECTIONS,
+    COLUMN_PARALLEL,
     DOWN_PROJECTIONS,
+    HEADS_EVIDENCE,
+    HEADS_MESSAGE,
     INDIVISIBLE_EVIDENCE,
     INDIVISIBLE_MESSAGE,
+    KV_PROJECTIONS,
     MIN_REFINED_BLOCK,
     MOE_ORACLE,
+    QKV_OVERFLOW,
     REFINED_MESSAGE,
     ParallelRole,
     role_of,
@@ -40,7 +46,7 @@ class ModuleShare:
     role: str
     size: int  # the split dimension, whole
     per_rank: int | None  # None: `size` does not split into equal shares
-    behaviour: str  # refuses, refines, skips-check
+    behaviour: str  # refuses, refines, skips-check, wrong-scales
     loads: bool
     message: str
     evidence: str
@@ -92,20 +98,57 @@ def tensor_parallel_report(model: CheckpointModel, sizes: list[int]) -> TensorPa
 
 def _shares(model: CheckpointModel, block: tuple[int, int], tp: int) -> list[ModuleShare]:
     out = []
+    tensors, config = model.checkpoint.tensors, model.checkpoint.config
+    heads = _heads_refusal(config, tp)
     for w in model.module_weights():
         role = role_of(w.module)
         if role is None or w.stacked or len(w.tensor.shape) != 2:
             continue
+        if heads is not None and ATTENTION_PROJECTIONS.search(w.module):
+            size = w.tensor.shape[1 if role.dimension == "in" else 0]
+            out.append(ModuleShare(w.module, role.name, size, None, "refuses", False, heads, HEADS_EVIDENCE))
+            continue
         rows, cols = w.tensor.shape
+        split = tp
         if role.name == "fused-moe":
             down = DOWN_PROJECTIONS.search(w.module) is not None
             size, hidden = (cols, rows) if down else (rows, cols)
         else:
             size, hidden = (cols if role.dimension == "in" else rows), 0
-        share = _share(w.module, role, size, hidden, block, tp)
+        if role.name == "qkv" and f"{w.module.rpartition('.')[0]}.k_proj.weight" not in tensors:
+            role = COLUMN_PARALLEL  # a q_proj without k_proj (DeepSeek MLA without q_lora_rank): a plain column layer
+        elif role.name == "qkv" and KV_PROJECTIONS.search(w.module):
+            split = _kv_split(model.checkpoint.config, tp)
+        share = _share(w.module, role, size, hidden, block, split)
         if share is not None:
             out.append(share)
     return out
+
+
+def _heads_refusal(config: dict[str, Any], tp: int) -> str | None:
+    """vLLM's refusal of attention whose heads do not split `tp` ways (None: they do, or config.json does
+    not say how many there are)."""
+    heads = _count(config, "num_attention_heads")
+    if heads is None:
+        return None
+    if heads % tp:
+        return HEADS_MESSAGE.format(key="num_attention_heads", heads=heads, tp=tp)
+    kv = _count(config, "num_key_value_heads")
+    if kv is not None and (kv % tp if kv >= tp else tp % kv):
+        return HEADS_MESSAGE.format(key="num_key_value_heads", heads=kv, tp=tp)
+    return None
+
+
+def _count(config: dict[str, Any], key: str) -> int | None:
+    value = config.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _kv_split(config: dict[str, Any], tp: int) -> int:
+    """How many ways k / v split at `tp`: past num_key_value_heads ranks, vLLM gives each rank one whole
+    kv head (replicated), so they split num_key_value_heads ways (QKVParallelLinear num_kv_head_replicas)."""
+    heads = _count(config, "num_key_value_heads")
+    return tp if heads is None else min(tp, heads)
 
 
 def _share(
@@ -128,8 +171,16 @@ def _share(
         text = role.message if bad_n else role.second_message
         message = text.format(per_rank=per_rank, block=block[0] if bad_n else block[1])
         return ModuleShare(module, role.name, size, per_rank, "refuses", False, message, role.evidence, hidden)
-    if per_rank % b == 0 or (role.name in ("row-parallel", "column-parallel") and tp == 1):
+    if per_rank % b == 0 or (role.name in ("row-parallel", "column-parallel", "qkv") and tp == 1):
         return None
     message = role.message.format(per_rank=per_rank, block=b)
-    behaviour = "refuses" if role.verdict == "fails" else "skips-check"
+    if role.name == "qkv":  # vLLM rounds each share up to whole scale rows, rank by rank
+        length, rows = -(-per_rank // b), -(-size // b)
+        if tp * length > rows:
+            message += QKV_OVERFLOW.format(start=(tp - 1) * length, length=length, rows=rows)
+    behaviour = BEHAVIOURS[role.verdict]
     return ModuleShare(module, role.name, size, per_rank, behaviour, role.verdict == "loads", message, role.evidence)
+
+
+#: What vLLM does with a share that is not whole blocks, by the role's verdict.
+BEHAVIOURS = {"fails": "refuses", "loads": "skips-check", "loads-wrong": "wrong-scales"}

@@ -28,7 +28,7 @@ ScaleReport = Literal[ScaleKind, "missing", "unknown"]
 InputScaleKind = Literal["static", "static-per-shard", "dynamic"]
 
 #: What verify found for one FP8 weight.
-WeightVerdict = Literal["exact", "rounded", "requantized"]
+WeightVerdict = Literal["exact", "rounded", "requantized", "dequantized"]
 
 #: The version of the layout of every `--json` document (and `to_json()` in the Python API); README "JSON output".
 SCHEMA_VERSION = 1

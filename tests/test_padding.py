@@ -1,6 +1,7 @@
 """`convert --tp N` (issue 17): MLP intermediates zero-padded to multiples of N x 128, config.json sizes
 following, every MLP output unchanged; verify checks the padding; modules split by attention heads
-are refused with the sizes that work. Checkpoints: tests/test_parallel.py's shrunk reported cases."""
+are refused with the sizes that work, or with `--tp-bf16` written in BF16 and listed as unquantized.
+Checkpoints: tests/test_parallel.py's shrunk reported cases."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from tests.builders import FP8, build, phi3
+from tests.builders import FP8, build, phi3, write_files
 from tests.conftest import load_tensors, patch_bytes, raw, run_cli
-from tests.test_parallel import deepseek_dense, qwen3_moe, shared_expert
+from tests.test_parallel import deepseek_dense, narrow_heads, qwen3_moe, shared_expert
 
 B = 128
 
@@ -147,3 +148,136 @@ def test_a_fused_gate_up_mlp_is_refused_not_left_unpadded(tmp_path: Path) -> Non
     result = run_cli("convert", src, tmp_path / "out", "--tp", "2")
     assert result.exit_code == 3 and "'model.layers.0.mlp.down_proj' is not whole blocks per rank" in result.output
     assert not (tmp_path / "out").exists()
+
+
+ATTENTION = [f"model.layers.0.self_attn.{m}" for m in ("k_proj", "o_proj", "q_proj", "v_proj")]
+
+
+def bf16_error_steps(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """|got - exact| in BF16 steps at `exact` (8 significant bits: the step is 2^(e - 8) for exact in
+    [2^(e-1), 2^e)); this test's own reading of "one rounding to BF16"."""
+    _, exponent = torch.frexp(exact)
+    return (got.double() - exact).abs() / torch.ldexp(torch.ones_like(exact), exponent - 8)
+
+
+def test_tp_bf16_writes_attention_split_into_partial_blocks_in_bf16(tmp_path: Path) -> None:
+    src = narrow_heads(tmp_path / "src")
+    refused = run_cli("convert", src, tmp_path / "no", "--tp", "8")
+    assert refused.exit_code == 3 and "--tp-bf16 writes them in BF16 instead" in refused.output
+    assert refused.output.rstrip().endswith("sizes whose attention splits whole: 1") and not (tmp_path / "no").exists()
+    result = run_cli("convert", src, tmp_path / "out", "--tp", "8", "--tp-bf16", "--json")  # run_cli verifies
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output)
+    bf16 = record["tensor_parallel"]["bf16"]
+    assert sorted(m["module"] for m in bf16) == ATTENTION
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
+    worst = 0.0
+    for module in ATTENTION:
+        w = o[f"{module}.weight"]
+        assert w.dtype == torch.bfloat16 and w.shape == s[f"{module}.weight"].shape
+        assert f"{module}.weight_scale_inv" not in o
+        exact = dequant(s[f"{module}.weight"], s[f"{module}.weight_scale_inv"])
+        steps = bf16_error_steps(w, exact)
+        assert steps.max() <= 0.5 and torch.equal(w, exact.float().to(torch.bfloat16))
+        worst = max(worst, steps.max().item())
+        said = next(m for m in bf16 if m["module"] == module)
+        assert said["added_bytes"] == w.numel() - s[f"{module}.weight_scale_inv"].numel() * 4
+    assert max(m["max_error_steps"] for m in bf16) == worst
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert sorted(config["modules_to_not_convert"]) == ATTENTION and "ignored_layers" not in config
+    assert "quantization_config.modules_to_not_convert: +4 module(s) written in BF16" in " ".join(
+        record["config_edits"]
+    )
+    text = run_cli("convert", src, tmp_path / "text", "--tp", "8", "--tp-bf16").output
+    assert "BF16 rounding of 4 module(s)" in text and "0.50 BF16 steps" in text
+    card = (tmp_path / "text" / "README.md").read_text()
+    assert "--tp 8 --tp-bf16" in card and "listed as unquantized (--tp-bf16)" in card
+    report = json.loads(run_cli("inspect", tmp_path / "out", "--tp", "8", "--json").output)["tensor_parallel"]
+    assert report["sizes"]["8"]["clean"]
+    refused = run_cli("convert", src, tmp_path / "alone", "--tp-bf16")
+    assert refused.exit_code == 2 and "--tp-bf16 needs --tp" in refused.output
+
+
+def test_tp_bf16_lists_follow_the_format(tmp_path: Path) -> None:
+    """vLLM reads ignored_layers when it is set (else modules_to_not_convert), transformers only
+    modules_to_not_convert: both get the modules. compressed-tensors: `ignore`."""
+    src = narrow_heads(tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["ignored_layers"] = ["lm_head"]
+    (src / "config.json").write_text(json.dumps(config))
+    assert run_cli("convert", src, tmp_path / "out", "--tp", "8", "--tp-bf16", "-q").exit_code == 0
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc["ignored_layers"] == ["lm_head", *sorted(ATTENTION)] or sorted(qc["ignored_layers"]) == sorted(
+        ["lm_head", *ATTENTION]
+    )
+    assert sorted(qc["modules_to_not_convert"]) == ATTENTION
+    ct = tmp_path / "ct"
+    ct.mkdir()
+    tensors = {k.replace("weight_scale_inv", "weight_scale"): v for k, v in load_tensors(src).items()}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "block",
+                    "symmetric": True,
+                    "dynamic": False,
+                    "block_structure": [128, 128],
+                },
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "group",
+                    "group_size": 128,
+                    "symmetric": True,
+                    "dynamic": True,
+                },
+            }
+        },
+        "ignore": ["lm_head", "re:.*mlp.gate$"],
+    }
+    write_files(ct, [tensors], config)
+    result = run_cli("convert", ct, tmp_path / "ct-out", "--tp", "8", "--tp-bf16", "--json")
+    assert result.exit_code == 0, result.output
+    qc = json.loads((tmp_path / "ct-out" / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"][:2] == ["lm_head", "re:.*mlp.gate$"] and sorted(qc["ignore"][2:]) == ATTENTION
+    assert "model.layers.0.self_attn.q_proj.weight_scale" not in load_tensors(tmp_path / "ct-out")
+
+
+def test_tp_bf16_composes_with_e4m3fnuz(tmp_path: Path) -> None:
+    """The BF16 modules hold the same values whatever the encoding; the rest is fnuz at doubled scales."""
+    src = narrow_heads(tmp_path / "src")
+    assert run_cli("convert", src, tmp_path / "fn", "--tp", "8", "--tp-bf16", "-q").exit_code == 0
+    result = run_cli("convert", src, tmp_path / "fnuz", "--tp", "8", "--tp-bf16", "--to", "e4m3fnuz", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["encoding"]["weights"] == 24  # 8 experts x 3: not the 4 BF16 modules
+    fn, fnuz = load_tensors(tmp_path / "fn"), load_tensors(tmp_path / "fnuz")
+    for module in ATTENTION:
+        assert raw(fnuz[f"{module}.weight"]) == raw(fn[f"{module}.weight"])
+    down = "model.layers.0.mlp.experts.0.down_proj"
+    assert fnuz[f"{down}.weight"].dtype == torch.float8_e4m3fnuz
+    kept = load_tensors(src)[f"{down}.weight_scale_inv"].shape[1]  # the padded blocks' scales: 1.0 in both
+    assert torch.equal(fnuz[f"{down}.weight_scale_inv"][:, :kept], fn[f"{down}.weight_scale_inv"][:, :kept] * 2)
+
+
+def test_verify_checks_bf16_modules(tmp_path: Path) -> None:
+    src = narrow_heads(tmp_path / "src")
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "--tp", "8", "--tp-bf16", "-q").exit_code == 0
+    q = "model.layers.0.self_attn.q_proj.weight"
+    value = load_tensors(out)[q][3, 5:6]
+    nudged = (value.view(torch.int16) + 1).view(torch.uint8).tolist()  # the next BF16 value: a step off
+    patch_bytes(out, q, {2 * (3 * 256 + 5): nudged[0], 2 * (3 * 256 + 5) + 1: nudged[1]})
+    result = run_cli("verify", src, out)
+    assert result.exit_code == 1 and f"'{q}' row 3 column 5" in result.output
+    assert run_cli("convert", src, out, "--tp", "8", "--tp-bf16", "-q", "--overwrite").exit_code == 0
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"].remove("model.layers.0.self_attn.o_proj")
+    (out / "config.json").write_text(json.dumps(config))
+    result = run_cli("verify", src, out)
+    assert result.exit_code == 1 and "config.json" in result.output

@@ -26,19 +26,20 @@ from tests.test_families import DEEPSEEK_R1_CONFIG
 BLOCK_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
 
-def qwen3_moe(root: Path) -> Path:
-    """Qwen3-30B-A3B-FP8's config keys, shrunk: 4 heads of 128 (o_proj splits whole, as 32 x 128 does)."""
+def qwen3_moe(root: Path, heads: int = 4, head_dim: int = 128, kv_heads: int = 1, experts: int = 4) -> Path:
+    """Qwen3-30B-A3B-FP8's config keys, shrunk: 4 heads of 128 (o_proj splits whole at TP 4, as 32 x 128
+    does at TP 8 and below); other head counts and sizes for attention that does not split whole."""
     config = {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
         "hidden_size": 256,
         "intermediate_size": 768,
         "moe_intermediate_size": 384,
-        "num_experts": 4,
+        "num_experts": experts,
         "num_experts_per_tok": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,
-        "head_dim": 128,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
         "num_hidden_layers": 1,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
@@ -50,17 +51,17 @@ def qwen3_moe(root: Path) -> Path:
     }
     p = "model.layers.0"
     linears = {
-        f"{p}.self_attn.q_proj": (512, 256),
-        f"{p}.self_attn.k_proj": (128, 256),
-        f"{p}.self_attn.v_proj": (128, 256),
-        f"{p}.self_attn.o_proj": (256, 512),
+        f"{p}.self_attn.q_proj": (heads * head_dim, 256),
+        f"{p}.self_attn.k_proj": (kv_heads * head_dim, 256),
+        f"{p}.self_attn.v_proj": (kv_heads * head_dim, 256),
+        f"{p}.self_attn.o_proj": (256, heads * head_dim),
     }
-    for e in range(4):
+    for e in range(experts):
         linears.update(mlp_linears(f"{p}.mlp.experts.{e}", 384, 256))
     extra = {
-        f"{p}.mlp.gate.weight": torch.zeros(4, 256, dtype=torch.bfloat16),  # the router, BF16
-        f"{p}.self_attn.q_norm.weight": torch.ones(128, dtype=torch.bfloat16),
-        f"{p}.self_attn.k_norm.weight": torch.ones(128, dtype=torch.bfloat16),
+        f"{p}.mlp.gate.weight": torch.zeros(experts, 256, dtype=torch.bfloat16),  # the router, BF16
+        f"{p}.self_attn.q_norm.weight": torch.ones(head_dim, dtype=torch.bfloat16),
+        f"{p}.self_attn.k_norm.weight": torch.ones(head_dim, dtype=torch.bfloat16),
     }
     return block_fp8_checkpoint(root, config, linears, extra=extra)
 
@@ -153,10 +154,35 @@ def test_qwen3_moe_experts_are_refined_at_tp_4(tmp_path: Path) -> None:
         "block_n = 128."
         for g in at_8.values()
     )
-    assert at_8["model.layers.0.self_attn.o_proj"]["message"] == (
-        "Weight input_size_per_partition = 64 is not divisible by weight quantization block_k = 128."
-    )
+    attention = [g for g in at_8.values() if "self_attn" in g["modules"]]
+    assert sum(g["count"] for g in attention) == 4  # q, k, v, o
+    assert {(g["behaviour"], g["message"]) for g in attention} == {
+        ("refuses", "num_attention_heads = 4 does not split 8 ways (vLLM's attention asserts it)")
+    }
     assert report["clean_sizes"] == [1]
+
+
+def narrow_heads(root: Path) -> Path:
+    """The shrunk Qwen3-MoE with 8 heads of 64 and 2 kv heads: at TP 8 the heads split (one per rank, a
+    kv head per 4 ranks) but not into whole blocks: 64 rows of q, k and v, 64 columns of o_proj per rank.
+    8 experts: vLLM's Qwen3-MoE wants no fewer experts than ranks."""
+    return qwen3_moe(root, heads=8, head_dim=64, kv_heads=2, experts=8)
+
+
+def test_attention_split_by_heads_into_partial_blocks(tmp_path: Path) -> None:
+    found = groups(tp_report(narrow_heads(tmp_path / "src"), 2, 8), 8)
+    a = "model.layers.0.self_attn"
+    o = found[f"{a}.o_proj"]
+    assert (o["per_rank"], o["behaviour"], o["loads"]) == (64, "refuses", False)
+    for qkv in (found[f"{a}.q_proj"], found["model.layers.{0}.{self_attn.k_proj,self_attn.v_proj}"]):
+        assert (qkv["role"], qkv["per_rank"], qkv["behaviour"], qkv["loads"]) == ("qkv", 64, "wrong-scales", False)
+        assert "with 64 rows per rank they do not line up" in qkv["message"]
+    at_2 = tp_report(narrow_heads(tmp_path / "src2"), 2)["sizes"]["2"]["modules"]
+    attention = [g for g in at_2 if "self_attn" in g["modules"]]
+    # q: 256 rows per rank and o_proj 256 columns, whole blocks; k and v: one of the 2 kv heads, 64 rows
+    assert [(g["modules"], g["behaviour"]) for g in attention] == [
+        ("model.layers.{0}.{self_attn.k_proj,self_attn.v_proj}", "wrong-scales")
+    ]
 
 
 def test_deepseek_dense_down_proj_is_refused_at_tp_32(tmp_path: Path) -> None:

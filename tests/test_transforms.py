@@ -102,3 +102,35 @@ def test_decode_floats_agrees_with_torch(dtype: str, torch_dtype: torch.dtype) -
     data = raw(values)
     assert decode_floats(data, dtype) == [float(v) for v in values.float()]
     assert decode_floats(struct.pack("<d", 0.1), "F64") == [0.1]
+
+
+@pytest.mark.parametrize(
+    "dtype,torch_dtype", [("F8_E4M3", torch.float8_e4m3fn), ("F8_E4M3FNUZ", torch.float8_e4m3fnuz)]
+)
+@pytest.mark.parametrize("scale", [0.013, 2.0**-9, 3.1e-5, 7.0])
+def test_dequantize_to_bf16_rounds_each_code_once(dtype: str, torch_dtype: torch.dtype, scale: float) -> None:
+    """Every finite code times a scale, rounded once to the nearest BF16 (ties to even): within half a
+    BF16 step of the exact float64 product, and what torch's own rounding of it gives."""
+    from fp8fix.numerics.dequantize import dequantize_rows
+
+    finite = bytes(c for c in range(256) if c not in NAN_CODES[dtype])
+    s = struct.unpack("<f", struct.pack("<f", scale))[0]  # a float32 scale, as checkpoints store it
+    out, stats = dequantize_rows(finite, dtype, len(finite), len(finite), (s,))
+    got = torch.frombuffer(bytearray(out), dtype=torch.bfloat16).double()
+    exact = torch.frombuffer(bytearray(finite), dtype=torch.uint8).view(torch_dtype).double() * s
+    _, exponent = torch.frexp(exact)
+    steps = (got - exact).abs() / torch.ldexp(torch.ones_like(exact), exponent - 8)
+    assert steps.max() <= 0.5 and stats.max_steps == steps.max().item()
+    # torch rounds through float32 first; for these scales that extra rounding changes no result
+    assert torch.equal(got, exact.float().to(torch.bfloat16).double())
+
+
+def test_dequantize_to_bf16_ties_go_to_even_and_tiny_values_are_refused() -> None:
+    from fp8fix.numerics.dequantize import dequantize_rows
+
+    one = bytes([0x38])  # 1.0 in e4m3fn
+    for scale, expected in ((1 + 2**-8, 1.0), (1 + 3 * 2**-8, 1 + 2**-6)):  # exactly between two BF16 values
+        out, _ = dequantize_rows(one, "F8_E4M3", 1, 1, (scale,))
+        assert torch.frombuffer(bytearray(out), dtype=torch.bfloat16).item() == expected
+    with pytest.raises(ValueError, match="BF16's normal range"):
+        dequantize_rows(bytes([0x01]), "F8_E4M3", 1, 1, (2.0**-120,))  # 2^-9 x 2^-120: below BF16's normals

@@ -19,12 +19,14 @@ from fp8fix.io.progress import NoProgress, Progress, progress_bar
 from fp8fix.io.safetensors_file import TensorInfo, encode_header
 from fp8fix.io.source_files import SourceFiles, source_changed, window_contains
 from fp8fix.io.workers import run_tasks, worker_count
+from fp8fix.numerics.dequantize import dequantize_rows
 from fp8fix.numerics.dtypes import NAN_CODES
 from fp8fix.numerics.recodings import RECODINGS, inexact_codes, recode, scale_exactly
-from fp8fix.numerics.requantize import RequantizeStats, requantize, requantize_map
+from fp8fix.numerics.requantize import RoundingStats, requantize, requantize_map
 from fp8fix.plan.pieces import (
     ConversionPlan,
     CopyRange,
+    Dequantize,
     Fill,
     OutputShard,
     PadRows,
@@ -50,12 +52,15 @@ _NO_COPY_FILE_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL
 class WriteStats:
     """What the data revealed while writing: requantization errors per source tensor, inexact recodes."""
 
-    requantized: dict[str, RequantizeStats] = field(default_factory=dict)
+    requantized: dict[str, RoundingStats] = field(default_factory=dict)
     inexact_codes: int = 0
+    dequantized: dict[str, RoundingStats] = field(default_factory=dict)  # BF16 rounding, per source weight
 
     def merge(self, other: WriteStats) -> None:
         for name, error in other.requantized.items():
-            self.requantized.setdefault(name, RequantizeStats()).update(error)
+            self.requantized.setdefault(name, RoundingStats()).update(error)
+        for name, rounding in other.dequantized.items():
+            self.dequantized.setdefault(name, RoundingStats()).update(rounding)
         self.inexact_codes += other.inexact_codes
 
 
@@ -88,7 +93,7 @@ def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False, jobs: i
 def _cpu_bound(plan: ConversionPlan) -> bool:
     """Recoding and requantizing pass bytes through Python; plain copies are the kernel's (and the disk's)."""
     return any(
-        isinstance(p, Recode | Requantize | RequantizeBlocks | PadRows)
+        isinstance(p, Recode | Requantize | RequantizeBlocks | PadRows | Dequantize)
         for s in plan.shards
         for t in s.tensors
         for p in t.pieces
@@ -130,12 +135,15 @@ def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progres
                     _fill(out, piece)
                 elif isinstance(piece, PadRows):
                     _pad_rows(sources, out, piece, tensor.source)
+                elif isinstance(piece, Dequantize):
+                    rounding = _dequantize(sources, out, piece, tensor.source)
+                    stats.dequantized.setdefault(tensor.source, RoundingStats()).update(rounding)
                 elif isinstance(piece, RequantizeBlocks):
                     error = _requantize_blocks(sources, out, piece, tensor.source)
-                    stats.requantized.setdefault(tensor.source, RequantizeStats()).update(error)
+                    stats.requantized.setdefault(tensor.source, RoundingStats()).update(error)
                 else:
                     error = _requantize(sources, out, piece, tensor.source)
-                    stats.requantized.setdefault(tensor.source, RequantizeStats()).update(error)
+                    stats.requantized.setdefault(tensor.source, RoundingStats()).update(error)
                 bar.update(piece.nbytes)
         copier.flush()
 
@@ -229,7 +237,7 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> int:
 
 def _refuse_codes(
     sources: _Sources,
-    piece: CopyRange | Recode | Requantize | RequantizeBlocks | PadRows,
+    piece: CopyRange | Recode | Requantize | RequantizeBlocks | PadRows | Dequantize,
     codes: tuple[int, ...],
     source: str,
     what: str,
@@ -281,10 +289,10 @@ def _scaled(data: bytes, dtype: str, factor: float, path: Path, name: str) -> by
         raise InvalidCheckpoint(f"{path.name}: scale '{name}': {e}; cannot convert it exactly") from e
 
 
-def _requantize(sources: _Sources, out: int, piece: Requantize, source: str) -> RequantizeStats:
+def _requantize(sources: _Sources, out: int, piece: Requantize, source: str) -> RoundingStats:
     forbidden = RECODINGS[piece.normalize].forbidden if piece.normalize else NAN_CODES[piece.dtype]
     _refuse_codes(sources, piece, forbidden, source, "NaN codes")
-    worst = RequantizeStats()
+    worst = RoundingStats()
     for chunk in sources.chunks(piece.path, piece.start, piece.end):
         codes = recode(chunk, piece.normalize) if piece.normalize else chunk
         new, error = requantize(codes, piece.dtype, piece.scale, piece.target_scale, piece.out_dtype)
@@ -293,7 +301,7 @@ def _requantize(sources: _Sources, out: int, piece: Requantize, source: str) -> 
     return worst
 
 
-def _requantize_blocks(sources: _Sources, out: int, piece: RequantizeBlocks, source: str) -> RequantizeStats:
+def _requantize_blocks(sources: _Sources, out: int, piece: RequantizeBlocks, source: str) -> RoundingStats:
     """Rows of codes requantized column block by column block (at most one block row: 128 rows)."""
     import numpy as np
 
@@ -302,7 +310,7 @@ def _requantize_blocks(sources: _Sources, out: int, piece: RequantizeBlocks, sou
     data = sources.read(piece.path, piece.start, piece.end)
     codes = bytearray(recode(data, piece.normalize) if piece.normalize else data)
     rows = np.frombuffer(codes, dtype=np.uint8).reshape(-1, piece.row_bytes)
-    worst = RequantizeStats()
+    worst = RoundingStats()
     for c, (scale, target) in enumerate(zip(piece.scales, piece.targets, strict=True)):
         if scale == target and piece.dtype == piece.out_dtype:
             continue
@@ -312,6 +320,18 @@ def _requantize_blocks(sources: _Sources, out: int, piece: RequantizeBlocks, sou
         block[...] = np.frombuffer(table.codes, dtype=np.uint8)[block]
     _write_all(out, codes)
     return worst
+
+
+def _dequantize(sources: _Sources, out: int, piece: Dequantize, source: str) -> RoundingStats:
+    """One block row of codes written as BF16 (at most 128 rows: a few MB whatever the tensor's size)."""
+    _refuse_codes(sources, piece, NAN_CODES[piece.dtype], source, "NaN codes")
+    codes = sources.read(piece.path, piece.start, piece.end)
+    try:
+        data, rounding = dequantize_rows(codes, piece.dtype, piece.row_bytes, piece.block_cols, piece.scales)
+    except ValueError as e:
+        raise InvalidCheckpoint(f"{piece.path.name}: weight '{source}': {e}; cannot write it in BF16") from e
+    _write_all(out, data)
+    return rounding
 
 
 def _fill(out: int, piece: Fill) -> None:

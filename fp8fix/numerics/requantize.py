@@ -24,13 +24,14 @@ _COUNT_SLICE = 1 << 20
 
 
 @dataclass
-class RequantizeStats:
-    """The worst error of a requantization, in value and in fp8 steps at the target scale."""
+class RoundingStats:
+    """The worst error of a rounding, in value and in steps of the grid rounded to: fp8 steps at the target
+    scale for a requantization, BF16 steps for a dequantization (`numerics.dequantize`)."""
 
     max_abs: float = 0.0
     max_steps: float = 0.0
 
-    def update(self, other: RequantizeStats) -> None:
+    def update(self, other: RoundingStats) -> None:
         self.max_abs = max(self.max_abs, other.max_abs)
         self.max_steps = max(self.max_steps, other.max_steps)
 
@@ -44,7 +45,7 @@ class RequantizeMap:
     abs_error: tuple[float, ...]
     steps: tuple[float, ...]
 
-    def worst(self, data: bytes | bytearray) -> RequantizeStats:
+    def worst(self, data: bytes | bytearray) -> RoundingStats:
         """The worst errors among the codes `data` holds."""
         import numpy as np
 
@@ -53,7 +54,7 @@ class RequantizeMap:
         for start in range(0, len(codes), _COUNT_SLICE):  # bincount widens to int64: slices keep that small
             counts += np.bincount(codes[start : start + _COUNT_SLICE], minlength=256)
         present = counts.nonzero()[0].tolist()
-        return RequantizeStats(
+        return RoundingStats(
             max_abs=max((self.abs_error[c] for c in present), default=0.0),
             max_steps=max((self.steps[c] for c in present), default=0.0),
         )
@@ -99,7 +100,7 @@ def requantize_map(dtype: str, scale: float, target_scale: float, out_dtype: str
 
 def requantize(
     codes: bytes | bytearray, dtype: str, scale: float, target_scale: float, out_dtype: str | None = None
-) -> tuple[bytes | bytearray, RequantizeStats]:
+) -> tuple[bytes | bytearray, RoundingStats]:
     """Re-express FP8 `codes` (`dtype`, at `scale`) in `out_dtype` at `target_scale`; return the new
     codes and the worst error against the float32 source value (see `requantize_map`)."""
     table = requantize_map(dtype, scale, target_scale, out_dtype or dtype)

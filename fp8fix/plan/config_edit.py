@@ -54,13 +54,15 @@ def output_config(
     channel: bool = False,
     unfused_config: dict[str, Any] | None = None,
     sizes: dict[str, int] | None = None,
+    unquantized: list[str] | None = None,
 ) -> dict[str, tuple[dict[str, Any], list[str]]]:
     """The config files OUTPUT gets where they differ from SOURCE's: name lists following `renames`,
     and where modules were unfused, the config.json keys the registry entry says describe the layout
     (`unfused_config`: MiMo's `attention_projection_layout`), those config.json already has; then,
     with `compressed_tensors`, quantization_config written as compressed-tensors in that scheme; with
     `channel` (a compressed-tensors source), its weights' strategy made channel; with `sizes` (`--tp`
-    padding), those config.json sizes set.
+    padding), those config.json sizes set; with `unquantized` (`--tp-bf16`), those modules named in the
+    format's lists of modules left unquantized.
     Convert writes these; verify expects them."""
     from fp8fix.plan.compressed_tensors import channel_strategy_config, compressed_tensors_config
 
@@ -81,6 +83,11 @@ def output_config(
             {**content, **changed},
             [*edits, *(f"{k}: {config[k]} -> {v} {why}" for k, v in changed.items())],
         )
+    if unquantized:
+        content, edits = out.get(CONFIG, (config, []))
+        content, added = _leave_unquantized(content, name_lists, unquantized)
+        if added:
+            out[CONFIG] = (content, [*edits, *added])
     if compressed_tensors is not None:
         content, edits = out.get(CONFIG, (config, []))
         scheme = compressed_tensors
@@ -93,6 +100,33 @@ def output_config(
             edit = f"quantization_config: {', '.join(groups)} weights strategy tensor -> channel (scales per row)"
             out[CONFIG] = (rewritten, [*edits, edit])
     return out
+
+
+def _leave_unquantized(
+    config: dict[str, Any], name_lists: tuple[NameList, ...], modules: list[str]
+) -> tuple[dict[str, Any], list[str]]:
+    """`config` with `modules` added to each list of modules left unquantized that loaders read
+    (`NameList.unquantized`), where no entry names them already; one edit line per list."""
+    content = copy.deepcopy(config)
+    qc = quantization_config(content)
+    edits: list[str] = []
+    if qc is None:
+        return config, edits
+    for name_list in name_lists:
+        if name_list.file != CONFIG or not name_list.unquantized or "." in name_list.path:
+            continue
+        entries = qc.get(name_list.path)
+        if name_list.unquantized == "if-set" and not entries:
+            continue
+        entries = list(entries or [])
+        new = [m for m in modules if not any(isinstance(e, str) and matches(e, m, name_list.grammar) for e in entries)]
+        if new:
+            qc[name_list.path] = entries + new
+            edits.append(
+                f"quantization_config.{name_list.path}: +{len(new)} module(s) written in BF16 "
+                "(--tp-bf16: split by attention heads, not whole blocks per rank)"
+            )
+    return content, edits
 
 
 def rewrite_name_lists(

@@ -46,12 +46,16 @@ def plan_encoding(model: CheckpointModel, shards: list[OutputShard], target: Enc
     (NaN in e4m3fn) must keep its scale, and only a scan of its codes can tell.
     """
     fmt = model.require_format()
+    written = {t.source for shard in shards for t in shard.tensors if t.dtype in FP8_WEIGHT_DTYPES}
     fp8 = {w.name: w.tensor for w in model.weights.values() if w.tensor.dtype in FP8_WEIGHT_DTYPES}
+    fp8 = {name: t for name, t in fp8.items() if name in written}  # not those written in BF16 (`--tp-bf16`)
     encodings = sorted({t.dtype for t in fp8.values()})
     if len(encodings) > 1:
         raise UnsupportedCheckpoint(
             f"the checkpoint mixes FP8 encodings ({', '.join(encodings)}); convert one at a time"
         )
+    if not encodings:
+        return None
     source, wanted = encodings[0], ENCODINGS[target]
     if source == wanted:
         return None

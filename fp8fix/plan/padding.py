@@ -8,7 +8,8 @@ of N x block (each rank's share then whole blocks at N and at every divisor of N
 scales get rows or columns of 1.0 (they multiply zero codes), and config.json's sizes follow so
 loaders allocate the padded shapes. BF16 MLP modules are padded the same way, so config and
 weights agree. Modules that cannot be padded without changing the model (attention projections
-split by heads) are refused with the sizes that load.
+split by heads) are refused with the sizes that load, or with `--tp-bf16` written in BF16
+(`dequantized.py`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import CheckpointModel
 from fp8fix.numerics.dtypes import ITEM_SIZE, encode_floats
 from fp8fix.parallel import COMMON_SIZES, ModuleShare, TensorParallelReport, tensor_parallel_report
+from fp8fix.plan.dequantized import Bf16Module, plan_bf16_modules
 from fp8fix.plan.pieces import CopyRange, Fill, OutputTensor, PadRows, Piece
 from fp8fix.registry.expressions import ExpressionError, config_lookup, evaluate
-from fp8fix.registry.parallel import mlp_weights, padded_size_of
+from fp8fix.registry.parallel import mlp_weights, packed_siblings, padded_size_of
 
 
 @dataclass
@@ -44,15 +46,22 @@ class TpPadding:
     multiple: int  # every padded intermediate is a multiple of this (tp x block)
     mlps: list[PaddedMlp] = field(default_factory=list)
     config: dict[str, int] = field(default_factory=dict)  # config.json sizes, new values
-    outputs: dict[str, list[OutputTensor]] = field(default_factory=dict)  # by source tensor
+    outputs: dict[str, list[OutputTensor]] = field(default_factory=dict)  # by source tensor ([]: dropped)
+    bf16: list[Bf16Module] = field(default_factory=list)  # `--tp-bf16`: modules written unquantized
 
     @property
     def added_bytes(self) -> int:
-        return sum(m.added_bytes for m in self.mlps)
+        return sum(m.added_bytes for m in self.mlps) + sum(m.added_bytes for m in self.bf16)
+
+    @property
+    def unquantized(self) -> list[str]:
+        """The modules OUTPUT leaves unquantized, for the config's lists."""
+        return [m.module for m in self.bf16]
 
 
-def plan_tp_padding(model: CheckpointModel, tp: int) -> TpPadding:
-    """The padding that makes a block-scaled checkpoint load at `tp` (and every divisor of it)."""
+def plan_tp_padding(model: CheckpointModel, tp: int, bf16: bool = False) -> TpPadding:
+    """The padding that makes a block-scaled checkpoint load at `tp` (and every divisor of it); with
+    `bf16`, the modules padding cannot fix written in BF16 instead of refused."""
     fmt = model.require_format()
     if fmt.block is None:
         raise UnsupportedCheckpoint(
@@ -63,12 +72,13 @@ def plan_tp_padding(model: CheckpointModel, tp: int) -> TpPadding:
     multiple = tp * math.lcm(b0, b1)
     report = tensor_parallel_report(model, sorted({tp, *COMMON_SIZES}))  # every share, once
     assert report is not None
-    _refuse_unpaddable(report, tp)
+    unpaddable = _with_packed_siblings(model, _unpaddable(report, tp, bf16))
     ckpt = model.checkpoint
     mlps = _mlps(ckpt.tensors)
-    _refuse_unknown_mlps(report, tp, mlps)
+    _refuse_unknown_mlps(report, tp, mlps, set(unpaddable))
     config = ckpt.config
     padding = TpPadding(tp, multiple)
+    padding.bf16, padding.outputs = plan_bf16_modules(model, unpaddable)
     sizes = {mlp: _size_expression(mlp, weights) for mlp, weights in mlps.items()}
     old = {mlp: _evaluate(expr, config, mlp) for mlp, expr in sizes.items()}
     for mlp, weights in mlps.items():
@@ -95,27 +105,46 @@ def plan_tp_padding(model: CheckpointModel, tp: int) -> TpPadding:
     return padding
 
 
-def _refuse_unpaddable(report: TensorParallelReport, tp: int) -> None:
-    """Row- and column-parallel modules outside MLPs (split by attention heads) cannot be padded."""
+def _unpaddable(report: TensorParallelReport, tp: int, bf16: bool) -> list[str]:
+    """Modules outside MLPs (split by attention heads) whose share at `tp` is not whole blocks: padding
+    them would change the model, so they are refused, or with `bf16` returned to be written in BF16.
+    Shares that do not split evenly at all are refused either way: no dtype splits 40 heads 16 ways."""
 
     def blocked(size: int) -> list[ModuleShare]:
         return [s for s in report.sizes[size] if not s.loads and padded_size_of(_parent(s.module)) is None]
 
     at_tp = blocked(tp)
-    if at_tp:
-        names = ", ".join(sorted({s.module for s in at_tp})[:3])
+    uneven = [s for s in at_tp if s.per_rank is None]
+    if at_tp and (uneven or not bf16):
+        shown = uneven or at_tp
+        names = ", ".join(sorted({s.module for s in shown})[:3])
         working = ", ".join(str(n) for n in sorted(report.sizes) if not blocked(n)) or "none"
+        if uneven:
+            fix = "no dtype splits them at this size"
+        else:
+            fix = "padding them would change the model; --tp-bf16 writes them in BF16 instead"
         raise UnsupportedCheckpoint(
-            f"--tp {tp}: {len(at_tp)} module(s) split by attention heads are not whole blocks per rank "
-            f"({names}; {at_tp[0].message}), and padding them would change the model; "
-            f"sizes whose attention splits whole: {working}"
+            f"--tp {tp}: {len(shown)} module(s) split by attention heads are not whole blocks per rank "
+            f"({names}; {shown[0].message}), and {fix}; sizes whose attention splits whole: {working}"
         )
+    return [s.module for s in at_tp]
 
 
-def _refuse_unknown_mlps(report: TensorParallelReport, tp: int, mlps: dict[str, dict[str, TensorInfo]]) -> None:
+def _with_packed_siblings(model: CheckpointModel, modules: list[str]) -> list[str]:
+    """`modules` and the FP8 shards vLLM packs with them (q with k and v), in checkpoint order."""
+    wanted = {sibling for module in modules for sibling in packed_siblings(module)}
+    return [w.module for w in model.module_weights() if w.module in wanted]
+
+
+def _refuse_unknown_mlps(
+    report: TensorParallelReport, tp: int, mlps: dict[str, dict[str, TensorInfo]], bf16: set[str]
+) -> None:
     """An MLP module whose share is not whole blocks must belong to an MLP fp8fix pads (gate, up and down
-    stored apart): a fused gate_up_proj is not padded, and a conversion that leaves it so would not load."""
-    stranded = sorted({s.module for s in report.sizes[tp] if not s.loads and _parent(s.module) not in mlps})
+    stored apart): a fused gate_up_proj is not padded, and a conversion that leaves it so would not load.
+    (`bf16`: the attention modules written in BF16 instead.)"""
+    stranded = sorted(
+        {s.module for s in report.sizes[tp] if not s.loads and _parent(s.module) not in mlps and s.module not in bf16}
+    )
     if stranded:
         raise UnsupportedCheckpoint(
             f"--tp {tp}: '{stranded[0]}' is not whole blocks per rank and fp8fix pads only MLPs whose gate_proj, "

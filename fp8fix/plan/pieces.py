@@ -122,6 +122,22 @@ class PadRows(SourceRange):
 
 
 @dataclass(frozen=True)
+class Dequantize(SourceRange):
+    """Whole rows of block-scaled FP8 codes (`row_bytes` each, one block row at most) written as BF16:
+    column block c (of `block_cols` codes) at `scales[c]`, rounded once to nearest even
+    (`numerics.dequantize`). For modules `--tp-bf16` leaves unquantized."""
+
+    dtype: str
+    row_bytes: int
+    block_cols: int
+    scales: tuple[float, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.end - self.start) * 2
+
+
+@dataclass(frozen=True)
 class Fill:
     """`value` written `times` times, from no source: zero codes of rows `--tp` adds, or their scales."""
 
@@ -133,7 +149,7 @@ class Fill:
         return len(self.value) * self.times
 
 
-Piece = CopyRange | RepeatRange | Requantize | RequantizeBlocks | Recode | Rescale | PadRows | Fill
+Piece = CopyRange | RepeatRange | Requantize | RequantizeBlocks | Recode | Rescale | PadRows | Fill | Dequantize
 
 
 @dataclass

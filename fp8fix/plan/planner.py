@@ -38,6 +38,7 @@ def plan_for_target(
     target: Target = "auto",
     output_format: OutputFormat | None = None,
     tp: int | None = None,
+    tp_bf16: bool = False,
 ) -> ConversionPlan:
     """The conversion `convert` writes: `layout` and `output_format` where given, the rest what `target`'s
     loaders take best. An explicit layout alone keeps the source's format: it asks for that change only
@@ -50,12 +51,12 @@ def plan_for_target(
         model.require_convertible()
         found = candidates(model, layout, output_format)
         if not found:  # every candidate refused: plan the first for its error
-            return plan_conversion(model, layout or arch.default_layout, to, output_format or "keep", tp)
+            return plan_conversion(model, layout or arch.default_layout, to, output_format or "keep", tp, tp_bf16)
         chosen = best(found, target, arch.default_layout)
-        plan = plan_conversion(model, chosen.layout, to, chosen.output_format, tp)
+        plan = plan_conversion(model, chosen.layout, to, chosen.output_format, tp, tp_bf16)
         plan.layout_was_default = layout is None
     else:
-        plan = plan_conversion(model, layout, to, output_format, tp)
+        plan = plan_conversion(model, layout, to, output_format, tp, tp_bf16)
     plan.target = target
     return plan
 
@@ -66,9 +67,11 @@ def plan_conversion(
     to: Encoding | None = None,
     output_format: OutputFormat = "keep",
     tp: int | None = None,
+    tp_bf16: bool = False,
 ) -> ConversionPlan:
     """The whole conversion in `layout` and `output_format`: fused-module layout first, then (with `tp`)
-    MLP padding, then (with `to`) the FP8 encoding, then the tensor names and shapes of the output format."""
+    MLP padding (and with `tp_bf16` BF16 modules), then (with `to`) the FP8 encoding, then the tensor
+    names and shapes of the output format."""
     ckpt = model.checkpoint
     fmt = model.require_format()
     arch_name, arch = model.require_architecture()
@@ -101,7 +104,7 @@ def plan_conversion(
         change, outputs = plan_experts(weight, chosen)
         changes.append(change)
         replacements.update(outputs)
-    padding = plan_tp_padding(model, tp) if tp else None
+    padding = plan_tp_padding(model, tp, tp_bf16) if tp else None
     if padding is not None:
         replacements.update(padding.outputs)
     shards = [_plan_shard(name, header.metadata, header.tensors, replacements) for name, header in ckpt.shards.items()]
@@ -140,6 +143,7 @@ def plan_conversion(
             channel=chosen == "channel" and output_format == "keep",
             unfused_config=arch.unfused_config,
             sizes=padding.config if padding else None,
+            unquantized=padding.unquantized if padding else None,
         ),
         padding=padding,
     )
@@ -183,10 +187,10 @@ def _plan_shard(
 ) -> OutputShard:
     out: list[OutputTensor] = []
     for t in tensors.values():
-        out.extend(
-            replacements.get(t.name)
-            or [OutputTensor(t.name, t.dtype, t.shape, [CopyRange(t.path, t.start, t.end)], t.name)]
-        )
+        if t.name in replacements:  # rewritten, or dropped (an empty list: the scale of a BF16 module)
+            out.extend(replacements[t.name])
+        else:
+            out.append(OutputTensor(t.name, t.dtype, t.shape, [CopyRange(t.path, t.start, t.end)], t.name))
     return OutputShard(name, {**metadata, "format": "pt"}, out)
 
 

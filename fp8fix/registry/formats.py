@@ -35,6 +35,9 @@ class NameList:
     grammar: Grammar
     file: str = "config.json"  # or hf_quant_config.json (ModelOpt)
     evidence: str = ""  # the loader code that matches entries so
+    # A list of modules left unquantized, where `--tp-bf16` names the modules it writes in BF16:
+    # "always" (created when absent), "if-set" (only a non-empty list: a loader reads it only then), "" not one.
+    unquantized: str = ""
 
 
 @dataclass(frozen=True)
@@ -93,13 +96,22 @@ AUTOFP8_LEGACY = replace(AUTOFP8, label="AutoFP8 (legacy act_scale names)", inpu
 #: Legacy AutoFP8 tensor suffixes and today's names for them (`kv_scale` is both kv scales: vLLM's
 #: `maybe_remap_kv_scale_name` loads it as k_scale and duplicates it to v_scale).
 LEGACY_RENAMES = {".act_scale": (".input_scale",), ".kv_scale": (".k_scale", ".v_scale")}
+#: vLLM reads `ignored_layers` when it is non-empty, else `modules_to_not_convert`; transformers reads only
+#: `modules_to_not_convert`. So a module left unquantized goes in `modules_to_not_convert` always, and in
+#: `ignored_layers` too where that list is set.
+_VLLM_FP8_LISTS = "vllm 0.32 quantization/fp8.py Fp8Config.from_config (modules_to_not_convert if no ignored_layers)"
 BLOCK_FP8 = FormatSpec(
     name="fp8",
     label="block FP8 (DeepSeek-V3 / Qwen3 / FineGrainedFP8)",
     scalar_shape=(),
     name_lists=(
-        NameList("modules_to_not_convert", "transformers", evidence=_TRANSFORMERS_MATCH),
-        NameList("ignored_layers", "exact", evidence=_VLLM_FP8_EXACT),
+        NameList(
+            "modules_to_not_convert",
+            "transformers",
+            evidence=f"{_TRANSFORMERS_MATCH}; {_VLLM_FP8_LISTS}",
+            unquantized="always",
+        ),
+        NameList("ignored_layers", "exact", evidence=f"{_VLLM_FP8_EXACT}; {_VLLM_FP8_LISTS}", unquantized="if-set"),
     ),
     weight_scale="weight_scale_inv",
 )
@@ -108,7 +120,9 @@ COMPRESSED_TENSORS = FormatSpec(
     label="compressed-tensors float-quantized",
     scalar_shape=(1,),
     name_lists=(
-        NameList("ignore", "exact-or-re", evidence=_EXACT_OR_RE.format("compressed_tensors/utils.py")),
+        NameList(
+            "ignore", "exact-or-re", evidence=_EXACT_OR_RE.format("compressed_tensors/utils.py"), unquantized="always"
+        ),
         NameList("config_groups.*.targets", "exact-or-re", evidence=_EXACT_OR_RE.format("compressed_tensors/utils.py")),
     ),
 )

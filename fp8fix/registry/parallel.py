@@ -25,7 +25,7 @@ LINEAR = "vllm 0.32 model_executor/layers/linear.py"
 class ParallelRole:
     """How vLLM splits a module across tensor-parallel ranks, and what it does with a partial block."""
 
-    name: str  # row-parallel, merged-column, fused-moe
+    name: str  # row-parallel, column-parallel, qkv, merged-column, fused-moe
     pattern: re.Pattern[str]  # matched against the module path
     dimension: str  # the split dimension: "in" (columns) or "out" (rows) of the [out, in] weight
     block_axis: int  # the block size that must divide a rank's share: 0 block_n (rows), 1 block_k (columns)
@@ -68,6 +68,18 @@ ROLES: tuple[ParallelRole, ...] = (
         "Weight output_partition_size = {per_rank} is not divisible by weight quantization block_n = {block}.",
         f"{FP8_UTILS} validate_fp8_block_shape (column parallel)",
     ),
+    ParallelRole(  # q / k / v: QKVParallelLinear, a merged column layer over attention heads
+        "qkv",
+        re.compile(r"(^|\.)(q_proj|k_proj|v_proj)$"),
+        "out",
+        0,
+        "loads-wrong",
+        "QKV layers skip the block check (allow_fp8_block_shape_mismatch) and load each shard's block scales at "
+        "offsets and sizes rounded up to whole blocks of {block} (adjust_block_scale_shard): with {per_rank} rows "
+        "per rank they do not line up with the rows, which are scaled by other blocks' scales",
+        f"{LINEAR} QKVParallelLinear.weight_loader_v2, adjust_block_scale_shard; "
+        "vllm 0.32 model_executor/parameter.py _ColumnvLLMParameter.load_qkv_weight",
+    ),
     ParallelRole(
         "merged-column",
         re.compile(r"(^|\.)(gate_proj|up_proj|gate_up_proj)$"),
@@ -81,6 +93,10 @@ ROLES: tuple[ParallelRole, ...] = (
     ),
 )
 
+#: QKV shares whose rounded-up scale offsets run past the shard's scale rows: torch's narrow() refuses the
+#: last ranks (tests/loaders/test_tp_load.py sees it), the others load with misaligned scales.
+QKV_OVERFLOW = "; the last ranks fail: start ({start}) + length ({length}) exceeds dimension size ({rows})."
+
 #: The finest block vLLM 0.32 refines fused-MoE scales to (gcd of the blocks, the share and hidden).
 MIN_REFINED_BLOCK = 32
 REFINED_MESSAGE = (
@@ -93,6 +109,34 @@ REFINED_MESSAGE = (
 def role_of(module: str) -> ParallelRole | None:
     return next((r for r in ROLES if r.pattern.search(module)), None)
 
+
+#: The column-parallel role, for a `q_proj` that vLLM builds as a plain ColumnParallelLinear (no k_proj
+#: beside it: DeepSeek-V2's MLA without q_lora_rank, models/deepseek_v2.py).
+COLUMN_PARALLEL = next(r for r in ROLES if r.name == "column-parallel")
+#: Modules vLLM builds as one layer (its packed_modules_mapping): every shard must be quantized alike, or
+#: is_layer_skipped raises ("... but not all shards ... are quantized"), so a module written in BF16
+#: takes its siblings with it (vllm 0.32 model_executor/layers/quantization/utils/quant_utils.py).
+PACKED_SHARDS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def packed_siblings(module: str) -> list[str]:
+    """`module` and the other shards of the vLLM layer it is packed into (itself alone if none)."""
+    parent, _, leaf = module.rpartition(".")
+    shards = next((group for group in PACKED_SHARDS if leaf in group), (leaf,))
+    return [f"{parent}.{shard}" if parent else shard for shard in shards]
+
+
+#: k / v: split num_key_value_heads ways at most (each rank past that holds one replicated kv head).
+KV_PROJECTIONS = re.compile(r"(^|\.)(k_proj|v_proj)$")
+
+
+#: Attention projections, split across ranks by heads: a size that does not divide the heads is refused
+#: before any block matters (vLLM 0.32's attention classes, e.g. models/qwen3_moe.py Qwen3MoeAttention:
+#: `assert self.total_num_heads % tp_size == 0`, and for kv heads `total_num_kv_heads % tp_size == 0`
+#: when there are at least tp_size of them, else `tp_size % total_num_kv_heads == 0`).
+ATTENTION_PROJECTIONS = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|o_proj|q_b_proj|kv_b_proj)$")
+HEADS_MESSAGE = "{key} = {heads} does not split {tp} ways (vLLM's attention asserts it)"
+HEADS_EVIDENCE = "vllm 0.32 model_executor/models/qwen3_moe.py Qwen3MoeAttention (as every attention class)"
 
 #: The checkpoint's rows or columns do not split into equal shares at all (vLLM's ensure_divisibility).
 INDIVISIBLE_MESSAGE = "{size} is not divisible by {tp}"

@@ -130,9 +130,12 @@ def padding_lines(plan: ConversionPlan) -> list[str]:
         return []
     total = plan.total_bytes
     grown = padding.added_bytes
+    outcome = "outputs unchanged"
+    if padding.bf16:
+        outcome += f" but for the BF16 rounding of {len(padding.bf16)} module(s)"
     lines = [
         f"tp {padding.tp}: MLP intermediates zero-padded to multiples of {padding.multiple} "
-        f"(+{human_size(grown)}, {100 * grown / max(total - grown, 1):.2f}% of the checkpoint); outputs unchanged"
+        f"(+{human_size(grown)} in all, {100 * grown / max(total - grown, 1):.2f}% of the checkpoint); {outcome}"
     ]
     groups: dict[tuple[str, int, int], list[Any]] = defaultdict(list)
     for m in padding.mlps:
@@ -145,6 +148,19 @@ def padding_lines(plan: ConversionPlan) -> list[str]:
         lines.append(
             "  note: routed experts need no padding under expert parallelism (vLLM --enable-expert-parallel "
             "keeps each expert whole on one rank)"
+        )
+    if padding.bf16:
+        grown = sum(m.added_bytes for m in padding.bf16)
+        errors = [m.max_error for m in padding.bf16 if m.max_error is not None]
+        steps = [m.max_error_steps for m in padding.bf16 if m.max_error_steps is not None]
+        worst = (
+            f"; BF16 rounding error at most {max(errors):.3g} ({max(steps):.2f} BF16 steps)"
+            if errors and steps
+            else "; BF16 rounding error reported once written"
+        )
+        lines.append(
+            f"  BF16 {name_pattern([m.module for m in padding.bf16])}: split by attention heads, not whole blocks "
+            f"per rank; dequantized and listed as unquantized (--tp-bf16), +{human_size(grown)}{worst}"
         )
     return lines
 
@@ -203,6 +219,7 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
             "config": plan.padding.config,
             "added_bytes": plan.padding.added_bytes,
             "mlps": [dataclasses.asdict(m) for m in plan.padding.mlps],
+            "bf16": [dataclasses.asdict(m) for m in plan.padding.bf16],
         },
         "loaders": plan_loaders(plan),
         "source_loaders": verdicts_json(plan.source_loaders),

@@ -16,7 +16,7 @@ from typing import Any
 from fp8fix import __version__
 from fp8fix.io.checkpoint import CARD
 from fp8fix.plan.pieces import ConversionPlan
-from fp8fix.report.convert_report import VLLM_FNUZ_NOTE, encoding_line, module_groups
+from fp8fix.report.convert_report import VLLM_FNUZ_NOTE, encoding_line, module_groups, padding_lines
 
 TAGS = ["fp8", "fp8fix"]
 #: huggingface_hub.repocard.REGEX_YAML_BLOCK
@@ -95,6 +95,9 @@ def conversion_section(
     encoding = encoding_line(plan)
     if encoding:
         lines += [f"- FP8 {encoding}", "", VLLM_FNUZ_NOTE.replace("note: ", "Note: ", 1), ""]
+    tensor_parallel = padding_lines(plan)
+    if tensor_parallel:
+        lines += ["Tensor parallelism (`--tp`):", "", *(f"- {line.strip()}" for line in tensor_parallel), ""]
     groups = module_groups(plan)
     if groups:
         lines += ["| modules | count | scale | change | why |", "|---|---|---|---|---|"]

@@ -17,6 +17,7 @@ Then:
   (requantized modules) within half an fp8 step, or at the clamp;
 - static input scales equal the source's (times the encoding's factor, or their max);
 - every other tensor, or its row slice, is byte-identical;
+- `--tp` padding and `--tp-bf16` weights are checked as such (`padding`, `dequantized`);
 - every OUTPUT tensor has the dtype and shape its SOURCE tensor and mapping give (`shapes`);
 - index, shard files, config.json and the copied files are what they should be, and OUTPUT
   holds no file besides them.
@@ -34,6 +35,12 @@ from fp8fix.io.workers import run_tasks, worker_count
 from fp8fix.model import describe_checkpoint
 from fp8fix.registry.architectures import Registry
 from fp8fix.verification.context import VerifyContext
+from fp8fix.verification.dequantized import (
+    check_dequantized,
+    dequantized_weights,
+    dropped_scales,
+    unquantized_modules,
+)
 from fp8fix.verification.mapping import Target, map_tensors, module_renames
 from fp8fix.verification.padding import check_padded, padded_sizes, padded_tensors
 from fp8fix.verification.repo import check_bytes, check_input_scale, check_repo, compressed_tensors_output
@@ -59,6 +66,8 @@ def verify(
     with SourceFiles() as files:
         ctx = VerifyContext(model, out, fmt, VerifyReport(str(source), str(output)), files)
         ctx.padded = padded_tensors(ctx)
+        ctx.dequantized = dequantized_weights(ctx)
+        ctx.dropped = dropped_scales(ctx.dequantized)
         checks = _TensorChecks(ctx, map_tensors(ctx))
         with progress_bar(checks.total, "fp8fix verify", quiet) as bar:
             runs = checks.runs(RUNS_PER_JOB * jobs)
@@ -74,7 +83,8 @@ def verify(
                 checks.check(0, len(checks.items), bar)
         scheme = compressed_tensors_output(ctx)
         check_shapes(ctx, checks.mapping, scheme is not None)
-        check_repo(ctx, module_renames(ctx, checks.mapping), scheme, padded_sizes(ctx))
+        renames = module_renames(ctx, checks.mapping)
+        check_repo(ctx, renames, scheme, padded_sizes(ctx), unquantized_modules(ctx.dequantized))
     return ctx.report
 
 
@@ -112,7 +122,9 @@ class _TensorChecks:
         ctx = self.ctx
         for (name, targets), cost in zip(self.items[start:end], self.costs[start:end], strict=True):
             weight = self.weights.get(name)
-            if name in ctx.padded:  # `--tp`: a padded MLP weight (its scale is checked with it)
+            if name in ctx.dequantized:  # `--tp-bf16`: written in BF16
+                ctx.report.weights.append(check_dequantized(ctx, ctx.dequantized[name]))
+            elif name in ctx.padded:  # `--tp`: a padded MLP weight (its scale is checked with it)
                 if name not in self.scale_names:
                     check = check_padded(ctx, name, weight)
                     if check is not None:

@@ -30,6 +30,8 @@ class VerifyContext:
     report: VerifyReport
     files: SourceFiles  # descriptors of both checkpoints' files
     padded: dict[str, Any] = field(default_factory=dict)  # `--tp`: SOURCE tensors OUTPUT holds padded (padding.py)
+    dequantized: dict[str, Any] = field(default_factory=dict)  # `--tp-bf16`: FP8 weights OUTPUT holds in BF16
+    dropped: set[str] = field(default_factory=set)  # their scales, which OUTPUT must not hold
 
     @property
     def src(self) -> Checkpoint:

@@ -60,10 +60,15 @@ def check_bytes(ctx: VerifyContext, name: str, targets: list[Target]) -> None:
 
 
 def check_repo(
-    ctx: VerifyContext, renames: dict[str, list[str]], scheme: Scheme | None, sizes: dict[str, int] | None = None
+    ctx: VerifyContext,
+    renames: dict[str, list[str]],
+    scheme: Scheme | None,
+    sizes: dict[str, int] | None = None,
+    unquantized: list[str] | None = None,
 ) -> None:
-    """Shard files, index, `format: pt`, config.json (only renamed name-list entries, and the
-    compressed-tensors `scheme` where OUTPUT was written as compressed-tensors) and copied files."""
+    """Shard files, index, `format: pt`, config.json (only renamed name-list entries, the
+    compressed-tensors `scheme` where OUTPUT was written as compressed-tensors, `--tp` sizes and
+    `--tp-bf16` modules listed as unquantized) and copied files."""
     src, out, report = ctx.src, ctx.out, ctx.report
     if set(out.shards) != set(src.shards):
         report.problem(f"OUTPUT's shard files {sorted(out.shards)} are not SOURCE's {sorted(src.shards)}")
@@ -81,7 +86,15 @@ def check_repo(
             report.problem(f"{name}: __metadata__ has no format: pt")
     unfused_config = ctx.model.spec.unfused_config if ctx.model.spec else None
     rewritten = output_config(
-        src.config, src.root, ctx.fmt.name_lists, renames, scheme, channel_output(ctx), unfused_config, sizes
+        src.config,
+        src.root,
+        ctx.fmt.name_lists,
+        renames,
+        scheme,
+        channel_output(ctx),
+        unfused_config,
+        sizes,
+        unquantized,
     )
     if out.config != rewritten.get(CONFIG, (src.config, []))[0]:
         report.problem(

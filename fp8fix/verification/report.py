@@ -49,11 +49,13 @@ class VerifyReport:
         return {"schema_version": SCHEMA_VERSION, **asdict(self), "ok": self.ok}
 
     def summary(self) -> str:
-        kinds = {k: sum(w.kind == k for w in self.weights) for k in ("exact", "rounded", "requantized")}
+        kinds = {k: sum(w.kind == k for w in self.weights) for k in ("exact", "rounded", "requantized", "dequantized")}
         worst = max((w.max_error_steps for w in self.weights if w.kind == "requantized"), default=None)
+        rounded = max((w.max_error_steps for w in self.weights if w.kind == "dequantized"), default=None)
         return (
             f"{len(self.weights)} FP8 weights ({kinds['exact']} exact, {kinds['rounded']} with rounded codes, "
             f"{kinds['requantized']} requantized"
             + (f", max {worst:.2f} fp8 steps" if worst is not None else "")
+            + (f", {kinds['dequantized']} in BF16, max {rounded:.2f} BF16 steps" if rounded is not None else "")
             + f"), {self.scales_checked} input scales, {self.identical_tensors} tensors byte-identical"
         )

@@ -66,11 +66,18 @@ def test_inspect_tp_says_what_vllm_does(tmp_path: Path, case: str) -> None:
     for tp, entry in report["sizes"].items():
         for group in entry["modules"]:
             said[(group["role"], group["size"], int(tp))] = group
+    heads = json.loads((src / "config.json").read_text()).get("num_attention_heads", 1)
+    for tp in SIZES:  # attention whose heads do not split never reaches these functions (test_tp_load.py)
+        for m in roles(src):
+            if m["module"].endswith("o_proj") and heads % tp:
+                claim = said[(m["role"], m["size"], tp)]
+                assert claim["behaviour"] == "refuses" and f"does not split {tp} ways" in claim["message"]
     cases = [
         {**m, "tp": tp, "block": report["block"]}
         for m in roles(src)
         for tp in SIZES
         if m["size"] % tp == 0  # shares that do not split evenly never reach these functions
+        and not (m["module"].endswith("o_proj") and heads % tp)
     ]
     assert cases
     (tmp_path / "cases.json").write_text(json.dumps(cases))
