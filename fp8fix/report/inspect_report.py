@@ -69,7 +69,7 @@ def tensor_parallel_lines(parallel: dict[str, Any] | None) -> list[str]:
         lines.append(f"  TP {tp}:")
         for g in entry["modules"]:
             share = f"{g['per_rank']} of {g['size']} per rank" if g["per_rank"] is not None else f"{g['size']}"
-            lines.append(f"    {g['behaviour']:<11}  {g['modules']} ({g['role']}, {share}): {g['message']}")
+            lines.append(f"    {g['behaviour']:<12}  {g['modules']} ({g['role']}, {share}): {g['message']}")
     clean = ", ".join(map(str, parallel["clean_sizes"])) or "none"
     lines.append(f"  every share whole blocks at TP: {clean}")
     return lines

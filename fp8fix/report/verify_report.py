@@ -13,8 +13,8 @@ def verify_lines(report: VerifyReport, verbose: bool = False) -> list[str]:
             lines.append(f"  exact       {w.tensor}")
         elif w.kind != "exact":
             rounded = f", {w.rounded_codes} codes rounded" if w.rounded_codes else ""
-            lines.append(
-                f"  {w.kind:<11} {w.tensor}: max error {w.max_error:.3g} ({w.max_error_steps:.2f} fp8 steps){rounded}"
-            )
+            grid = "BF16" if w.kind == "dequantized" else "fp8"  # the steps of the values it was rounded to
+            error = f"max error {w.max_error:.3g} ({w.max_error_steps:.2f} {grid} steps)"
+            lines.append(f"  {w.kind:<11} {w.tensor}: {error}{rounded}")
     lines += [f"  problem: {p}" for p in report.problems]
     return lines
