@@ -174,28 +174,28 @@ def test_attention_split_by_heads_into_partial_blocks(tmp_path: Path) -> None:
     a = "model.layers.0.self_attn"
     o = found[f"{a}.o_proj"]
     assert (o["per_rank"], o["behaviour"], o["loads"]) == (64, "refuses", False)
-    for qkv in (found[f"{a}.q_proj"], found["model.layers.{0}.{self_attn.k_proj,self_attn.v_proj}"]):
+    for qkv in (found[f"{a}.q_proj"], found["model.layers.0.self_attn.{k_proj,v_proj}"]):
         assert (qkv["role"], qkv["per_rank"], qkv["behaviour"], qkv["loads"]) == ("qkv", 64, "wrong-scales", False)
         assert "with 64 rows per rank they do not line up" in qkv["message"]
     at_2 = tp_report(narrow_heads(tmp_path / "src2"), 2)["sizes"]["2"]["modules"]
     attention = [g for g in at_2 if "self_attn" in g["modules"]]
     # q: 256 rows per rank and o_proj 256 columns, whole blocks; k and v: one of the 2 kv heads, 64 rows
     assert [(g["modules"], g["behaviour"]) for g in attention] == [
-        ("model.layers.{0}.{self_attn.k_proj,self_attn.v_proj}", "wrong-scales")
+        ("model.layers.0.self_attn.{k_proj,v_proj}", "wrong-scales")
     ]
 
 
 def test_deepseek_dense_down_proj_is_refused_at_tp_32(tmp_path: Path) -> None:
     report = tp_report(deepseek_dense(tmp_path / "src"), 32)
     found = groups(report, 32)
-    assert set(found) == {"model.layers.0.mlp.down_proj", "model.layers.{0}.{mlp.gate_proj,mlp.up_proj}"}
+    assert set(found) == {"model.layers.0.mlp.down_proj", "model.layers.0.mlp.{gate_proj,up_proj}"}
     down = found["model.layers.0.mlp.down_proj"]
     assert (down["role"], down["size"], down["per_rank"], down["behaviour"]) == ("row-parallel", 4608, 144, "refuses")
     assert (
         down["message"]
         == "Weight input_size_per_partition = 144 is not divisible by weight quantization block_k = 128."
     )
-    assert found["model.layers.{0}.{mlp.gate_proj,mlp.up_proj}"]["behaviour"] == "skips-check"
+    assert found["model.layers.0.mlp.{gate_proj,up_proj}"]["behaviour"] == "skips-check"
     assert report["clean_sizes"] == [1, 2, 4]  # 4608 / 4 = 9 blocks; as 18432 / 16 is 9 in the release
 
 

@@ -2,27 +2,48 @@
 
 from __future__ import annotations
 
-import re
+import math
 
 
 def name_pattern(names: list[str]) -> str:
     """One compact name for many: 'model.layers.{0..31}.mlp.gate_up_proj',
-    'model.layers.{0..1}.{mlp.down_proj,self_attn.o_proj}'."""
+    'model.layers.{0..47}.mlp.experts.{0..127}.{down_proj,gate_proj,up_proj}',
+    'model.layers.0.{mlp.down_proj,self_attn.o_proj}'.
+
+    Names that differ only in their numbers collapse into one pattern per shape, each number
+    position a span, when the spans' every combination is there (a pattern never names a module
+    that is not); the patterns then share their common leading components. Anything else is the
+    first name and a count."""
     unique = list(dict.fromkeys(names))
     if len(unique) == 1:
         return unique[0]
-    parts = [re.match(r"^(.*?\.)(\d+)(\..*)$", n) for n in unique]
-    if not all(parts) or len({p.group(1) for p in parts if p}) != 1:
-        return f"{unique[0]} (+{len(unique) - 1} more)"
-    layers = sorted({int(p.group(2)) for p in parts if p})
-    tails = sorted({p.group(3)[1:] for p in parts if p})
-    span = (
-        f"{layers[0]}..{layers[-1]}"
-        if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1))
-        else ",".join(map(str, layers))
-    )
-    tail = tails[0] if len(tails) == 1 else "{" + ",".join(tails) + "}"
-    return f"{parts[0].group(1)}{{{span}}}.{tail}" if parts[0] else unique[0]
+    shapes: dict[tuple[str, ...], list[list[str]]] = {}
+    for name in unique:
+        parts = name.split(".")
+        shapes.setdefault(tuple("#" if p.isdigit() else p for p in parts), []).append(parts)
+    patterns = []
+    for shape, members in shapes.items():
+        numbers = [sorted({int(m[i]) for m in members}) for i, part in enumerate(shape) if part == "#"]
+        if math.prod(len(n) for n in numbers) != len(members):  # not a full grid of numbers
+            return f"{unique[0]} (+{len(unique) - 1} more)"
+        spans = iter(_span(n) for n in numbers)
+        patterns.append([next(spans) if part == "#" else part for part in shape])
+    if len(patterns) == 1:
+        return ".".join(patterns[0])
+    shared = 0
+    while all(len(p) > shared + 1 and p[shared] == patterns[0][shared] for p in patterns):
+        shared += 1
+    rests = sorted(".".join(p[shared:]) for p in patterns)
+    return ".".join([*patterns[0][:shared], "{" + ",".join(rests) + "}"])
+
+
+def _span(numbers: list[int]) -> str:
+    """0 / {0,1} / {0..31}: one number as itself, a run of more than two as a range."""
+    if len(numbers) == 1:
+        return str(numbers[0])
+    if len(numbers) > 2 and numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f"{{{numbers[0]}..{numbers[-1]}}}"
+    return "{" + ",".join(map(str, numbers)) + "}"
 
 
 def human_size(n: float) -> str:

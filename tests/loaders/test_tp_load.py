@@ -215,7 +215,7 @@ def test_qkv_shares_of_partial_blocks_fail_or_load_other_blocks_scales(tmp_path:
     config["quantization_config"]["modules_to_not_convert"] = [f"{ATTENTION}.o_proj"]
     (mixed / "config.json").write_text(json.dumps(config))
     report = json.loads(run_cli("inspect", mixed, "--tp", "8", "--json").output)["tensor_parallel"]
-    kv = groups(report, 8)["model.layers.{0}.{self_attn.k_proj,self_attn.v_proj}"]
+    kv = groups(report, 8)["model.layers.0.self_attn.{k_proj,v_proj}"]
     assert kv["behaviour"] == "wrong-scales" and not kv["loads"]
     ranks = load_ranks(mixed, 8, tmp_path / "vllm")
     assert [r["loaded"] for r, _ in ranks] == [True] * 4 + [False] * 4
