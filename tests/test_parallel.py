@@ -222,3 +222,16 @@ def test_text_report_and_checkpoints_without_blocks(tmp_path: Path) -> None:
 def test_bad_sizes_are_usage_errors(tmp_path: Path, bad: str) -> None:
     result = run_cli("inspect", tmp_path, "--tp", bad)
     assert result.exit_code == 2 and "--tp" in result.output
+
+
+def test_a_q_proj_without_k_proj_is_a_plain_column_layer(tmp_path: Path) -> None:
+    """DeepSeek-V2-Lite's MLA without q_lora_rank has `q_proj` and no k_proj / v_proj: vLLM builds it as a
+    ColumnParallelLinear (models/deepseek_v2.py), which validate_fp8_block_shape checks, not a QKV layer."""
+    config = {**DEEPSEEK_R1_CONFIG, "hidden_size": 256, "q_lora_rank": None, "kv_lora_rank": 128}
+    config.update(qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, num_hidden_layers=1, vocab_size=256)
+    p = "model.layers.0.self_attn"
+    linears = {f"{p}.q_proj": (128 * 64, 256), f"{p}.kv_b_proj": (128 * 64, 128), f"{p}.o_proj": (256, 128 * 32)}
+    found = groups(tp_report(block_fp8_checkpoint(tmp_path / "src", config, linears), 128), 128)
+    q = found[f"{p}.{{kv_b_proj,q_proj}}"]  # 8192 rows each: 64 per rank at TP 128 (one head each)
+    assert (q["role"], q["per_rank"], q["behaviour"]) == ("column-parallel", 64, "refuses")
+    assert q["message"] == "Weight output_partition_size = 64 is not divisible by weight quantization block_n = 128."
