@@ -281,3 +281,18 @@ def test_verify_checks_bf16_modules(tmp_path: Path) -> None:
     (out / "config.json").write_text(json.dumps(config))
     result = run_cli("verify", src, out)
     assert result.exit_code == 1 and "config.json" in result.output
+
+
+def test_verify_wants_the_scales_of_bf16_modules_gone(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = narrow_heads(tmp_path / "src")
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "--tp", "8", "--tp-bf16", "-q").exit_code == 0
+    scale = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    shard = sorted(out.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    tensors[scale] = load_tensors(src)[scale]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    result = run_cli("verify", src, out)
+    assert result.exit_code == 1 and f"'{scale}': OUTPUT holds its weight in BF16" in result.output
