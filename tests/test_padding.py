@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.builders import FP8, build, phi3, write_files
@@ -196,6 +197,12 @@ def test_tp_bf16_writes_attention_split_into_partial_blocks_in_bf16(tmp_path: Pa
     assert report["sizes"]["8"]["clean"]
     refused = run_cli("convert", src, tmp_path / "alone", "--tp-bf16")
     assert refused.exit_code == 2 and "--tp-bf16 needs --tp" in refused.output
+    import fp8fix
+
+    with pytest.raises(fp8fix.UsageError, match=r"tp_bf16=True needs tp: "):  # the API names its keywords
+        fp8fix.convert(src, tmp_path / "alone", tp_bf16=True)
+    with pytest.raises(fp8fix.UnsupportedCheckpoint, match=r"^tp=8: .*tp_bf16=True writes them in BF16"):
+        fp8fix.convert(src, tmp_path / "alone", tp=8)
 
 
 def test_tp_bf16_lists_follow_the_format(tmp_path: Path) -> None:
