@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fp8fix.model import CheckpointModel
+from fp8fix.model import CheckpointModel, Fp8Weight
 from fp8fix.registry.parallel import (
     ATTENTION_PROJECTIONS,
     COLUMN_PARALLEL,
@@ -27,7 +27,11 @@ from fp8fix.registry.parallel import (
     KV_PROJECTIONS,
     MIN_REFINED_BLOCK,
     MOE_ORACLE,
-    QKV_OVERFLOW,
+    NARROW_ERROR,
+    PACKED_EVIDENCE,
+    PACKED_FAILURE,
+    PACKED_MESSAGE,
+    PACKED_SHARDS,
     REFINED_MESSAGE,
     ParallelRole,
     role_of,
@@ -98,31 +102,105 @@ def tensor_parallel_report(model: CheckpointModel, sizes: list[int]) -> TensorPa
 
 def _shares(model: CheckpointModel, block: tuple[int, int], tp: int) -> list[ModuleShare]:
     out = []
-    tensors, config = model.checkpoint.tensors, model.checkpoint.config
+    config = model.checkpoint.config
     heads = _heads_refusal(config, tp)
-    for w in model.module_weights():
-        role = role_of(w.module)
-        if role is None or w.stacked or len(w.tensor.shape) != 2:
+    weights = {w.module: w for w in model.module_weights() if not w.stacked and len(w.tensor.shape) == 2}
+    packed = _packed_layers(weights, tp, heads is None)
+    members = {shard for shards in packed.values() for shard in shards}
+    for module, w in weights.items():
+        role = role_of(module)
+        if role is None:
             continue
-        if heads is not None and ATTENTION_PROJECTIONS.search(w.module):
+        if heads is not None and ATTENTION_PROJECTIONS.search(module):
             size = w.tensor.shape[1 if role.dimension == "in" else 0]
-            out.append(ModuleShare(w.module, role.name, size, None, "refuses", False, heads, HEADS_EVIDENCE))
+            out.append(ModuleShare(module, role.name, size, None, "refuses", False, heads, HEADS_EVIDENCE))
+            continue
+        if module in packed:
+            out += _packed_shares(packed[module], weights, block, tp, config)
+        if module in members:  # worked out with its layer
             continue
         rows, cols = w.tensor.shape
-        split = tp
         if role.name == "fused-moe":
-            down = DOWN_PROJECTIONS.search(w.module) is not None
+            down = DOWN_PROJECTIONS.search(module) is not None
             size, hidden = (cols, rows) if down else (rows, cols)
         else:
             size, hidden = (cols if role.dimension == "in" else rows), 0
-        if role.name == "qkv" and f"{w.module.rpartition('.')[0]}.k_proj.weight" not in tensors:
+        if role.name == "qkv":
             role = COLUMN_PARALLEL  # a q_proj without k_proj (DeepSeek MLA without q_lora_rank): a plain column layer
-        elif role.name == "qkv" and KV_PROJECTIONS.search(w.module):
-            split = _kv_split(model.checkpoint.config, tp)
-        share = _share(w.module, role, size, hidden, block, split)
+        share = _share(module, role, size, hidden, block, tp)
         if share is not None:
             out.append(share)
     return out
+
+
+def _packed_layers(weights: dict[str, Fp8Weight], tp: int, heads_split: bool) -> dict[str, list[str]]:
+    """The first shard of each layer vLLM packs from several FP8 modules that this size is worked out for,
+    layer by layer -> the layer's shards: q / k / v (every size whose heads split), gate / up at TP 1 (at
+    larger sizes their paired down_proj decides, `ROLES`)."""
+    out = {}
+    for group in PACKED_SHARDS:
+        if group[0] == "gate_proj" and tp > 1 or group[0] == "q_proj" and not heads_split:
+            continue
+        for module in weights:
+            parent, _, leaf = module.rpartition(".")
+            shards = [f"{parent}.{shard}" for shard in group]
+            if leaf == group[0] and all(s in weights for s in shards):
+                out[module] = shards
+    return out
+
+
+def _packed_shares(
+    shards: list[str], weights: dict[str, Fp8Weight], block: tuple[int, int], tp: int, config: dict[str, Any]
+) -> list[ModuleShare]:
+    """What vLLM 0.32 does with one packed layer's rank shares: each shard's block scales go to offsets and
+    sizes rounded up to whole blocks (adjust_block_scale_shard), taken from the checkpoint's scale rows at
+    the rank's share rounded up the same way; its kernels read one scale per block of the packed weight.
+    A shard that is not whole blocks (the last one only at TP 1, where nothing is sliced) so loads with
+    other blocks' scales, or, where a rounded-up range runs past the rows it is read from or written to,
+    the load fails on torch's narrow()."""
+    b = block[0]
+    splits = [_kv_split(config, tp) if KV_PROJECTIONS.search(s) else tp for s in shards]
+    rows = [weights[s].tensor.shape[0] for s in shards]
+    out = []
+    if any(r % n for r, n in zip(rows, splits, strict=True)):
+        return [
+            ModuleShare(
+                s,
+                _role_name(s),
+                r,
+                None,
+                "refuses",
+                False,
+                INDIVISIBLE_MESSAGE.format(size=r, tp=n),
+                INDIVISIBLE_EVIDENCE,
+            )
+            for s, r, n in zip(shards, rows, splits, strict=True)
+            if r % n
+        ]
+    share = [r // n for r, n in zip(rows, splits, strict=True)]
+    lengths = [-(-x // b) for x in share]
+    offsets = [-(-sum(share[:i]) // b) for i in range(len(share))]
+    packed_rows = -(-sum(share) // b)
+    failures = [  # (start, length, rows) of each narrow() that runs out: the packed scale, then the shard's own
+        *((o, n, packed_rows) for o, n in zip(offsets, lengths, strict=True) if o + n > packed_rows),
+        *(((k - 1) * n, n, -(-r // b)) for r, k, n in zip(rows, splits, lengths, strict=True) if k * n > -(-r // b)),
+    ]
+    for i, (module, x, k) in enumerate(zip(shards, share, splits, strict=True)):
+        if x % b == 0 or (k == 1 and i == len(shards) - 1):
+            continue
+        message = PACKED_MESSAGE.format(per_rank=x, block=b)
+        if failures:
+            errors = dict.fromkeys(NARROW_ERROR.format(start=a, length=n, rows=r) for a, n, r in failures)
+            message += PACKED_FAILURE.format(errors=" / ".join(errors))
+        behaviour = "refuses" if failures else "wrong-scales"
+        out.append(ModuleShare(module, _role_name(module), rows[i], x, behaviour, False, message, PACKED_EVIDENCE))
+    return out
+
+
+def _role_name(module: str) -> str:
+    role = role_of(module)
+    assert role is not None
+    return role.name
 
 
 def _heads_refusal(config: dict[str, Any], tp: int) -> str | None:
@@ -171,16 +249,12 @@ def _share(
         text = role.message if bad_n else role.second_message
         message = text.format(per_rank=per_rank, block=block[0] if bad_n else block[1])
         return ModuleShare(module, role.name, size, per_rank, "refuses", False, message, role.evidence, hidden)
-    if per_rank % b == 0 or (role.name in ("row-parallel", "column-parallel", "qkv") and tp == 1):
+    if per_rank % b == 0 or (tp == 1 and role.name in ("row-parallel", "column-parallel", "merged-column")):
         return None
     message = role.message.format(per_rank=per_rank, block=b)
-    if role.name == "qkv":  # vLLM rounds each share up to whole scale rows, rank by rank
-        length, rows = -(-per_rank // b), -(-size // b)
-        if tp * length > rows:
-            message += QKV_OVERFLOW.format(start=(tp - 1) * length, length=length, rows=rows)
     behaviour = BEHAVIOURS[role.verdict]
     return ModuleShare(module, role.name, size, per_rank, behaviour, role.verdict == "loads", message, role.evidence)
 
 
 #: What vLLM does with a share that is not whole blocks, by the role's verdict.
-BEHAVIOURS = {"fails": "refuses", "loads": "skips-check", "loads-wrong": "wrong-scales"}
+BEHAVIOURS = {"fails": "refuses", "loads": "skips-check"}

@@ -41,6 +41,9 @@ FACT_DESCRIPTIONS = {
     "fp8_per_tensor": "quant_method fp8 without weight_block_size (AutoFP8)",
     "channel_scales_under_fp8": "quant_method fp8 with per-channel weight scales",
     "legacy_names": "the legacy AutoFP8 names act_scale / kv_scale",
+    "refused_at_tp_1": "a block-scaled module vLLM refuses at TP 1 (`inspect --tp 1` names it, with the message)",
+    "misaligned_block_shards": "block scales, and a module vLLM packs with others (q / k / v, gate / up) whose "
+    "scales its loader does not line up with the rows at TP 1 (`inspect --tp 1`: wrong-scales)",
     "fbgemm": "quant_method fbgemm_fp8",
 }
 
@@ -64,6 +67,8 @@ class Facts:
     channel_scales_under_fp8: bool
     legacy_names: bool  # act_scale / kv_scale
     fbgemm: bool
+    refused_at_tp_1: bool = False  # `inspect --tp 1` reports a module vLLM refuses (parallel.py)
+    misaligned_block_shards: bool = False  # `inspect --tp 1` reports a packed layer's scales shifted (wrong-scales)
 
     @property
     def layout(self) -> str:
@@ -103,6 +108,7 @@ def facts_of(model: CheckpointModel) -> Facts:
     fmt = model.format
     fp8 = model.is_autofp8
     architecture = model.architecture or ""
+    at_tp_1 = _at_tp_1(model)
     return Facts(
         architecture=architecture,
         unusable_scales=any(w.scale_kind is None for w in weights),
@@ -121,7 +127,17 @@ def facts_of(model: CheckpointModel) -> Facts:
         channel_scales_under_fp8=fp8 and any(w.scale_kind == "channel" for w in weights),
         legacy_names=any(name.endswith(tuple(LEGACY_RENAMES)) for name in model.checkpoint.tensors),
         fbgemm=fmt is not None and fmt.name == "fbgemm_fp8",
+        refused_at_tp_1="refuses" in at_tp_1,
+        misaligned_block_shards="wrong-scales" in at_tp_1,
     )
+
+
+def _at_tp_1(model: CheckpointModel) -> set[str]:
+    """What `inspect --tp 1` reports of block-scaled modules (behaviours): a loader verdict is one at TP 1."""
+    from fp8fix.parallel import tensor_parallel_report
+
+    report = tensor_parallel_report(model, [1])
+    return set() if report is None else {s.behaviour for s in report.sizes[1]}
 
 
 def loader_verdicts(model: CheckpointModel) -> dict[str, LoaderVerdict]:

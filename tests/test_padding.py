@@ -13,7 +13,7 @@ import torch
 
 from tests.builders import FP8, build, phi3, write_files
 from tests.conftest import load_tensors, patch_bytes, raw, run_cli
-from tests.test_parallel import deepseek_dense, narrow_heads, qwen3_moe, shared_expert
+from tests.test_parallel import deepseek_dense, narrow_heads, partial_q, qwen3_moe, shared_expert
 
 B = 128
 
@@ -303,3 +303,25 @@ def test_verify_wants_the_scales_of_bf16_modules_gone(tmp_path: Path) -> None:
     save_file(tensors, str(shard), metadata={"format": "pt"})
     result = run_cli("verify", src, out)
     assert result.exit_code == 1 and f"'{scale}': OUTPUT holds its weight in BF16" in result.output
+
+
+def test_tp_1_fixes_shards_that_shift_the_next_ones_scales(tmp_path: Path) -> None:
+    """At TP 1 (tests/test_parallel.py): `--tp 1` pads a gate that is not whole blocks, `--tp 1 --tp-bf16`
+    writes q / k / v in BF16; vLLM >= 0.20's verdict on each output is then loads."""
+    dense = deepseek_dense(tmp_path / "dense", intermediate=4608 + 64)
+    result = run_cli("convert", dense, tmp_path / "dense-out", "--tp", "1", "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output)
+    assert record["tensor_parallel"]["config"] == {"intermediate_size": 4736}
+    assert record["loaders"]["vLLM >= 0.20"]["verdict"] == "loads"
+    assert record["source_loaders"]["vLLM >= 0.20"]["verdict"] == "fails"
+    src = partial_q(tmp_path / "src")
+    refused = run_cli("convert", src, tmp_path / "no", "--tp", "1")
+    assert refused.exit_code == 3 and "--tp-bf16" in refused.output
+    result = run_cli("convert", src, tmp_path / "out", "--tp", "1", "--tp-bf16", "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output)
+    assert sorted(m["module"] for m in record["tensor_parallel"]["bf16"]) == [
+        f"model.layers.0.self_attn.{m}" for m in ("k_proj", "q_proj", "v_proj")
+    ]
+    assert record["loaders"]["vLLM >= 0.20"]["verdict"] == "loads"

@@ -66,13 +66,13 @@ def qwen3_moe(root: Path, heads: int = 4, head_dim: int = 128, kv_heads: int = 1
     return block_fp8_checkpoint(root, config, linears, extra=extra)
 
 
-def deepseek_dense(root: Path) -> Path:
+def deepseek_dense(root: Path, intermediate: int = 4608) -> Path:
     """DeepSeek-R1's published config with sizes shrunk: one dense layer, 128 heads (4 per rank at TP 32,
     as in the release) of smaller dims, dense intermediate 32 x 144."""
     config = {
         **DEEPSEEK_R1_CONFIG,
         "hidden_size": 256,
-        "intermediate_size": 4608,
+        "intermediate_size": intermediate,
         "q_lora_rank": 128,
         "kv_lora_rank": 128,
         "qk_nope_head_dim": 64,
@@ -89,7 +89,7 @@ def deepseek_dense(root: Path) -> Path:
         f"{p}.self_attn.kv_a_proj_with_mqa": (128 + 64, 256),
         f"{p}.self_attn.kv_b_proj": (128 * 128, 128),
         f"{p}.self_attn.o_proj": (256, 128 * 64),
-        **mlp_linears(f"{p}.mlp", 4608, 256),
+        **mlp_linears(f"{p}.mlp", intermediate, 256),
     }
     return block_fp8_checkpoint(root, config, linears)
 
@@ -174,14 +174,18 @@ def test_attention_split_by_heads_into_partial_blocks(tmp_path: Path) -> None:
     a = "model.layers.0.self_attn"
     o = found[f"{a}.o_proj"]
     assert (o["per_rank"], o["behaviour"], o["loads"]) == (64, "refuses", False)
-    for qkv in (found[f"{a}.q_proj"], found["model.layers.0.self_attn.{k_proj,v_proj}"]):
-        assert (qkv["role"], qkv["per_rank"], qkv["behaviour"], qkv["loads"]) == ("qkv", 64, "wrong-scales", False)
+    # q, k, v: 64 rows per rank, their scales misaligned, and the last ranks' rounded-up scale ranges run out
+    q, kv = found[f"{a}.q_proj"], found["model.layers.0.self_attn.{k_proj,v_proj}"]
+    for qkv in (q, kv):
+        assert (qkv["role"], qkv["per_rank"], qkv["behaviour"], qkv["loads"]) == ("qkv", 64, "refuses", False)
         assert "with 64 rows per rank they do not line up" in qkv["message"]
+    assert "start (7) + length (1) exceeds dimension size (4)." in q["message"]  # q: 4 scale rows, 8 ranks
+    assert "start (1) + length (1) exceeds dimension size (1)." in kv["message"]  # k, v: 1 scale row, 2 heads
     at_2 = tp_report(narrow_heads(tmp_path / "src2"), 2)["sizes"]["2"]["modules"]
     attention = [g for g in at_2 if "self_attn" in g["modules"]]
     # q: 256 rows per rank and o_proj 256 columns, whole blocks; k and v: one of the 2 kv heads, 64 rows
     assert [(g["modules"], g["behaviour"]) for g in attention] == [
-        ("model.layers.0.self_attn.{k_proj,v_proj}", "wrong-scales")
+        ("model.layers.0.self_attn.{k_proj,v_proj}", "refuses")
     ]
 
 
@@ -235,3 +239,31 @@ def test_a_q_proj_without_k_proj_is_a_plain_column_layer(tmp_path: Path) -> None
     q = found[f"{p}.{{kv_b_proj,q_proj}}"]  # 8192 rows each: 64 per rank at TP 128 (one head each)
     assert (q["role"], q["per_rank"], q["behaviour"]) == ("column-parallel", 64, "refuses")
     assert q["message"] == "Weight output_partition_size = 64 is not divisible by weight quantization block_n = 128."
+
+
+def partial_q(root: Path) -> Path:
+    """The shrunk Qwen3-MoE with 3 heads of 64 and one kv head: q has 192 rows (1.5 blocks), k 64."""
+    return qwen3_moe(root, heads=3, head_dim=64, kv_heads=1)
+
+
+def test_packed_shards_not_whole_blocks_shift_the_next_ones_scales_at_tp_1(tmp_path: Path) -> None:
+    """No rank slicing at TP 1, but vLLM packs q / k / v (gate / up) into one layer and puts each shard's
+    scales at whole-block offsets: a shard that is not whole blocks and has one after it is wrong-scales
+    (vLLM >= 0.20: loads-wrong), or refused where a rounded-up range runs past the packed layer's scale
+    rows (vLLM >= 0.20: fails); the last shard (v, up) is not reported."""
+    src = partial_q(tmp_path / "src")
+    found = groups(tp_report(src, 1), 1)
+    assert {k: (g["behaviour"], g["per_rank"]) for k, g in found.items()} == {
+        "model.layers.0.self_attn.q_proj": ("wrong-scales", 192),
+        "model.layers.0.self_attn.k_proj": ("wrong-scales", 64),
+    }
+    assert "exceeds" not in found["model.layers.0.self_attn.q_proj"]["message"]
+    loaders = json.loads(run_cli("inspect", src, "--json").output)["loaders"]
+    assert loaders["vLLM >= 0.20"]["verdict"] == "loads-wrong" and loaders["transformers"]["verdict"] == "loads"
+    dense = deepseek_dense(tmp_path / "dense", intermediate=4608 + 64)  # 36.5 blocks
+    found = groups(tp_report(dense, 1), 1)
+    assert [(k, g["behaviour"]) for k, g in found.items()] == [("model.layers.0.mlp.gate_proj", "refuses")]
+    # up's 37 scale rows would start at row ceil(4672 / 128) = 37 of a packed grid of ceil(9344 / 128) = 73
+    assert "start (37) + length (37) exceeds dimension size (73)." in found["model.layers.0.mlp.gate_proj"]["message"]
+    loaders = json.loads(run_cli("inspect", dense, "--json").output)["loaders"]
+    assert loaders["vLLM >= 0.20"]["verdict"] == "fails"

@@ -107,6 +107,23 @@ RULES: tuple[Rule, ...] = (
         "the tensor-parallel size equals the chunk count (releases before its fixes loaded wrong weights)",
         "vllm 0.32 model_executor/models/mimo_v2.py _shard_fp8_qkv_proj; " + MIMO_FIXES + "; " + MIMO_LOADER_TEST,
     ),
+    Rule(
+        VLLM,
+        "refused_at_tp_1",
+        "fails",
+        "refuses a block-scaled module whose rows are not whole blocks (fp8fix inspect --tp 1 names it, with "
+        "vLLM's message)",
+        "vllm 0.32 quantization/utils/fp8_utils.py validate_fp8_block_shape_moe; layers/linear.py "
+        "adjust_block_scale_shard; tests/loaders/test_tensor_parallel.py, test_tp_load.py",
+    ),
+    Rule(
+        VLLM,
+        "misaligned_block_shards",
+        "loads-wrong",
+        "packs q / k / v (gate / up) into one layer and puts each shard's block scales at whole-block offsets: "
+        "after a shard whose rows are not whole blocks, rows get other blocks' scales (fp8fix inspect --tp 1)",
+        "vllm 0.32 model_executor/layers/linear.py adjust_block_scale_shard; tests/loaders/test_tp_load.py",
+    ),
     Rule(VLLM, "per_shard_fused", "fails", "asserts a fused-on-disk module's scale has one value", VLLM_SCALE_ASSERT),
     Rule(
         VLLM, "per_shard_input_scales", "fails", "asserts a fused module's input scale has one value", VLLM_SCALE_ASSERT

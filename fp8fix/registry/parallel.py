@@ -21,6 +21,26 @@ MOE_ORACLE = "vllm 0.32 model_executor/layers/fused_moe/oracle/fp8.py"
 LINEAR = "vllm 0.32 model_executor/layers/linear.py"
 
 
+#: A layer vLLM packs from several modules (q / k / v at any size; gate / up at TP 1, where no down_proj
+#: check stops it first) whose rank share of a shard is not whole blocks: the layer skips the block check,
+#: and each shard's block scales go to offsets and sizes rounded up to whole blocks, read from the shard's
+#: own scale rows at the rank's share rounded up the same way, while the kernels read one scale per block
+#: of the packed weight. tests/loaders/test_tp_load.py loads both outcomes.
+PACKED_MESSAGE = (
+    "vLLM packs q / k / v (gate / up) into one layer, skips its block check (allow_fp8_block_shape_mismatch) "
+    "and puts each shard's block scales at offsets and sizes rounded up to whole blocks of {block} "
+    "(adjust_block_scale_shard): with {per_rank} rows per rank they do not line up with the rows, which are "
+    "scaled by other blocks' scales"
+)
+PACKED_FAILURE = "; a rounded-up range runs out, so loading fails (torch's narrow): {errors}"
+NARROW_ERROR = "start ({start}) + length ({length}) exceeds dimension size ({rows})."
+PACKED_EVIDENCE = (
+    "vllm 0.32 model_executor/layers/linear.py _maybe_allow_fp8_block_shape_mismatch, adjust_block_scale_shard, "
+    "QKVParallelLinear / MergedColumnParallelLinear.weight_loader_v2; model_executor/parameter.py "
+    "_ColumnvLLMParameter.load_qkv_weight / load_merged_column_weight"
+)
+
+
 @dataclass(frozen=True)
 class ParallelRole:
     """How vLLM splits a module across tensor-parallel ranks, and what it does with a partial block."""
@@ -68,17 +88,8 @@ ROLES: tuple[ParallelRole, ...] = (
         "Weight output_partition_size = {per_rank} is not divisible by weight quantization block_n = {block}.",
         f"{FP8_UTILS} validate_fp8_block_shape (column parallel)",
     ),
-    ParallelRole(  # q / k / v: QKVParallelLinear, a merged column layer over attention heads
-        "qkv",
-        re.compile(r"(^|\.)(q_proj|k_proj|v_proj)$"),
-        "out",
-        0,
-        "loads-wrong",
-        "QKV layers skip the block check (allow_fp8_block_shape_mismatch) and load each shard's block scales at "
-        "offsets and sizes rounded up to whole blocks of {block} (adjust_block_scale_shard): with {per_rank} rows "
-        "per rank they do not line up with the rows, which are scaled by other blocks' scales",
-        f"{LINEAR} QKVParallelLinear.weight_loader_v2, adjust_block_scale_shard; "
-        "vllm 0.32 model_executor/parameter.py _ColumnvLLMParameter.load_qkv_weight",
+    ParallelRole(  # q / k / v: QKVParallelLinear, worked out layer by layer (fp8fix/parallel.py)
+        "qkv", re.compile(r"(^|\.)(q_proj|k_proj|v_proj)$"), "out", 0, "loads-wrong", PACKED_MESSAGE, PACKED_EVIDENCE
     ),
     ParallelRole(
         "merged-column",
@@ -92,10 +103,6 @@ ROLES: tuple[ParallelRole, ...] = (
         f"{FP8_UTILS} validate_fp8_block_shape",
     ),
 )
-
-#: QKV shares whose rounded-up scale offsets run past the shard's scale rows: torch's narrow() refuses the
-#: last ranks (tests/loaders/test_tp_load.py sees it), the others load with misaligned scales.
-QKV_OVERFLOW = "; the last ranks fail: start ({start}) + length ({length}) exceeds dimension size ({rows})."
 
 #: The finest block vLLM 0.32 refines fused-MoE scales to (gcd of the blocks, the share and hidden).
 MIN_REFINED_BLOCK = 32

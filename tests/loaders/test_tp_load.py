@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import load_tensors, run_cli
 from tests.loaders.conftest import HERE, interpreter, run_loader
-from tests.test_parallel import deepseek_dense, groups, narrow_heads, qwen3_moe, shared_expert
+from tests.test_parallel import deepseek_dense, groups, narrow_heads, partial_q, qwen3_moe, shared_expert
 
 pytestmark = pytest.mark.loaders
 B = 128
@@ -200,8 +200,8 @@ def test_attention_in_bf16_loads_as_every_rank_of_tp_8(tmp_path: Path) -> None:
 def test_qkv_shares_of_partial_blocks_fail_or_load_other_blocks_scales(tmp_path: Path) -> None:
     """Why `--tp-bf16` takes q, k and v along, and what `inspect --tp` says of them: the same conversion
     with q, k, v put back as SOURCE's FP8 (only o_proj in BF16), as every rank of TP 8. vLLM rounds each
-    shard's scale offset up to whole blocks: ranks 4-7 (the second kv head) fail with the message
-    inspect gives, and ranks 0-3 load SOURCE's codes with scales that do not line up with their rows."""
+    shard's scale offset up to whole blocks: ranks 4-7 (the second kv head) fail with a message inspect
+    gives (so the group refuses), and ranks 0-3 load SOURCE's codes with scales that do not line up."""
     src = narrow_heads(tmp_path / "src")
     assert run_cli("convert", src, tmp_path / "bf16", "--tp", "8", "--tp-bf16", "-q").exit_code == 0
     out, s = load_tensors(tmp_path / "bf16"), load_tensors(src)
@@ -216,7 +216,7 @@ def test_qkv_shares_of_partial_blocks_fail_or_load_other_blocks_scales(tmp_path:
     (mixed / "config.json").write_text(json.dumps(config))
     report = json.loads(run_cli("inspect", mixed, "--tp", "8", "--json").output)["tensor_parallel"]
     kv = groups(report, 8)["model.layers.0.self_attn.{k_proj,v_proj}"]
-    assert kv["behaviour"] == "wrong-scales" and not kv["loads"]
+    assert kv["behaviour"] == "refuses" and not kv["loads"]
     ranks = load_ranks(mixed, 8, tmp_path / "vllm")
     assert [r["loaded"] for r, _ in ranks] == [True] * 4 + [False] * 4
     for r, _ in ranks[4:]:
@@ -245,3 +245,44 @@ def test_heads_that_do_not_split_are_refused_whatever_the_dtype(tmp_path: Path) 
     result = run_cli("convert", src, tmp_path / "out", "--tp", "8", "--tp-bf16")
     assert result.exit_code == 3 and "no dtype splits them" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def shifted_rows(codes: torch.Tensor, grid: torch.Tensor, expected: torch.Tensor) -> list[int]:
+    """Rows of a packed layer whose codes x the scales vLLM loaded (its kernels' 128-row grid) are not
+    `expected`."""
+    rows, cols = codes.shape
+    scales = grid.repeat_interleave(B, 0)[:rows].repeat_interleave(B, 1)[:, :cols]
+    return (codes * scales != expected).any(dim=1).nonzero().flatten().tolist()
+
+
+def test_shards_not_whole_blocks_shift_the_next_ones_scales_at_tp_1(tmp_path: Path) -> None:
+    """vLLM >= 0.20's verdicts on a packed layer whose shard before the last is not whole blocks, and the
+    fixes. At TP 1, q of 192 rows (1.5 blocks) and k of 64 leave every row of k and v scaled by other
+    blocks' scales, the codes right (loads-wrong); `--tp 1 --tp-bf16` loads q / k / v exactly. A dense
+    gate of 4672 rows (36.5 blocks) makes up's scale range run out (fails, with the message inspect
+    gives); `--tp 1` pads it to 4736 and gate / up load exactly."""
+    src, dense = partial_q(tmp_path / "src"), deepseek_dense(tmp_path / "dense", intermediate=4608 + 64)
+    assert run_cli("convert", src, tmp_path / "bf16", "--tp", "1", "--tp-bf16", "-q").exit_code == 0
+    assert run_cli("convert", dense, tmp_path / "padded", "--tp", "1", "-q").exit_code == 0
+    (_, w), (_, w_bf16), (r_dense, _), (_, w_padded) = (
+        load_ranks(folder, 1, tmp_path / f"vllm-{folder.name}")[0]
+        for folder in (src, tmp_path / "bf16", dense, tmp_path / "padded")
+    )
+    said = json.loads(run_cli("inspect", src, "--json").output)["loaders"]["vLLM >= 0.20"]["verdict"]
+    assert said == "loads-wrong"
+    s, o = load_tensors(src), load_tensors(tmp_path / "bf16")
+    true = torch.cat([dequant(s, f"{ATTENTION}.{m}") for m in QKV])
+    shifted = shifted_rows(w[f"{ATTENTION}.qkv_proj::codes"], w[f"{ATTENTION}.qkv_proj::scale"], true)
+    assert shifted == list(range(192, 320))  # k and v, all of them
+    assert torch.equal(
+        w[f"{ATTENTION}.qkv_proj::codes"], torch.cat([s[f"{ATTENTION}.{m}.weight"].float() for m in QKV])
+    )
+    assert torch.equal(w_bf16[f"{ATTENTION}.qkv_proj"], torch.cat([o[f"{ATTENTION}.{m}.weight"] for m in QKV]).float())
+    mlp = "model.layers.0.mlp"
+    report = json.loads(run_cli("inspect", dense, "--tp", "1", "--json").output)
+    assert report["loaders"]["vLLM >= 0.20"]["verdict"] == "fails"
+    (gate,) = report["tensor_parallel"]["sizes"]["1"]["modules"]
+    assert not r_dense["loaded"] and r_dense["error"].removeprefix("RuntimeError: ") in gate["message"]
+    padded = load_tensors(tmp_path / "padded")
+    expected = torch.cat([dequant(padded, f"{mlp}.gate_proj"), dequant(padded, f"{mlp}.up_proj")])
+    assert torch.equal(w_padded[f"{mlp}.gate_up_proj"], expected)
