@@ -100,6 +100,12 @@ def tensor_parallel_report(model: CheckpointModel, sizes: list[int]) -> TensorPa
     return report
 
 
+def shares_at(model: CheckpointModel, tp: int) -> list[ModuleShare]:
+    """The modules whose share at `tp` is not whole blocks (none for checkpoints without block scales)."""
+    fmt = model.format
+    return [] if fmt is None or fmt.block is None else _shares(model, fmt.block, tp)
+
+
 def _shares(model: CheckpointModel, block: tuple[int, int], tp: int) -> list[ModuleShare]:
     out = []
     config = model.checkpoint.config
@@ -144,7 +150,8 @@ def _packed_layers(weights: dict[str, Fp8Weight], tp: int, heads_split: bool) ->
         for module in weights:
             parent, _, leaf = module.rpartition(".")
             shards = [f"{parent}.{shard}" for shard in group]
-            if leaf == group[0] and all(s in weights for s in shards):
+            # routed experts' gate / up are the fused-MoE layer's, not a packed linear layer
+            if leaf == group[0] and all(s in weights for s in shards) and _role_name(module) != "fused-moe":
                 out[module] = shards
     return out
 

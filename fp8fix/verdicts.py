@@ -134,10 +134,9 @@ def facts_of(model: CheckpointModel) -> Facts:
 
 def _at_tp_1(model: CheckpointModel) -> set[str]:
     """What `inspect --tp 1` reports of block-scaled modules (behaviours): a loader verdict is one at TP 1."""
-    from fp8fix.parallel import tensor_parallel_report
+    from fp8fix.parallel import shares_at
 
-    report = tensor_parallel_report(model, [1])
-    return set() if report is None else {s.behaviour for s in report.sizes[1]}
+    return {s.behaviour for s in shares_at(model, 1)}
 
 
 def loader_verdicts(model: CheckpointModel) -> dict[str, LoaderVerdict]:
