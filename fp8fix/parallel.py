@@ -2,10 +2,13 @@
 
 Each rank of a tensor-parallel group holds a slice of every split module; with block scales the
 slice must be a whole number of blocks. For each module with a tensor-parallel role
-(`registry.parallel.ROLES`: row-parallel down / o projections, merged gate / up, fused-MoE
-experts) and each size asked for, this works out the rank's share and what vLLM 0.32 does when
-it is not whole blocks: refuses with its own message, refines the MoE block grid onto slower
-kernels, or skips the check; and which sizes load with every share whole. Headers only.
+(`registry.parallel.ROLES`: row-parallel down / o projections, MLA's column-parallel q_b / kv_b,
+q / k / v, merged gate / up, fused-MoE experts) and each size asked for, this works out the
+rank's share and what vLLM 0.32 does when it is not whole blocks: refuses with its own message,
+refines the MoE block grid onto slower kernels, skips the check, or (layers vLLM packs from
+several modules, worked out layer by layer) loads the shards with misaligned scales; attention
+whose heads do not split is refused first. Also which sizes load with every share whole. Headers
+and config.json only. What it says at TP 1 is also the vLLM >= 0.20 loader verdict (`verdicts`).
 """
 
 from __future__ import annotations

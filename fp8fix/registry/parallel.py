@@ -1,10 +1,11 @@
 """What vLLM 0.32 does with a block-FP8 module whose tensor-parallel slice is not whole blocks, as data.
 
-Each module of an MLP (or attention's output projection) has a role in tensor parallelism, read
-off its name: the dimension vLLM splits across ranks, and what vLLM does when a rank's share
-is not a whole number of blocks. Every rule cites the vLLM 0.32 source it comes from, and
-tests/loaders/test_tensor_parallel.py calls those very functions with the partition sizes
-`fp8fix inspect --tp` reports, so the table cannot drift from the code. Other runtimes and
+Each module of an MLP or of attention has a role in tensor parallelism, read off its name: the
+dimension vLLM splits across ranks, and what vLLM does when a rank's share is not a whole number
+of blocks. Every rule cites the vLLM 0.32 source it comes from; tests/loaders/test_tensor_parallel.py
+calls vLLM's block-shape functions with the partition sizes `fp8fix inspect --tp` reports, and
+tests/loaders/test_tp_load.py loads what the rules for packed layers and heads say, so the table
+cannot drift from the code. Other runtimes and
 other vLLM versions differ (the issue tracker has per-model fixes); fp8fix claims nothing
 about them.
 """
