@@ -135,7 +135,7 @@ def _shares(model: CheckpointModel, block: tuple[int, int], tp: int) -> list[Mod
         else:
             size, hidden = (cols if role.dimension == "in" else rows), 0
         if role.name == "qkv":
-            role = COLUMN_PARALLEL  # a q_proj without k_proj (DeepSeek MLA without q_lora_rank): a plain column layer
+            role = COLUMN_PARALLEL  # q / k / v outside a full packed layer (MLA's lone q_proj): a plain column layer
         share = _share(module, role, size, hidden, block, tp)
         if share is not None:
             out.append(share)

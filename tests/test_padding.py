@@ -325,3 +325,12 @@ def test_tp_1_fixes_shards_that_shift_the_next_ones_scales(tmp_path: Path) -> No
         f"model.layers.0.self_attn.{m}" for m in ("k_proj", "q_proj", "v_proj")
     ]
     assert record["loaders"]["vLLM >= 0.20"]["verdict"] == "loads"
+
+
+def test_tp_bf16_refuses_nan_codes_naming_the_weight(tmp_path: Path) -> None:
+    src = narrow_heads(tmp_path / "src")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    patch_bytes(src, q, {300 * 256 + 7: 0x7F, 5: 0xFF})  # two NaN codes in e4m3fn, in two block rows
+    result = run_cli("convert", src, tmp_path / "out", "--tp", "8", "--tp-bf16")
+    assert result.exit_code != 0 and f"weight '{q}' holds 2 NaN codes (0x7F/0xFF)" in result.output
+    assert not (tmp_path / "out").exists()

@@ -306,8 +306,9 @@ def _requantize_blocks(sources: _Sources, out: int, piece: RequantizeBlocks, sou
     import numpy as np
 
     forbidden = RECODINGS[piece.normalize].forbidden if piece.normalize else NAN_CODES[piece.dtype]
-    _refuse_codes(sources, piece, forbidden, source, "NaN codes")
     data = sources.read(piece.path, piece.start, piece.end)
+    if any(c in data for c in forbidden):  # checked in the bytes read, not in a second pass over the file
+        _refuse_codes(sources, piece, forbidden, source, "NaN codes")
     codes = bytearray(recode(data, piece.normalize) if piece.normalize else data)
     rows = np.frombuffer(codes, dtype=np.uint8).reshape(-1, piece.row_bytes)
     worst = RoundingStats()
@@ -324,8 +325,9 @@ def _requantize_blocks(sources: _Sources, out: int, piece: RequantizeBlocks, sou
 
 def _dequantize(sources: _Sources, out: int, piece: Dequantize, source: str) -> RoundingStats:
     """One block row of codes written as BF16 (at most 128 rows: a few MB whatever the tensor's size)."""
-    _refuse_codes(sources, piece, NAN_CODES[piece.dtype], source, "NaN codes")
     codes = sources.read(piece.path, piece.start, piece.end)
+    if any(c in codes for c in NAN_CODES[piece.dtype]):
+        _refuse_codes(sources, piece, NAN_CODES[piece.dtype], source, "NaN codes")
     try:
         data, rounding = dequantize_rows(codes, piece.dtype, piece.row_bytes, piece.block_cols, piece.scales)
     except ValueError as e:

@@ -47,8 +47,10 @@ def plan_encoding(model: CheckpointModel, shards: list[OutputShard], target: Enc
     """
     fmt = model.require_format()
     written = {t.source for shard in shards for t in shard.tensors if t.dtype in FP8_WEIGHT_DTYPES}
-    fp8 = {w.name: w.tensor for w in model.weights.values() if w.tensor.dtype in FP8_WEIGHT_DTYPES}
-    fp8 = {name: t for name, t in fp8.items() if name in written}  # not those written in BF16 (`--tp-bf16`)
+    # the FP8 weights OUTPUT keeps in FP8 (not those `--tp-bf16` writes in BF16)
+    fp8 = {
+        w.name: w.tensor for w in model.weights.values() if w.tensor.dtype in FP8_WEIGHT_DTYPES and w.name in written
+    }
     encodings = sorted({t.dtype for t in fp8.values()})
     if len(encodings) > 1:
         raise UnsupportedCheckpoint(
