@@ -313,5 +313,5 @@ def _scan_findings(model: CheckpointModel, add: AddFinding) -> None:
 
 
 def _loaders(model: CheckpointModel) -> dict[str, dict[str, Any]]:
-    """Per loader: loads, fails, loads-wrong or needs-gpu, and why (`fp8fix.verdicts`)."""
+    """Per loader: loads, fails, loads-wrong or not-judged, and why (`fp8fix.verdicts`)."""
     return verdicts_json(loader_verdicts(model))

@@ -14,14 +14,17 @@ read here, never tensor data, so a checkpoint known from the Hub's header API wo
 
 from __future__ import annotations
 
+import copy
+import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import Checkpoint, check_scale_values
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, INPUT_SCALE_DTYPES, SCALE_DTYPES, is_fp8
 from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, Registry, architecture_name
-from fp8fix.registry.formats import AUTOFP8, AUTOFP8_LEGACY, FormatSpec, detect_format
+from fp8fix.registry.formats import AUTOFP8, AUTOFP8_LEGACY, FormatSpec, detect_format, matches, quantization_config
 from fp8fix.vocab import ScaleKind
 
 Block = tuple[int, int] | None
@@ -39,6 +42,22 @@ KV_SCALE_SUFFIXES = (
 )
 #: Block FP8's scale name, recognised even when the format itself is not.
 BLOCK_SCALE = "weight_scale_inv"
+#: Last path components of embedding modules: 2-D weights that are not `nn.Linear` layers (so
+#: compressed-tensors' `Linear` target does not take them), as transformers' models name them.
+EMBEDDINGS = frozenset(
+    {
+        "embed_tokens",
+        "embed_in",
+        "embed_positions",
+        "embedding",
+        "embeddings",
+        "position_embeddings",
+        "tok_embeddings",
+        "word_embeddings",
+        "wpe",
+        "wte",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -192,6 +211,62 @@ class CheckpointModel:
                 if scale is not None:
                     check_scale_values(scale)
         self._convertible.append(True)
+
+
+def unquantized_linears(tensors: dict[str, TensorInfo]) -> list[str]:
+    """Linear modules holding no FP8 weight: every 2-D plain-float `.weight` that is not an embedding
+    (lm_head, MoE routers, modules an exporter skipped), and `lm_head` where there is no FP8 one (a tied
+    head is a Linear of the model too). A compressed-tensors group that targets `Linear` quantizes each
+    one its `ignore` does not name: transformers then computes with a weight that has no scale (issue 24)."""
+    found = [
+        name.removesuffix(".weight")
+        for name, t in tensors.items()
+        if name.endswith(".weight")
+        and len(t.shape) == 2
+        and t.dtype in INPUT_SCALE_DTYPES  # the plain float dtypes
+        and name.removesuffix(".weight").rpartition(".")[2] not in EMBEDDINGS
+    ]
+    head = tensors.get("lm_head.weight")
+    return list(dict.fromkeys([*found, *([] if head is not None and is_fp8(head.dtype) else ["lm_head"])]))
+
+
+def ignore_linears(config: dict[str, Any], linears: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """A compressed-tensors `config` with every module of `linears` that a config group targets (the
+    class `Linear`, or an entry naming it) and no `ignore` entry names added to `ignore`; and those added.
+    Other formats are returned as they are: their loaders quantize only the modules with FP8 weights."""
+    qc = quantization_config(config)
+    if qc is None or qc.get("quant_method") != "compressed-tensors":
+        return config, []
+    groups = qc.get("config_groups")
+    targets = [
+        t
+        for group in (groups.values() if isinstance(groups, dict) else ())
+        if isinstance(group, dict) and isinstance(group.get("targets"), list)
+        for t in group["targets"]
+        if isinstance(t, str)
+    ]
+    ignore = qc.get("ignore")
+    ignore = [e for e in ignore if isinstance(e, str)] if isinstance(ignore, list) else []
+    added = [
+        m
+        for m in linears
+        if ("Linear" in targets or any(_names(t, m) for t in targets)) and not any(_names(e, m) for e in ignore)
+    ]
+    if not added:
+        return config, []
+    out = copy.deepcopy(config)
+    out_qc = quantization_config(out)
+    assert out_qc is not None
+    out_qc["ignore"] = [*(out_qc.get("ignore") or []), *added]
+    return out, added
+
+
+def _names(entry: str, module: str) -> bool:
+    """compressed-tensors' exact-or-`re:` matching; an entry that is no valid pattern names nothing."""
+    try:
+        return matches(entry, module, "exact-or-re")
+    except re.error:
+        return False
 
 
 def describe_checkpoint(ckpt: Checkpoint, registry: Registry) -> CheckpointModel:

@@ -35,6 +35,7 @@ from fp8fix.registry.parallel import (
     PACKED_FAILURE,
     PACKED_MESSAGE,
     PACKED_SHARDS,
+    PARTIAL_REFINED_MESSAGE,
     REFINED_MESSAGE,
     ParallelRole,
     role_of,
@@ -252,6 +253,12 @@ def _share(
         if per_rank % block[0] == 0 and (tp == 1 or per_rank % block[1] == 0):
             return None
         refined = math.gcd(block[0], block[1], per_rank, hidden)
+        if refined >= MIN_REFINED_BLOCK and tp == 1 and size % block[0]:
+            # the scales are allocated for the refined grid of the rows, but loaded as the checkpoint's grid
+            # (its partial last block included) upsampled by block / refined: one column or row too many
+            a, b = -(-per_rank // refined), -(-size // block[0]) * (block[0] // refined)
+            message = PARTIAL_REFINED_MESSAGE.format(a=a, b=b)
+            return ModuleShare(module, role.name, size, per_rank, "refuses", False, message, MOE_ORACLE, hidden)
         if refined >= MIN_REFINED_BLOCK:
             message = REFINED_MESSAGE.format(block=block[0], refined=refined, per_rank=per_rank)
             return ModuleShare(module, role.name, size, per_rank, "refines", True, message, MOE_ORACLE, hidden)

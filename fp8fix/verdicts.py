@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fp8fix.model import CheckpointModel
-from fp8fix.registry.formats import LEGACY_RENAMES
-from fp8fix.registry.loaders import LOADERS, LOADS_BECAUSE, RULES
+from fp8fix.model import CheckpointModel, Fp8Weight, ignore_linears, unquantized_linears
+from fp8fix.numerics.dtypes import E4M3FNUZ
+from fp8fix.registry.formats import LEGACY_RENAMES, quantization_config
+from fp8fix.registry.loaders import DEFAULT_EVIDENCE, LOADERS, LOADS_BECAUSE, RULES
+from fp8fix.registry.parallel import PACKED_SHARDS
 from fp8fix.vocab import Verdict
 
 #: Architectures vLLM 0.32 serves through its Transformers backend (fused module names only):
@@ -20,6 +22,9 @@ from fp8fix.vocab import Verdict
 VLLM_TRANSFORMERS_BACKEND = frozenset({"GlmForCausalLM", "GPTNeoXForCausalLM"})
 #: Architectures vLLM removed (ibid., _PREVIOUSLY_SUPPORTED_MODELS): BaichuanForCausalLM in 0.23.0.
 VLLM_REMOVED = frozenset({"BaichuanForCausalLM", "BaiChuanForCausalLM"})
+#: Architectures whose checkpoints load in transformers only through their repository's modeling code
+#: (`auto_map`, trust_remote_code): ChatGLM2/3 and GLM-4's first releases (THUDM).
+REMOTE_CODE = frozenset({"ChatGLMModel", "ChatGLMForConditionalGeneration"})
 #: Architectures transformers 5.24 has no model for (models/auto: MiMo-V2.5's `mimo_v2` is absent, only
 #: `mimo_v2_flash`); loading needs the repository's own code.
 TRANSFORMERS_MISSING = frozenset({"MiMoV2ForCausalLM"})
@@ -45,6 +50,21 @@ FACT_DESCRIPTIONS = {
     "misaligned_block_shards": "block scales, and a module vLLM packs with others (q / k / v, gate / up) whose "
     "scales its loader does not line up with the rows at TP 1 (`inspect --tp 1`: wrong-scales)",
     "fbgemm": "quant_method fbgemm_fp8",
+    "fnuz_weights": "e4m3fnuz weights",
+    "packed_per_tensor": "modules vLLM packs into one layer (q / k / v, gate / up), each with a per-tensor scale",
+    "unfused_names_compressed_tensors": "per-shard module names where the model fuses them, in a "
+    "compressed-tensors checkpoint",
+    "block_scales": "block-scaled FP8 weights",
+    "remote_code_architecture": "an architecture only its repository's own code loads (ChatGLM)",
+    "modelopt": "a ModelOpt checkpoint (hf_quant_config.json)",
+    "block_grid_indivisible": "block FP8 (quant_method fp8), a weight whose shape its scale grid does not divide "
+    "(not whole blocks)",
+    "block_grid_misread": "block FP8 (quant_method fp8), a weight that is not whole blocks but whose shape its "
+    "scale grid divides (q of 192 rows: 96 per grid row)",
+    "quark": "quant_method quark",
+    "quark_without_layer_type_config": "a Quark config without layer_type_quant_config",
+    "targets_unquantized_linears": "a compressed-tensors config whose targets take a Linear module that holds no "
+    "FP8 weight (lm_head not in `ignore`)",
 }
 
 
@@ -69,6 +89,17 @@ class Facts:
     fbgemm: bool
     refused_at_tp_1: bool = False  # `inspect --tp 1` reports a module vLLM refuses (parallel.py)
     misaligned_block_shards: bool = False  # `inspect --tp 1` reports a packed layer's scales shifted (wrong-scales)
+    targets_unquantized_linears: bool = False  # compressed-tensors targets a Linear without FP8 weights
+    modelopt: bool = False
+    fnuz_weights: bool = False
+    packed_per_tensor: bool = False  # q / k / v or gate / up apart, each with one scale: vLLM packs them
+    unfused_names_compressed_tensors: bool = False
+    block_scales: bool = False
+    remote_code_architecture: bool = False
+    block_grid_indivisible: bool = False  # block FP8: a weight whose shape the scale grid does not divide
+    block_grid_misread: bool = False  # block FP8: rows / grid rows (or columns) is not the block
+    quark: bool = False
+    quark_without_layer_type_config: bool = False
 
     @property
     def layout(self) -> str:
@@ -83,7 +114,7 @@ class Facts:
 class LoaderVerdict:
     verdict: Verdict
     reason: str
-    evidence: str  # the loader source or real-loader test behind it ("" for the plain default)
+    evidence: str  # the loader source or real-loader test behind it, or the notes it is cited from
 
     @property
     def loads(self) -> bool:
@@ -127,9 +158,58 @@ def facts_of(model: CheckpointModel) -> Facts:
         channel_scales_under_fp8=fp8 and any(w.scale_kind == "channel" for w in weights),
         legacy_names=any(name.endswith(tuple(LEGACY_RENAMES)) for name in model.checkpoint.tensors),
         fbgemm=fmt is not None and fmt.name == "fbgemm_fp8",
+        modelopt=fmt is not None and fmt.name == "modelopt",
+        unfused_names_compressed_tensors=unfused and fmt is not None and fmt.name == "compressed-tensors",
+        packed_per_tensor=bool(packed_groups(model)),
+        fnuz_weights=any(w.tensor.dtype == E4M3FNUZ for w in weights),
+        block_scales=any(w.scale_kind == "block" for w in weights),
+        remote_code_architecture=architecture in REMOTE_CODE,
+        quark=fmt is not None and fmt.name == "quark",
+        quark_without_layer_type_config=fmt is not None
+        and fmt.name == "quark"
+        and not isinstance((quantization_config(model.checkpoint.config) or {}).get("layer_type_quant_config"), dict),
         refused_at_tp_1="refuses" in at_tp_1,
         misaligned_block_shards="wrong-scales" in at_tp_1,
+        **_transformers_block_reading(model),
+        targets_unquantized_linears=bool(
+            ignore_linears(model.checkpoint.config, unquantized_linears(model.checkpoint.tensors))[1]
+        ),
     )
+
+
+def packed_groups(model: CheckpointModel) -> list[list[Fp8Weight]]:
+    """Modules vLLM packs into one layer (q / k / v, gate / up, `registry.parallel.PACKED_SHARDS`; routed
+    experts excepted: the fused-MoE layer keeps a scale per expert), each an FP8 weight with one scale."""
+    weights = {w.module: w for w in model.module_weights() if w.fused is None and not w.stacked}
+    groups = []
+    for module in weights:
+        parent, _, leaf = module.rpartition(".")
+        group = next((g for g in PACKED_SHARDS if g[0] == leaf), None)
+        if group is None or ".experts." in module:
+            continue
+        members = [weights.get(f"{parent}.{shard}") for shard in group]
+        if all(m is not None and m.scale_kind == "tensor" for m in members):
+            groups.append([m for m in members if m is not None])
+    return groups
+
+
+def _transformers_block_reading(model: CheckpointModel) -> dict[str, bool]:
+    """How transformers 5.24 dequantizes block-FP8 weights on CPU (its FineGrainedFP8 quantizer sets
+    dequantize=True without a GPU): `Fp8Dequantize._dequantize_one` takes the block as the weight's shape
+    over the scale grid's, refusing shapes the grid does not divide. A weight that is not whole blocks (q of
+    192 rows, a 576-row kv_a_proj) so refuses or is read with a block of another size."""
+    fmt = model.format
+    indivisible = misread = False
+    if fmt is not None and fmt.block is not None and fmt.name == "fp8":
+        for w in model.module_weights():
+            if w.scale_kind != "block" or w.scale is None or len(w.tensor.shape) != 2 or len(w.scale.shape) != 2:
+                continue
+            (rows, cols), (grid_rows, grid_cols) = w.tensor.shape, w.scale.shape
+            if rows % grid_rows or cols % grid_cols:
+                indivisible = True
+            elif (rows // grid_rows, cols // grid_cols) != fmt.block:
+                misread = True
+    return {"block_grid_indivisible": indivisible, "block_grid_misread": misread}
 
 
 def _at_tp_1(model: CheckpointModel) -> set[str]:
@@ -149,9 +229,11 @@ def loader_verdicts(model: CheckpointModel) -> dict[str, LoaderVerdict]:
             reason = rule.reason.format(architecture=facts.architecture)
             verdicts[loader] = LoaderVerdict(rule.verdict, reason, rule.evidence)
         elif not facts.layout:
-            verdicts[loader] = LoaderVerdict("loads", "no fused modules", "")
+            verdicts[loader] = LoaderVerdict("loads", "no fused modules", DEFAULT_EVIDENCE[loader])
         elif facts.layout not in LOADS_BECAUSE[loader]:
-            verdicts[loader] = LoaderVerdict("fails", f"no rule says it loads the {facts.layout} layout", "")
+            # no rule and no measurement says what it does with this layout: not a guess either way
+            reason = f"no rule or measurement covers the {facts.layout} layout: not judged"
+            verdicts[loader] = LoaderVerdict("not-judged", reason, DEFAULT_EVIDENCE[loader])
         else:
-            verdicts[loader] = LoaderVerdict("loads", LOADS_BECAUSE[loader][facts.layout], "")
+            verdicts[loader] = LoaderVerdict("loads", LOADS_BECAUSE[loader][facts.layout], DEFAULT_EVIDENCE[loader])
     return verdicts

@@ -41,8 +41,10 @@ ENCODING_NAMES: tuple[Encoding, ...] = get_args(Encoding)
 Grammar = Literal["exact", "exact-or-re", "transformers", "fnmatch"]
 
 #: What a loader does with a checkpoint: loads it with the right weights, refuses it, loads it with
-#: wrong weights (unscaled codes, random-initialised modules), or cannot load it without a GPU.
-Verdict = Literal["loads", "fails", "loads-wrong", "needs-gpu"]
+#: wrong weights (unscaled codes, random-initialised modules), or not judged: what it does was neither
+#: run here nor read from its source (vLLM on ROCm, a GPU-only quantizer, a model's remote code); the
+#: reason says why.
+Verdict = Literal["loads", "fails", "loads-wrong", "not-judged"]
 
 #: Which loaders a conversion is for: `auto` picks the output that loads correctly in the most
 #: loaders, the current ones (vLLM >= 0.20, transformers) first.

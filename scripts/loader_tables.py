@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fp8fix.registry.loaders import LOADERS, LOADS_BECAUSE, RULES
+from fp8fix.registry.loaders import DEFAULT_EVIDENCE, LOADERS, LOADS_BECAUSE, RULES
 from fp8fix.verdicts import FACT_DESCRIPTIONS
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -31,16 +31,11 @@ def render() -> str:
                 f"| {loader} | {FACT_DESCRIPTIONS[rule.condition]} | **{rule.verdict}** | {reason} | {rule.evidence} |"
             )
         for layout, why in LOADS_BECAUSE[loader].items():
-            lines.append(
-                f"| {loader} | otherwise, {layout} modules | **loads** | {why} | {_default_evidence(loader)} |"
-            )
+            lines.append(f"| {loader} | otherwise, {layout} modules | **loads** | {why} | {DEFAULT_EVIDENCE[loader]} |")
+        lines.append(
+            f"| {loader} | otherwise, no fused modules | **loads** | no fused modules | {DEFAULT_EVIDENCE[loader]} |"
+        )
     return "\n".join(lines)
-
-
-def _default_evidence(loader: str) -> str:
-    if loader in ("vLLM >= 0.20", "transformers"):
-        return "tests/loaders/test_real_loaders.py"
-    return "shared/reference/fp8-checkpoints.md 2a"
 
 
 def replaced(text: str) -> str:

@@ -74,6 +74,34 @@ def phi3(hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int 
     )
 
 
+def llama(hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 128, layers: int = 2) -> Model:
+    """LlamaForCausalLM: q/k/v and gate/up apart on disk (most published FP8 models), which vLLM packs."""
+    head_dim = hidden // heads
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "vocab_size": 256,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    plain = [
+        ("self_attn.q_proj", heads * head_dim, hidden),
+        ("self_attn.k_proj", kv_heads * head_dim, hidden),
+        ("self_attn.v_proj", kv_heads * head_dim, hidden),
+        ("self_attn.o_proj", hidden, heads * head_dim),
+        ("mlp.gate_proj", intermediate, hidden),
+        ("mlp.up_proj", intermediate, hidden),
+        ("mlp.down_proj", hidden, intermediate),
+    ]
+    return Model("LlamaForCausalLM", config, "model.layers.{i}.", layers, fused=[], plain=plain, hidden=hidden)
+
+
 @dataclass(frozen=True)
 class Format:
     """How one exporter names and shapes things (from the formats' own definitions, not fp8fix's registry)."""
@@ -90,6 +118,8 @@ class Format:
 FORMATS = {
     "fp8": Format(),
     "fp8-legacy": Format(input_scale="act_scale", kv=("kv_scale",)),
+    # AMD's quant_method fp8 exports with kv-cache scales (amd/Llama-3.1-8B-Instruct-FP8-KV)
+    "fp8-amd-kv": Format(kv=("k_proj.output_scale", "v_proj.output_scale")),
     "compressed-tensors": Format(scale_dtype=torch.bfloat16, scalar_shape=(1,)),
     "block-fp8": Format(weight_scale="weight_scale_inv", input_scale=None, block=(32, 32), kv=()),
     "block-fp8-e8m0": Format(
@@ -109,11 +139,12 @@ FORMATS = {
 def quantization_config(fmt: str, scale: str, static_input: bool, ignore: list[str]) -> dict[str, Any] | None:
     """quantization_config as each exporter writes it (ModelOpt writes hf_quant_config.json instead)."""
     spec = FORMATS[fmt]
-    if fmt in ("fp8", "fp8-legacy"):
+    if fmt in ("fp8", "fp8-legacy", "fp8-amd-kv"):
         return {
             "quant_method": "fp8",
             "activation_scheme": "static" if static_input else "dynamic",
             "ignored_layers": ignore,
+            **({"kv_cache_scheme": "static"} if fmt == "fp8-amd-kv" else {}),
         }
     if fmt.startswith("block-fp8"):
         assert spec.block
@@ -139,6 +170,8 @@ def quantization_config(fmt: str, scale: str, static_input: bool, ignore: list[s
             "quant_method": "quark",
             "export": {"kv_cache_group": []},
             "global_quant_config": config,
+            "layer_quant_config": {},
+            "layer_type_quant_config": {},
             "exclude": ignore,
         }
     if fmt == "modelopt":

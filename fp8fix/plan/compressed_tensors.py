@@ -8,7 +8,8 @@ and in vLLM (its compressed-tensors FP8 scheme): measured in tests/loaders. Noth
 recomputed: the FP8 codes and scale bytes are copied; per-tensor scales take
 compressed-tensors' `[1]` shape; the legacy AutoFP8 names become the current ones
 (`act_scale` -> `input_scale`; `kv_scale` -> `k_scale` and `v_scale`, the split vLLM's own
-`maybe_remap_kv_scale_name` makes of it); config.json's quantization_config is rewritten
+`maybe_remap_kv_scale_name` makes of it; AMD's `k_proj.output_scale` -> the attention's `k_scale`,
+which vLLM's compressed-tensors config alone does not map); config.json's quantization_config is rewritten
 as compressed-tensors writes it (llm-compressor's FP8 presets):
 - one group targeting `Linear` with float 8-bit symmetric weights, `strategy` tensor or
   channel as the scales are, input activations static per tensor or dynamic per token as
@@ -25,7 +26,7 @@ from typing import Any
 from fp8fix.model import CheckpointModel
 from fp8fix.plan.config_edit import Scheme, can_write, scheme_of
 from fp8fix.plan.pieces import OutputShard, OutputTensor
-from fp8fix.registry.formats import COMPRESSED_TENSORS, LEGACY_RENAMES, quantization_config
+from fp8fix.registry.formats import COMPRESSED_TENSORS, compressed_tensors_names, quantization_config
 
 __all__ = ["Scheme", "can_write", "scheme_of"]  # re-exported: the planner's one place for compressed-tensors
 
@@ -53,13 +54,11 @@ def rewrite_tensors(shards: list[OutputShard], model: CheckpointModel) -> None:
         for t in shard.tensors:
             if t.source in per_tensor and math.prod(t.shape) == 1 and t.shape != PER_TENSOR_SHAPE:
                 t.shape, t.reshaped = PER_TENSOR_SHAPE, True
-            suffix = next((s for s in LEGACY_RENAMES if t.name.endswith(s)), None)
-            if suffix is None:
+            names = compressed_tensors_names(t.name)
+            if not names:
                 out.append(t)
                 continue
-            for new in LEGACY_RENAMES[suffix]:
-                name = t.name[: -len(suffix)] + new
-                out.append(OutputTensor(name, t.dtype, t.shape, list(t.pieces), t.source))
+            out.extend(OutputTensor(name, t.dtype, t.shape, list(t.pieces), t.source) for name in names)
         shard.tensors = out
 
 

@@ -13,36 +13,28 @@ module but not all its shards gets the missing shard names added after it.
 from __future__ import annotations
 
 import copy
-import fnmatch
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fp8fix.io.checkpoint import CONFIG, read_json
-from fp8fix.registry.formats import MODELOPT, MODELOPT_CONFIG, QUARK, NameList, locations, quantization_config
+from fp8fix.model import ignore_linears
+from fp8fix.registry.formats import (
+    MODELOPT,
+    MODELOPT_CONFIG,
+    QUARK,
+    NameList,
+    locations,
+    matches,
+    quantization_config,
+)
 from fp8fix.vocab import Grammar
+
+__all__ = ["matches"]  # re-exported: name-list edits and their grammar are read from here
 
 if TYPE_CHECKING:
     from fp8fix.model import CheckpointModel
-
-
-#: transformers' module boundary after a matched prefix: a dot before or after, or the end of the name.
-_BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
-
-
-def matches(entry: str, name: str, grammar: Grammar) -> bool:
-    """Whether a name-list `entry` names module `name`, as the loader reading the list decides
-    (`registry.formats.NameList.evidence`)."""
-    if grammar == "exact":
-        return entry == name
-    if grammar == "exact-or-re":
-        return entry == name or (entry.startswith("re:") and re.match(entry[3:], name) is not None)
-    if grammar == "transformers":  # transformers 5.24 quantizers_utils.should_convert_module
-        return re.match(rf"(?:{entry}){_BOUNDARY}", name) is not None or name.endswith(entry)
-    if grammar == "fnmatch":
-        return fnmatch.fnmatchcase(name, entry)
-    raise ValueError(f"unknown name-list grammar {grammar!r}")
 
 
 def output_config(
@@ -55,6 +47,7 @@ def output_config(
     unfused_config: dict[str, Any] | None = None,
     sizes: dict[str, int] | None = None,
     unquantized: list[str] | None = None,
+    linears: list[str] | None = None,
 ) -> dict[str, tuple[dict[str, Any], list[str]]]:
     """The config files OUTPUT gets where they differ from SOURCE's: name lists following `renames`,
     and where modules were unfused, the config.json keys the registry entry says describe the layout
@@ -99,6 +92,15 @@ def output_config(
         if groups:
             edit = f"quantization_config: {', '.join(groups)} weights strategy tensor -> channel (scales per row)"
             out[CONFIG] = (rewritten, [*edits, edit])
+    if linears:
+        content, edits = out.get(CONFIG, (config, []))
+        content, added = ignore_linears(content, linears)
+        if added:
+            edit = (
+                f"quantization_config.ignore: +{len(added)} Linear module(s) holding no FP8 weight "
+                f"({', '.join(added[:3])}{', ...' if len(added) > 3 else ''}): a `Linear` target would quantize them"
+            )
+            out[CONFIG] = (content, [*edits, edit])
     return out
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import CONFIG
 from fp8fix.io.safetensors_file import TensorInfo
-from fp8fix.model import CheckpointModel, describe_checkpoint
+from fp8fix.model import CheckpointModel, describe_checkpoint, unquantized_linears
 from fp8fix.plan import compressed_tensors
 from fp8fix.plan.channel import plan_channel_weights
 from fp8fix.plan.config_edit import output_config
@@ -144,6 +144,7 @@ def plan_conversion(
             unfused_config=arch.unfused_config,
             sizes=padding.config if padding else None,
             unquantized=padding.unquantized if padding else None,
+            linears=unquantized_linears(ckpt.tensors),
         ),
         padding=padding,
     )

@@ -24,7 +24,7 @@ from fp8fix.io.checkpoint import check_scale_values
 from fp8fix.model import CheckpointModel
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.registry.loaders import TRANSFORMERS, VLLM, VLLM_LEGACY
-from fp8fix.verdicts import LoaderVerdict
+from fp8fix.verdicts import LoaderVerdict, packed_groups
 from fp8fix.vocab import LAYOUTS, OUTPUT_FORMATS, Layout, OutputFormat, Target
 
 #: The loaders each target is for, counted first.
@@ -87,7 +87,14 @@ def _requantizes(plan: ConversionPlan, model: CheckpointModel) -> bool:
 
 
 def shard_scales_differ(model: CheckpointModel) -> bool:
-    """A fused module whose shards carry different weight scales: one scale for it means requantizing."""
+    """A fused module whose shards carry different weight scales, or modules vLLM packs into one layer
+    (q / k / v, gate / up) whose per-tensor scales differ: one scale for them means requantizing (by fp8fix,
+    or by vLLM at load, `requantize_with_max_scale`); only per-row scales keep every weight."""
+    try:
+        if any(len({check_scale_values(w.scale)[0] for w in g if w.scale}) > 1 for g in packed_groups(model)):
+            return True
+    except (OSError, Fp8fixError):  # headers only (a Hub source), or a scale convert refuses anyway
+        return False
     for w in model.module_weights():
         if w.fused is None or w.scale_kind != "shard" or w.scale is None:
             continue

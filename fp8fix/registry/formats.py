@@ -9,6 +9,7 @@ instead of a guess.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -96,6 +97,24 @@ AUTOFP8_LEGACY = replace(AUTOFP8, label="AutoFP8 (legacy act_scale names)", inpu
 #: Legacy AutoFP8 tensor suffixes and today's names for them (`kv_scale` is both kv scales: vLLM's
 #: `maybe_remap_kv_scale_name` loads it as k_scale and duplicates it to v_scale).
 LEGACY_RENAMES = {".act_scale": (".input_scale",), ".kv_scale": (".k_scale", ".v_scale")}
+#: What a checkpoint written as compressed-tensors renames: the legacy names, and AMD's kv-cache scales on
+#: the projections (`self_attn.k_proj.output_scale`), which vLLM 0.32 maps for quant_method fp8 and quark
+#: (Fp8Config / QuarkConfig.get_cache_scale_mapper) but not for compressed-tensors, whose kv-cache scales are
+#: the attention's own `self_attn.k_scale` / `v_scale` / `q_scale` (QuantizationConfig.get_cache_scale_mapper).
+COMPRESSED_TENSORS_RENAMES = {
+    **LEGACY_RENAMES,
+    ".k_proj.output_scale": (".k_scale",),
+    ".v_proj.output_scale": (".v_scale",),
+    ".q_proj.output_scale": (".q_scale",),
+}
+
+
+def compressed_tensors_names(name: str) -> tuple[str, ...]:
+    """The names tensor `name` takes in a checkpoint written as compressed-tensors; () where it keeps its own."""
+    suffix = next((s for s in COMPRESSED_TENSORS_RENAMES if name.endswith(s)), None)
+    return () if suffix is None else tuple(name[: -len(suffix)] + new for new in COMPRESSED_TENSORS_RENAMES[suffix])
+
+
 #: vLLM reads `ignored_layers` when it is non-empty, else `modules_to_not_convert`; transformers reads only
 #: `modules_to_not_convert`. So a module left unquantized goes in `modules_to_not_convert` always, and in
 #: `ignored_layers` too where that list is set.
@@ -155,6 +174,24 @@ def _not_yet(label: str) -> UnsupportedCheckpoint:
         f"config.json: {label} checkpoints are not supported yet; fp8fix converts AutoFP8, block FP8, "
         "compressed-tensors (tensor/channel/block), Quark, ModelOpt and FBGEMM FP8 checkpoints"
     )
+
+
+#: transformers' module boundary after a matched prefix: a dot before or after, or the end of the name.
+_BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
+
+
+def matches(entry: str, name: str, grammar: Grammar) -> bool:
+    """Whether a name-list `entry` names module `name`, as the loader reading the list decides
+    (`registry.formats.NameList.evidence`)."""
+    if grammar == "exact":
+        return entry == name
+    if grammar == "exact-or-re":
+        return entry == name or (entry.startswith("re:") and re.match(entry[3:], name) is not None)
+    if grammar == "transformers":  # transformers 5.24 quantizers_utils.should_convert_module
+        return re.match(rf"(?:{entry}){_BOUNDARY}", name) is not None or name.endswith(entry)
+    if grammar == "fnmatch":
+        return fnmatch.fnmatchcase(name, entry)
+    raise ValueError(f"unknown name-list grammar {grammar!r}")
 
 
 def quantization_config(config: dict[str, Any]) -> dict[str, Any] | None:

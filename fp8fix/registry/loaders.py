@@ -23,6 +23,11 @@ LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM, TRANSFORMERS)
 REAL_LOADER_TESTS = "tests/loaders/test_real_loaders.py"
 MIMO_LOADER_TEST = "tests/loaders/test_mimo_loader.py"
 REFERENCE = "shared/reference/fp8-checkpoints.md 2a"
+BREADTH_TESTS = "tests/loaders/test_breadth_loaders.py"
+TRANSFORMERS_DEQUANTIZE = (
+    "transformers 5.24 integrations/finegrained_fp8.py Fp8Dequantize._dequantize_one (block_m = rows // "
+    "scale_rows), quantizers/quantizer_finegrained_fp8.py (dequantize=True without a GPU)"
+)
 MIMO_FIXES = (
     "vLLM pull requests 42270 (the contiguous reading, nonsense output), 45200 and 57508 (chunk count "
     "and per-chunk scale tiling, merged June and September 2026)"
@@ -60,11 +65,36 @@ RULES: tuple[Rule, ...] = (
     *(
         Rule(
             loader,
+            "fnuz_weights",
+            "not-judged",
+            "e4m3fnuz weights are what vLLM's ROCm build (MI300) loads, which is not run here; the CUDA and CPU "
+            "builds round their odd subnormal codes into e4m3fn parameters where they requantize: not judged "
+            "(convert --to e4m3fn for these builds)",
+            "vllm 0.32 platforms/rocm.py is_fp8_fnuz (the ROCm path, not run); "
+            + REAL_LOADER_TESTS
+            + " (CPU build: some layouts exact, some not)",
+        )
+        for loader in (VLLM_LEGACY, VLLM_OLD, VLLM)
+    ),
+    *(
+        Rule(
+            loader,
             "chunked_fused",
             "loads-wrong",
             "reads a pre-sharded fused qkv_proj as one contiguous [Q | K | V]: wrong rows and block scales, "
             "nonsense output",
             MIMO_FIXES,
+        )
+        for loader in (VLLM_LEGACY, VLLM_OLD)
+    ),
+    *(
+        Rule(
+            loader,
+            "block_scales",
+            "not-judged",
+            "block-scaled FP8 (DeepSeek-V3 style) is newer than what fp8fix's notes on these releases cover, and "
+            "they are not run here: not judged",
+            REFERENCE + " (per-tensor checkpoints only)",
         )
         for loader in (VLLM_LEGACY, VLLM_OLD)
     ),
@@ -84,6 +114,14 @@ RULES: tuple[Rule, ...] = (
         "fails",
         "fbgemm_fp8 is deprecated: refused unless --allow-deprecated-quantization",
         "vllm 0.32 config/model.py ModelConfig._verify_quantization (DEPRECATED_QUANTIZATION_METHODS)",
+    ),
+    Rule(
+        VLLM,
+        "quark_without_layer_type_config",
+        "fails",
+        "reads the Quark config's layer_type_quant_config, which this one lacks (AttributeError: 'NoneType' object "
+        "has no attribute 'get')",
+        "vllm 0.32 quantization/quark/quark.py QuarkConfig._find_matched_config; " + REAL_LOADER_TESTS,
     ),
     Rule(
         VLLM,
@@ -136,6 +174,14 @@ RULES: tuple[Rule, ...] = (
         "vLLM 0.32 AssertionError, static or dynamic; " + REAL_LOADER_TESTS,
     ),
     Rule(
+        VLLM,
+        "packed_per_tensor",
+        "loads",
+        "packs q / k / v and gate / up into one layer and requantizes the shards whose per-tensor scales differ to "
+        "their largest at load (within 0.52 fp8 step; exact where they are equal): --layout channel is exact",
+        "vllm 0.32 quantization/utils/w8a8_utils.py requantize_with_max_scale; " + REAL_LOADER_TESTS,
+    ),
+    Rule(
         TRANSFORMERS,
         "transformers_missing_architecture",
         "fails",
@@ -144,10 +190,35 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         TRANSFORMERS,
+        "remote_code_architecture",
+        "not-judged",
+        "{architecture} loads only through the repository's own modeling code (trust_remote_code), which fp8fix "
+        "does not run: not judged",
+        "transformers 5.24 models/auto/configuration_auto.py (no chatglm model type)",
+    ),
+    Rule(
+        TRANSFORMERS,
         "fbgemm",
-        "needs-gpu",
-        "its FBGEMM FP8 quantizer refuses to load without a GPU",
-        "transformers 5.24 quantizers/quantizer_fbgemm_fp8.py validate_environment (requires a GPU or XPU)",
+        "not-judged",
+        "its FBGEMM FP8 quantizer refuses to load without a GPU (run on CPU); on a GPU: not run, not judged",
+        "transformers 5.24 quantizers/quantizer_fbgemm_fp8.py validate_environment (requires a GPU or XPU); "
+        + REAL_LOADER_TESTS,
+    ),
+    Rule(
+        TRANSFORMERS,
+        "modelopt",
+        "loads-wrong",
+        "has no ModelOpt quantizer and does not read hf_quant_config.json: it loads every FP8 weight as its raw "
+        "code cast to the model's dtype, weight_scale unused",
+        "transformers 5.24 quantizers/auto.py (no 'modelopt' in AUTO_QUANTIZER_MAPPING; supports_quant_method skips "
+        "an unknown quant_method); " + REAL_LOADER_TESTS,
+    ),
+    Rule(
+        TRANSFORMERS,
+        "quark",
+        "fails",
+        "its Quark quantizer needs the amd-quark library (ImportError without it; with it installed: not run)",
+        "transformers 5.24 quantizers/quantizer_quark.py validate_environment; " + REAL_LOADER_TESTS,
     ),
     Rule(
         TRANSFORMERS,
@@ -157,6 +228,30 @@ RULES: tuple[Rule, ...] = (
         "weight_scale: every weight is its raw FP8 code",
         "transformers 5.24 quantizers/auto.py ('fp8' -> FineGrainedFP8HfQuantizer), quantizer_finegrained_fp8.py "
         "(serialized names weight, weight_scale_inv, activation_scale); " + REAL_LOADER_TESTS,
+    ),
+    Rule(
+        TRANSFORMERS,
+        "block_grid_indivisible",
+        "fails",
+        "on CPU it dequantizes block FP8 at load taking the block as the weight's shape over the scale grid's, "
+        "and refuses a shape the grid does not divide (ValueError: Weight shape ... not divisible by scale grid)",
+        TRANSFORMERS_DEQUANTIZE + "; " + BREADTH_TESTS,
+    ),
+    Rule(
+        TRANSFORMERS,
+        "block_grid_misread",
+        "loads-wrong",
+        "on CPU it dequantizes block FP8 at load taking the block as the weight's shape over the scale grid's: a "
+        "weight that is not whole blocks is read with blocks of another size (wrong scales)",
+        TRANSFORMERS_DEQUANTIZE + "; " + BREADTH_TESTS,
+    ),
+    Rule(
+        TRANSFORMERS,
+        "unfused_names_compressed_tensors",
+        "fails",
+        "its model has only the fused modules: it random-initialises their FP8 parameters, which torch cannot do "
+        "on CPU (NotImplementedError: \"normal_kernel_cpu\" not implemented for 'Float8_e4m3fn')",
+        REAL_LOADER_TESTS,
     ),
     Rule(
         TRANSFORMERS,
@@ -172,7 +267,33 @@ RULES: tuple[Rule, ...] = (
         "cannot convert a fused module's per-shard scale vector (RuntimeError in its weight conversion)",
         REAL_LOADER_TESTS,
     ),
+    Rule(
+        TRANSFORMERS,
+        "per_shard_input_scales",
+        "fails",
+        "a fused module's input scale has one value per shard where its compressed-tensors layer holds one "
+        "(size mismatch: RuntimeError, ignore_mismatched_sizes is False)",
+        REAL_LOADER_TESTS,
+    ),
+    Rule(
+        TRANSFORMERS,
+        "targets_unquantized_linears",
+        "loads-wrong",
+        "its compressed-tensors config targets Linear modules that hold no FP8 weight (lm_head, ...): "
+        "compressed-tensors quantizes them and they compute with weights that have no scale",
+        "compressed-tensors apply_quantization_config (every module a group's targets match and `ignore` does "
+        "not); " + REAL_LOADER_TESTS,
+    ),
 )
+
+#: What stands behind a loader's verdict when no rule decides it (it loads): the real-loader suite for the
+#: loaders run here; the team's reference notes, not run, for the older vLLM releases.
+DEFAULT_EVIDENCE: dict[str, str] = {
+    VLLM_LEGACY: REFERENCE + " (notes, not run)",
+    VLLM_OLD: REFERENCE + " (notes, not run)",
+    VLLM: REAL_LOADER_TESTS,
+    TRANSFORMERS: REAL_LOADER_TESTS,
+}
 
 #: Why a loader takes a checkpoint when no rule stops it, by how its fused modules are stored.
 LOADS_BECAUSE: dict[str, dict[str, str]] = {

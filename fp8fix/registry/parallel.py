@@ -114,6 +114,12 @@ REFINED_MESSAGE = (
 )
 
 
+#: A checkpoint whose fused-MoE intermediate is not whole blocks, at TP 1: vLLM 0.32 refines the blocks (as
+#: at TP > 1) and allocates the refined grid of the rows, then loads the checkpoint's grid, its partial last
+#: block included, upsampled: torch's broadcast error (issue 24: intermediate 320, `a (5)` vs `b (6)`).
+PARTIAL_REFINED_MESSAGE = "The size of tensor a ({a}) must match the size of tensor b ({b})"
+
+
 def role_of(module: str) -> ParallelRole | None:
     return next((r for r in ROLES if r.pattern.search(module)), None)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from fp8fix.registry.formats import LEGACY_RENAMES
+from fp8fix.registry.formats import LEGACY_RENAMES, compressed_tensors_names
 from fp8fix.verification.context import VerifyContext
 
 
@@ -46,8 +46,8 @@ def map_tensors(ctx: VerifyContext) -> dict[str, list[Target]]:
             mapping[name] = [Target(name, 0, rows)]
             continue
         module, _, param = name.rpartition(".")
-        renamed = [f"{module}.{p}" for p in current_names(param)]
-        if renamed and all(n in out.tensors for n in renamed):  # legacy AutoFP8 names, written as today's
+        renamed = compressed_tensors_names(name)
+        if renamed and all(n in out.tensors for n in renamed):  # legacy AutoFP8 / AMD names, as compressed-tensors
             mapping[name] = [Target(n, 0, rows) for n in renamed]
             continue
         f = ctx.model.fused.get(module)

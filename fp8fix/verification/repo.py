@@ -5,6 +5,7 @@ from __future__ import annotations
 from fp8fix.io.checkpoint import CARD, CONFIG, INDEX, read_json
 from fp8fix.io.safetensors_file import read_values
 from fp8fix.io.source_files import CHUNK
+from fp8fix.model import ignore_linears, unquantized_linears
 from fp8fix.numerics.recodings import scale_factor
 from fp8fix.plan.config_edit import Scheme, can_write, output_config, scheme_of
 from fp8fix.registry.formats import COMPRESSED_TENSORS, quantization_config
@@ -95,7 +96,14 @@ def check_repo(
         unfused_config,
         sizes,
         unquantized,
+        unquantized_linears(src.tensors),
     )
+    _, targeted = ignore_linears(out.config, unquantized_linears(out.tensors))
+    if targeted:  # read off OUTPUT alone: what its compressed-tensors config would quantize without a scale
+        report.problem(
+            f"config.json: quantization_config targets {len(targeted)} Linear module(s) OUTPUT holds no FP8 weight "
+            f"for ({', '.join(targeted[:3])}): compressed-tensors would quantize them; they belong in `ignore`"
+        )
     if out.config != rewritten.get(CONFIG, (src.config, []))[0]:
         report.problem(
             "config.json: differs from SOURCE's beyond the renamed quantization_config entries"

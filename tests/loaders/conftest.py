@@ -35,6 +35,33 @@ class Loaded:
     missing: list[str]
     unexpected: list[str]
     weights: dict[str, torch.Tensor]  # layer -> float32 [out, in] as the loader computes with it
+    unreadable: list[str]  # layers the loader keeps in a form the harness cannot read back (repacked)
+
+
+#: The real-loader matrix: loader -> case -> (fp8fix's verdict, the loader's outcome, judged?), for the
+#: summary printed at the end of the run (README "Real-loader tests": agree / disagree / not judged).
+MATRIX: dict[str, dict[str, tuple[str, str, bool]]] = {}
+
+
+def record(loader: str, case: str, said: str, real: str, not_judged: bool = False) -> None:
+    MATRIX.setdefault(loader, {})[case] = (said, real, not not_judged)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not MATRIX:
+        return
+    terminalreporter.section("real-loader matrix: fp8fix's verdicts against the loaders")
+    for loader, cases in sorted(MATRIX.items()):
+        judged = [(said, real) for said, real, j in cases.values() if j]
+        agree = sum(said == real for said, real in judged)
+        outcomes = ", ".join(f"{v} {sum(real == v for _, real in judged)}" for v in ("loads", "loads-wrong", "fails"))
+        terminalreporter.write_line(
+            f"{loader:13} {len(cases):4} cases: agree {agree}, disagree {len(judged) - agree}, "
+            f"not judged {len(cases) - len(judged)} (real outcomes: {outcomes})"
+        )
+        for case, (said, real, j) in sorted(cases.items()):
+            if j and said != real:
+                terminalreporter.write_line(f"  disagree: {case}: fp8fix {said}, {loader} {real}")
 
 
 def interpreter(loader: str) -> str:
@@ -67,6 +94,7 @@ def run_loader(loader: str, folders: list[Path], out: Path) -> list[Loaded]:
                 r.get("missing_keys", []),
                 r.get("unexpected_keys", []),
                 weights,
+                r.get("unreadable", []),
             )
         )
     return results

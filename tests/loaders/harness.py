@@ -19,8 +19,9 @@ from safetensors.torch import save_file
 Load = Callable[[Path], tuple[dict[str, object], dict[str, torch.Tensor]]]
 
 
-def scaled(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """FP8 codes [rows, cols] times their scale: one value, one per row, or a block grid."""
+def scaled(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """FP8 codes [rows, cols] times their scale: one value, one per row, or a block grid (of `block`, where
+    the loader says; else the block the grid's shape implies, which a partial last block makes wrong)."""
     rows, cols = codes.shape
     scale = scale.float()
     if scale.numel() == 1:
@@ -28,7 +29,7 @@ def scaled(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if scale.numel() == rows:
         return codes.float() * scale.reshape(rows, 1)
     if scale.dim() == 2:
-        block = (-(-rows // scale.shape[0]), -(-cols // scale.shape[1]))
+        block = block or (-(-rows // scale.shape[0]), -(-cols // scale.shape[1]))
         grid = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
         return codes.float() * grid
     raise ValueError(f"scale {tuple(scale.shape)} of unknown layout for a [{rows}, {cols}] weight")

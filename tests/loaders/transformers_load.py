@@ -2,23 +2,24 @@
 
 Run with the transformers venv's Python (see README "Real-loader tests"):
 `python transformers_load.py OUT_DIR CHECKPOINT...`. For each checkpoint:
-`AutoModelForCausalLM.from_pretrained(..., output_loading_info=True)` exactly as a user
-calls it (compressed-tensors checkpoints with `run_compressed=False`, which
-decompresses on CPU), then, for every linear layer whose source was FP8, the float32
-weight [out, in] the model computes with (FP8 weights times their scale, as its FP8
-layers do; decompressed weights as they are), into OUT_DIR/<n>/weights.safetensors,
+`AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cpu")` as a
+user calls it, with no other argument (compressed-tensors checkpoints with the default
+`run_compressed`: issue 24 found `run_compressed=False` hid failures the default call has),
+then, for every linear layer (lm_head included: a format that
+quantizes it by mistake computes with garbage there), the float32 weight [out, in] the
+model computes with (FP8 weights times their scale, as its FP8 layers do; decompressed
+weights as they are), into OUT_DIR/<n>/weights.safetensors,
 and OUT_DIR/<n>/result.json with the model class, the loading report's missing and
 unexpected keys, or the error transformers raised. Nothing is patched.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from harness import run, scaled  # this folder, first on sys.path when run as a script
-from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+from transformers import AutoModelForCausalLM
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
@@ -37,18 +38,13 @@ def dequantized(module: torch.nn.Module) -> torch.Tensor:
 
 
 def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
-    config = json.loads((folder / "config.json").read_text())
-    quant = (config.get("quantization_config") or {}).get("quant_method")
-    extra = (
-        {"quantization_config": CompressedTensorsConfig(run_compressed=False)} if quant == "compressed-tensors" else {}
-    )
     model, info = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=torch.bfloat16, device_map="cpu", output_loading_info=True, **extra
+        str(folder), dtype=torch.bfloat16, device_map="cpu", output_loading_info=True
     )
     weights: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         w = getattr(module, "weight", None)
-        if not isinstance(w, torch.Tensor) or w.dim() != 2 or name.endswith(("embed_tokens", "lm_head")):
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or name.endswith("embed_tokens"):
             continue
         weights[name] = dequantized(module).contiguous()
     report = {k: sorted(v) for k, v in info.items() if isinstance(v, (list, set)) and k != "error_msgs"}

@@ -70,7 +70,8 @@ def dequantized(layer: torch.nn.Module) -> torch.Tensor:
         w = w.t()  # the kernels keep a transposed view
     if tuple(w.shape) != (rows, cols):
         raise ValueError(f"weight {tuple(w.shape)} is not [{rows}, {cols}]")
-    return scaled(w, scale_of(layer))
+    block = getattr(layer, "weight_block_size", None)  # Fp8LinearMethod's, from the checkpoint's config
+    return scaled(w, scale_of(layer), tuple(block) if block else None)
 
 
 def scale_of(layer: torch.nn.Module) -> torch.Tensor:
@@ -118,11 +119,17 @@ def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
         and getattr(module, "weight", None) is not None
     }
     weights = {name: dequantized(module).contiguous() for name, module in layers.items()}
+    head = getattr(model, "lm_head", None)  # vLLM's ParallelLMHead: never quantized by these formats
+    unreadable = []
+    if isinstance(getattr(head, "weight", None), torch.Tensor) and head.weight.numel():
+        weights["lm_head"] = head.weight.float().contiguous()
+    elif head is not None:  # the CPU build's UnquantizedLinearMethod repacks it for its GEMM (an empty weight)
+        unreadable.append("lm_head")
     # the scale each layer ended with: where vLLM requantized at load, the grid its values lie on
     weights.update(
         {f"{name}::scale": scale_of(module).float().reshape(-1).contiguous() for name, module in layers.items()}
     )
-    return {"loaded": True, "model_class": type(model).__name__}, weights
+    return {"loaded": True, "model_class": type(model).__name__, "unreadable": unreadable}, weights
 
 
 if __name__ == "__main__":
