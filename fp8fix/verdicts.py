@@ -51,6 +51,7 @@ FACT_DESCRIPTIONS = {
     "scales its loader does not line up with the rows at TP 1 (`inspect --tp 1`: wrong-scales)",
     "fbgemm": "quant_method fbgemm_fp8",
     "fnuz_weights": "e4m3fnuz weights",
+    "fnuz_compressed_tensors": "e4m3fnuz weights in a compressed-tensors checkpoint",
     "packed_per_tensor": "modules vLLM packs into one layer (q / k / v, gate / up), each with a per-tensor scale",
     "unfused_names_compressed_tensors": "per-shard module names where the model fuses them, in a "
     "compressed-tensors checkpoint",
@@ -92,6 +93,7 @@ class Facts:
     targets_unquantized_linears: bool = False  # compressed-tensors targets a Linear without FP8 weights
     modelopt: bool = False
     fnuz_weights: bool = False
+    fnuz_compressed_tensors: bool = False
     packed_per_tensor: bool = False  # q / k / v or gate / up apart, each with one scale: vLLM packs them
     unfused_names_compressed_tensors: bool = False
     block_scales: bool = False
@@ -162,6 +164,9 @@ def facts_of(model: CheckpointModel) -> Facts:
         unfused_names_compressed_tensors=unfused and fmt is not None and fmt.name == "compressed-tensors",
         packed_per_tensor=bool(packed_groups(model)),
         fnuz_weights=any(w.tensor.dtype == E4M3FNUZ for w in weights),
+        fnuz_compressed_tensors=fmt is not None
+        and fmt.name == "compressed-tensors"
+        and any(w.tensor.dtype == E4M3FNUZ for w in weights),
         block_scales=any(w.scale_kind == "block" for w in weights),
         remote_code_architecture=architecture in REMOTE_CODE,
         quark=fmt is not None and fmt.name == "quark",

@@ -74,32 +74,58 @@ def phi3(hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int 
     )
 
 
-def llama(hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 128, layers: int = 2) -> Model:
-    """LlamaForCausalLM: q/k/v and gate/up apart on disk (most published FP8 models), which vLLM packs."""
-    head_dim = hidden // heads
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+def _dense_config(
+    architecture: str,
+    model_type: str,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    layers: int,
+    **extra: Any,
+) -> dict[str, Any]:
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": hidden,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
+        "head_dim": hidden // heads,
         "intermediate_size": intermediate,
         "num_hidden_layers": layers,
         "vocab_size": 256,
-        "tie_word_embeddings": False,
+        **extra,
         "torch_dtype": "bfloat16",
     }
-    plain = [
+
+
+def _attention(hidden: int, heads: int, kv_heads: int) -> list[tuple[str, int, int]]:
+    """q / k / v / o apart on disk: (suffix, out, in)."""
+    head_dim = hidden // heads
+    return [
         ("self_attn.q_proj", heads * head_dim, hidden),
         ("self_attn.k_proj", kv_heads * head_dim, hidden),
         ("self_attn.v_proj", kv_heads * head_dim, hidden),
         ("self_attn.o_proj", hidden, heads * head_dim),
-        ("mlp.gate_proj", intermediate, hidden),
-        ("mlp.up_proj", intermediate, hidden),
-        ("mlp.down_proj", hidden, intermediate),
     ]
+
+
+def llama(hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 128, layers: int = 2) -> Model:
+    """LlamaForCausalLM: q/k/v and gate/up apart on disk (most published FP8 models), which vLLM packs."""
+    config = _dense_config(
+        "LlamaForCausalLM", "llama", hidden, heads, kv_heads, intermediate, layers, tie_word_embeddings=False
+    )
+    mlp = [("mlp.gate_proj", intermediate, hidden), ("mlp.up_proj", intermediate, hidden)]
+    plain = [*_attention(hidden, heads, kv_heads), *mlp, ("mlp.down_proj", hidden, intermediate)]
     return Model("LlamaForCausalLM", config, "model.layers.{i}.", layers, fused=[], plain=plain, hidden=hidden)
+
+
+def glm(hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 128, layers: int = 2) -> Model:
+    """GLM-4-0414's dense predecessor (transformers' GlmForCausalLM): q/k/v/o apart, gate_up_proj fused."""
+    config = _dense_config("GlmForCausalLM", "glm", hidden, heads, kv_heads, intermediate, layers, attention_bias=False)
+    plain = [*_attention(hidden, heads, kv_heads), ("mlp.down_proj", hidden, intermediate)]
+    fused = [FusedModule("mlp.gate_up_proj", [intermediate, intermediate], hidden)]
+    return Model("GlmForCausalLM", config, "model.layers.{i}.", layers, fused, plain=plain, hidden=hidden)
 
 
 @dataclass(frozen=True)
@@ -189,13 +215,13 @@ def quantization_config(fmt: str, scale: str, static_input: bool, ignore: list[s
     if spec.block:
         weights["block_structure"] = f"{spec.block[0]}x{spec.block[1]}"
     group: dict[str, Any] = {"targets": ["Linear"], "weights": weights}
-    if static_input and spec.input_scale:
+    if spec.input_scale:  # static per tensor, or llm-compressor's FP8_DYNAMIC (per token, at run time)
         group["input_activations"] = {
             "num_bits": 8,
             "type": "float",
-            "strategy": "tensor",
+            "strategy": "tensor" if static_input else "token",
             "symmetric": True,
-            "dynamic": False,
+            "dynamic": not static_input,
         }
     return {
         "quant_method": "compressed-tensors",

@@ -95,3 +95,22 @@ def test_amd_kv_scales_keep_their_names_in_the_amd_format(tmp_path: Path) -> Non
     src = build(tmp_path / "src", llama(), fmt="fp8-amd-kv")
     assert run_cli("convert", src, tmp_path / "out", "--format", "keep", "-q").exit_code == 0
     assert "model.layers.0.self_attn.k_proj.output_scale" in load_tensors(tmp_path / "out")
+
+
+# 8. --layout per-shard from a per-row-scaled source: a [3] input scale helps no loader and transformers refuses it.
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "quark"])
+def test_per_shard_keeps_one_input_scale_beside_per_row_weight_scales(tmp_path: Path, fmt: str) -> None:
+    src = build(tmp_path / "src", phi3(), fmt=fmt, scale="channel")
+    assert run_cli("convert", src, tmp_path / "out", "--layout", "per-shard", "-q").exit_code == 0
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
+    qkv = "model.layers.0.self_attn.qkv_proj."
+    assert raw(o[qkv + "input_scale"]) == raw(s[qkv + "input_scale"]) and o[qkv + "input_scale"].numel() == 1
+    assert raw(o[qkv + "weight_scale"]) == raw(s[qkv + "weight_scale"])
+
+
+def test_per_shard_still_splits_both_scales_of_a_per_tensor_source(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3(), fmt="fp8")
+    assert run_cli("convert", src, tmp_path / "out", "--layout", "per-shard", "-q").exit_code == 0
+    o = load_tensors(tmp_path / "out")
+    qkv = "model.layers.0.self_attn.qkv_proj."
+    assert o[qkv + "input_scale"].shape == (3,) and o[qkv + "weight_scale"].shape == (3,)

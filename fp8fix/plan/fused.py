@@ -6,7 +6,8 @@ The rules (see README "Layouts"):
   split. Pure byte moves, exact. Block scales: each shard gets a standard block grid
   (`block_split.py`): exact where shard boundaries are block multiples, else only the
   output blocks that mix source blocks are requantized (bounded, reported).
-- per-shard: a single weight/input scale becomes a vector of n_shards copies. Exact.
+- per-shard: a single weight/input scale becomes a vector of n_shards copies (an input scale only
+  beside per-tensor or per-shard weight scales). Exact.
 - fused: a per-shard scale vector becomes its largest entry; shards at a smaller
   scale are requantized to it (bounded error, reported). Equal entries change no byte.
 - channel: the weight scale becomes one per row ([out, 1]), each row its shard's scale
@@ -71,7 +72,9 @@ def plan_fused_module(
     outputs: dict[str, list[OutputTensor]] = {}
     if layout == "per-shard":
         for p, t in scales.items():
-            if kinds[p] == "tensor":
+            # with per-row or block weight scales no loader reads per-shard input scales (vLLM <= 0.5.0 takes
+            # per-tensor checkpoints only) and transformers refuses them (issue 24): the input scale stays one
+            if kinds[p] == "tensor" and (p == fmt.weight_scale or weight_kind in ("tensor", "shard")):
                 outputs[t.name] = [
                     OutputTensor(t.name, t.dtype, (n,), [RepeatRange(t.path, t.start, t.end, n)], t.name)
                 ]

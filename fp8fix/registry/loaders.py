@@ -277,6 +277,14 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         TRANSFORMERS,
+        "fnuz_compressed_tensors",
+        "loads-wrong",
+        "its compressed-tensors layers hold e4m3fn parameters: e4m3fnuz codes are cast into them and the odd "
+        "subnormal ones (below e4m3fn's smallest) round (convert --to e4m3fn for transformers)",
+        REAL_LOADER_TESTS,
+    ),
+    Rule(
+        TRANSFORMERS,
         "targets_unquantized_linears",
         "loads-wrong",
         "its compressed-tensors config targets Linear modules that hold no FP8 weight (lm_head, ...): "

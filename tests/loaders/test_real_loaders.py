@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.builders import FusedModule, Model, build, llama, phi3
+from tests.builders import Model, build, glm, llama, phi3
 from tests.conftest import patch_bytes, run_cli
 from tests.loaders.conftest import Loaded, interpreter, record, run_loader
 
@@ -28,8 +28,15 @@ pytestmark = pytest.mark.loaders
 
 #: fp8fix's loader rows that these real loaders answer for.
 VERDICT_ROWS = {"vllm": "vLLM >= 0.20", "transformers": "transformers"}
+
+
 #: Sources as each exporter writes them (tests/builders.py): name -> (format, scale); Phi-3 unless
 #: MODELS names another architecture.
+def loader_shape(source: str) -> str:
+    """The architecture shape a source is built with, from its name."""
+    return next((shape for shape in ("glm", "llama") if source.startswith(shape)), "phi3")
+
+
 SOURCES = {
     "fp8-tensor": ("fp8", "tensor"),  # AutoFP8 per-tensor, the shipped example's format
     "fp8-channel": ("fp8", "channel"),  # quant_method fp8 with [out, 1] weight scales
@@ -56,6 +63,40 @@ SOURCES = {
 }
 #: build() options of sources that differ from an exporter's defaults.
 BUILD_OPTIONS: dict[str, dict[str, object]] = {"fp8-legacy-unlisted": {"ignore": []}}
+
+#: The matrix (issue 24): every format the registry reads x the Llama (q/k/v and gate/up apart), GLM
+#: (gate_up fused, served by vLLM's Transformers backend) and Phi-3 (both fused) shapes x the scale styles
+#: each format has: one scale per tensor, shards of a fused module with different scales, dynamic
+#: activations, per-row scales; kv-cache scales in each format's own names (builders.FORMATS).
+STYLES: dict[str, tuple[str, dict[str, object]]] = {
+    "tensor": ("tensor", {}),
+    "shard": ("shard", {}),
+    "dynamic": ("tensor", {"static_input": False}),
+    "channel": ("channel", {}),
+    "block": ("block", {}),
+}
+FORMAT_STYLES = {
+    "fp8": ("tensor", "shard", "dynamic", "channel"),
+    "fp8-legacy": ("tensor", "shard"),
+    "compressed-tensors": ("tensor", "shard", "dynamic", "channel"),
+    "modelopt": ("tensor", "shard"),
+    "quark": ("tensor", "shard", "channel"),
+    "fbgemm": ("channel",),
+    "block-fp8": ("block",),
+    "fp8-amd-kv": ("tensor",),
+}
+for _shape in ("llama", "glm", "phi3"):
+    for _fmt, _styles in FORMAT_STYLES.items():
+        for _style in _styles:
+            if (_style == "shard" and _shape == "llama") or (_fmt == "fp8-amd-kv" and _shape != "llama"):
+                continue  # Llama fuses nothing on disk; AMD's kv names sit on k_proj / v_proj
+            _scale, _options = STYLES[_style]
+            _name = f"{_shape}.{_fmt}.{_style}"  # dots: never an output folder's name (SOURCE-layout)
+            if (_fmt, _scale) in {SOURCES[n] for n in SOURCES if loader_shape(n) == _shape} and not _options:
+                continue  # already a source above
+            SOURCES[_name] = (_fmt, _scale)
+            if _options:
+                BUILD_OPTIONS[_name] = _options
 #: config.json quantization_config keys removed from a source after it is built.
 WITHOUT_KEYS = {"quark-bare": ("layer_quant_config", "layer_type_quant_config")}
 LAYOUTS = ("as-exported", "unfused", "per-shard", "fused")
@@ -78,6 +119,8 @@ CHANNEL_SOURCES = [
     *(s for s in SOURCES if SOURCES[s][0] in ("fp8", "fp8-legacy", "compressed-tensors")),
     *CHANNEL_ONLY,
 ]
+#: `--target`, on every source: case name -> convert options.
+TARGETS = {"target-vllm": ("--target", "vllm"), "target-transformers": ("--target", "transformers")}
 #: Encoding changes, on every source: case name -> convert options.
 ENCODINGS = {"fnuz": ("--to", "e4m3fnuz"), "fnuz+fused": ("--layout", "fused", "--to", "e4m3fnuz")}
 #: Cases a real loader cannot run here, for a reason outside weight loading.
@@ -98,42 +141,16 @@ def not_judged(source: str, layout: str, loader: str) -> str | None:
 
 CASES = (
     [(source, layout) for source in SOURCES for layout in LAYOUTS]
-    + [(source, case) for source in SOURCES if source.startswith("fp8") for case in AS_COMPRESSED_TENSORS]
+    + [(source, case) for source in SOURCES if SOURCES[source][0].startswith("fp8") for case in AS_COMPRESSED_TENSORS]
     + [(source, case) for source in CHANNEL_SOURCES for case in CHANNEL]
     + [(source, "auto") for source in SOURCES]  # what `convert SOURCE OUTPUT` writes
     + [(source, case) for source in SOURCES for case in ENCODINGS]
+    + [(source, case) for source in SOURCES for case in TARGETS]
 )
 
 
-def glm() -> Model:
-    """GLM-4-0414's dense predecessor (transformers' GlmForCausalLM): q/k/v/o apart, gate_up_proj fused."""
-    hidden, heads, kv_heads, head_dim, intermediate = 64, 4, 2, 16, 128
-    config = {
-        "architectures": ["GlmForCausalLM"],
-        "model_type": "glm",
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": 2,
-        "vocab_size": 256,
-        "attention_bias": False,
-        "torch_dtype": "bfloat16",
-    }
-    plain = [
-        ("self_attn.q_proj", heads * head_dim, hidden),
-        ("self_attn.k_proj", kv_heads * head_dim, hidden),
-        ("self_attn.v_proj", kv_heads * head_dim, hidden),
-        ("self_attn.o_proj", hidden, heads * head_dim),
-        ("mlp.down_proj", hidden, intermediate),
-    ]
-    fused = [FusedModule("mlp.gate_up_proj", [intermediate, intermediate], hidden)]
-    return Model("GlmForCausalLM", config, "model.layers.{i}.", 2, fused, plain=plain, hidden=hidden)
-
-
 def loader_model(source: str) -> Model:
-    model = glm() if source.startswith("glm") else llama() if source.startswith("llama") else phi3()
+    model = {"glm": glm, "llama": llama, "phi3": phi3}[loader_shape(source)]()
     # transformers' configs default pad_token_id to ids beyond this tiny vocabulary
     model.config.update(pad_token_id=None, bos_token_id=None, eos_token_id=None)
     return model
@@ -202,7 +219,8 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Cas
         options: dict[str, tuple[str, ...]] = {layout: ("--layout", layout) for layout in LAYOUTS[1:]}
         options["auto"] = ()
         options.update(ENCODINGS)
-        if name.startswith("fp8"):
+        options.update(TARGETS)
+        if fmt.startswith("fp8"):
             options.update(AS_COMPRESSED_TENSORS)
         if name in CHANNEL_SOURCES:
             options.update(CHANNEL)
@@ -259,9 +277,8 @@ def same_values(got: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor |
         return False
     if bf16_exact(got, expected):
         return True
-    if scale is None or scale.numel() not in (1, expected.shape[0]):
+    if scale is None or scale.numel() != 1:
         return False
-    scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1)
     codes = expected / scale
     _, exponent = torch.frexp(codes)
     step = torch.exp2((exponent - 1).clamp(min=-6).float() - 3) * scale  # e4m3fn: 3 mantissa bits
@@ -286,16 +303,18 @@ def as_loaded(truth: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -
 
 
 @cache
-def single_scales(folder: Path) -> dict[str, torch.Tensor]:
-    """The one-value and per-row weight scales of a checkpoint, by module: the grid of a module fp8fix
-    requantized (`--layout fused`) or whose codes a loader rounds into its own FP8 type (e4m3fnuz into
-    e4m3fn parameters), for loaders that do not report the scale they computed with."""
+def fp8fix_grid(folder: Path) -> dict[str, torch.Tensor]:
+    """The one-value weight scales of a checkpoint, by module: the grid of a module fp8fix requantized
+    (`--layout fused`), for loaders that do not report the scale they computed with. None for e4m3fnuz
+    weights: fp8fix's requantization is exact on their own grid, and a loader that rounds their odd
+    subnormal codes into e4m3fn parameters (transformers) must not pass as requantizing."""
     scales = {}
     for path in folder.glob("*.safetensors"):
         with safe_open(path, framework="pt") as f:
             for k in f.keys():
-                shape = f.get_slice(k).get_shape()
-                if k.endswith(".weight_scale") and (len(shape) <= 1 or shape[1] == 1):
+                if k.endswith(".weight") and f.get_slice(k).get_dtype() == "F8_E4M3FNUZ":
+                    return {}
+                if k.endswith(".weight_scale") and f.get_slice(k).get_shape() in ([], [1]):
                     scales[k.removesuffix(".weight_scale")] = f.get_tensor(k).float()
     return scales
 
@@ -312,7 +331,7 @@ def outcome(result: Loaded, truth: dict[str, torch.Tensor], folder: Path) -> tup
             continue
         if got is None:
             wrong.append(f"{module}: not loaded")
-        elif not same_values(got, expected, result.weights.get(f"{module}::scale", single_scales(folder).get(module))):
+        elif not same_values(got, expected, result.weights.get(f"{module}::scale", fp8fix_grid(folder).get(module))):
             error = (got - expected).abs().max().item() if got.shape == expected.shape else float("nan")
             wrong.append(f"{module}: differs (max abs error {error:.3g})")
     return ("loads-wrong", "; ".join(wrong[:3])) if wrong else ("loads", "")
@@ -345,12 +364,14 @@ def test_fp8fix_says_what_the_loader_does(
     assert said == real, f"fp8fix inspect says {said}, the real {loader} {real}: {why[:300]}"
 
 
+@pytest.mark.parametrize("target,loaders", [("auto", tuple(VERDICT_ROWS)), *((t, (t[7:],)) for t in TARGETS)])
 @pytest.mark.parametrize("source", list(SOURCES))
 def test_the_default_conversion_never_loads_in_fewer_loaders(
-    cases: dict[tuple[str, str], Case], loaded: dict[str, dict], source: str
+    cases: dict[tuple[str, str], Case], loaded: dict[str, dict], source: str, target: str, loaders: tuple[str, ...]
 ) -> None:
-    """What `convert SOURCE OUTPUT` writes loads correctly, for real, in at least the loaders SOURCE does."""
-    runnable = [loader for loader in VERDICT_ROWS if (loader, source) not in CANNOT_RUN]
+    """What `convert SOURCE OUTPUT` (and `--target vllm` / `transformers`) writes loads correctly, for real, in
+    at least the loaders (the target's loader) SOURCE does."""
+    runnable = [loader for loader in loaders if (loader, source) not in CANNOT_RUN]
 
     def correct(layout: str) -> set[str]:
         case = cases[(source, layout)]
@@ -360,7 +381,7 @@ def test_the_default_conversion_never_loads_in_fewer_loaders(
             if outcome(loaded[loader][(source, layout)], case.truth, case.folder)[0] == "loads"
         }
 
-    assert correct("auto") >= correct("as-exported")
+    assert correct(target) >= correct("as-exported")
 
 
 @pytest.mark.parametrize("loader", list(VERDICT_ROWS))
