@@ -114,3 +114,67 @@ def test_per_shard_still_splits_both_scales_of_a_per_tensor_source(tmp_path: Pat
     o = load_tensors(tmp_path / "out")
     qkv = "model.layers.0.self_attn.qkv_proj."
     assert o[qkv + "input_scale"].shape == (3,) and o[qkv + "weight_scale"].shape == (3,)
+
+
+def verdicts(folder: Path) -> dict[str, dict]:
+    return json.loads(run_cli("inspect", folder, "--json").output)["loaders"]
+
+
+# 4. A block-FP8 MoE whose expert intermediate is 2.5 blocks: vLLM 0.32 refines the blocks at TP 1, then its
+#    scale load fails (tests/loaders/test_breadth_loaders.py measures the message); `--tp 1` pads it.
+def test_moe_intermediate_of_partial_blocks_fails_in_vllm_until_padded(tmp_path: Path) -> None:
+    from tests.test_parallel import qwen3_moe
+
+    src = qwen3_moe(tmp_path / "src", moe_intermediate=320)
+    said = verdicts(src)
+    assert said["vLLM >= 0.20"]["verdict"] == "fails" and said["transformers"]["verdict"] == "fails"
+    report = json.loads(run_cli("inspect", src, "--tp", "1", "--json").output)["tensor_parallel"]["sizes"]["1"]
+    assert {m["message"] for m in report["modules"]} == {"The size of tensor a (5) must match the size of tensor b (6)"}
+    assert run_cli("convert", src, tmp_path / "out", "--tp", "1", "-q").exit_code == 0
+    assert verdicts(tmp_path / "out")["vLLM >= 0.20"]["verdict"] == "loads"
+
+
+# 6. / 10. What nothing here measures is not-judged, never "loads": vLLM on e4m3fnuz (its ROCm path), FBGEMM in
+#    transformers (GPU only), ChatGLM in transformers (its repository's code), old vLLMs on block FP8.
+def test_unmeasured_verdicts_are_not_judged(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3())
+    assert run_cli("convert", src, tmp_path / "fnuz", "--to", "e4m3fnuz", "-q").exit_code == 0
+    fnuz = verdicts(tmp_path / "fnuz")
+    assert all(fnuz[row]["verdict"] == "not-judged" for row in ("vLLM <= 0.5.0", "vLLM 0.5.1 - 0.19", "vLLM >= 0.20"))
+    assert "ROCm" in fnuz["vLLM >= 0.20"]["reason"] and fnuz["vLLM >= 0.20"]["evidence"]
+    fbgemm = verdicts(build(tmp_path / "fbgemm", phi3(), fmt="fbgemm", scale="channel"))
+    assert fbgemm["transformers"]["verdict"] == "not-judged"
+    block = verdicts(build(tmp_path / "block", phi3(), fmt="block-fp8"))
+    assert block["vLLM <= 0.5.0"]["verdict"] == block["vLLM 0.5.1 - 0.19"]["verdict"] == "not-judged"
+    every = [v for folder in ("fnuz", "fbgemm", "block") for v in verdicts(tmp_path / folder).values()]
+    assert all(v["evidence"] for v in every)  # every verdict names what stands behind it
+
+
+def test_chatglm_in_transformers_is_not_judged(tmp_path: Path) -> None:
+    from tests.test_registry import chatglm
+
+    said = verdicts(build(tmp_path / "src", chatglm(mqa=True)))
+    assert said["transformers"]["verdict"] == "not-judged" and "trust_remote_code" in said["transformers"]["reason"]
+
+
+# 7. vLLM packs a Llama's q / k / v and gate / up and requantizes shards of different per-tensor scales at load:
+#    said so, and the default is the channel layout, which keeps every weight.
+def test_requantization_at_load_is_said_and_ranked_below_exact(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", llama(), fmt="compressed-tensors")
+    said = verdicts(src)["vLLM >= 0.20"]
+    assert said["verdict"] == "loads" and "requantizes" in said["reason"] and "0.52 fp8 step" in said["reason"]
+    for target in ("auto", "vllm"):
+        result = run_cli("convert", src, tmp_path / target, "--target", target, "--json")
+        assert json.loads(result.output)["layout"] == "channel", target
+    assert quant_config(tmp_path / "auto")["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
+
+
+# 9. Per-shard names where the model fuses them, in compressed-tensors: transformers cannot random-initialise the
+#    fused FP8 parameters on CPU and raises (tests/loaders), which is fails, not loads-wrong.
+def test_compressed_tensors_unfused_names_fail_in_transformers(tmp_path: Path) -> None:
+    src = build(tmp_path / "src", phi3(), fmt="compressed-tensors")
+    assert run_cli("convert", src, tmp_path / "out", "--layout", "unfused", "-q").exit_code == 0
+    assert verdicts(tmp_path / "out")["transformers"]["verdict"] == "fails"
+    fp8 = build(tmp_path / "fp8", phi3())
+    assert run_cli("convert", fp8, tmp_path / "fp8-out", "--layout", "unfused", "-q").exit_code == 0
+    assert verdicts(tmp_path / "fp8-out")["transformers"]["verdict"] == "loads-wrong"  # AutoFP8: raw codes first
