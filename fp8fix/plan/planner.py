@@ -204,14 +204,15 @@ def check_pieces_inside_sources(shards: list[OutputShard], sources: dict[str, Te
     by_file: dict[Path, list[TensorInfo]] = {}
     for t in sources.values():
         by_file.setdefault(t.path, []).append(t)
-    starts = {path: sorted(ts, key=lambda t: t.start) for path, ts in by_file.items()}
+    ordered = {path: sorted(ts, key=lambda t: t.start) for path, ts in by_file.items()}
+    starts = {path: [t.start for t in ts] for path, ts in ordered.items()}  # once per file, not per piece
     for shard in shards:
         for out in shard.tensors:
             for piece in out.pieces:
                 if isinstance(piece, Fill):  # written from nothing
                     continue
-                tensors = starts.get(piece.path, [])
-                i = bisect.bisect_right([t.start for t in tensors], piece.start) - 1
+                tensors = ordered.get(piece.path, [])
+                i = bisect.bisect_right(starts.get(piece.path, []), piece.start) - 1
                 inside = i >= 0 and tensors[i].start <= piece.start <= piece.end <= tensors[i].end
                 if not inside:
                     src = sources.get(out.source)
