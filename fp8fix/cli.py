@@ -18,6 +18,7 @@ import shutil
 import sys
 import textwrap
 from collections.abc import Callable, Iterable
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -55,7 +56,14 @@ def wrapped(lines: Iterable[str], width: int | None = None) -> list[str]:
 def echo_lines(lines: Iterable[str], quiet: bool = False) -> None:
     if not quiet:
         for line in wrapped(lines):
-            click.echo(line)
+            say(line)
+
+
+def say(line: str, err: bool = False) -> None:
+    """Print one line of text output, its control characters escaped (`report.text.printable`)."""
+    from fp8fix.report.text import printable
+
+    click.echo(printable(line), err=err)
 
 
 def echo_json(payload: dict[str, Any]) -> None:
@@ -93,7 +101,7 @@ def reports_errors(func: F) -> F:
             code, line = known
             if kwargs.get("as_json"):
                 echo_json(error_json(code, line, e))
-            click.echo(line, err=True)
+            say(line, err=True)
             sys.exit(code)
 
     return wrapper  # type: ignore[return-value]
@@ -201,15 +209,21 @@ class ByteSize(IntParam):
     """A size in bytes: 1000, 100KB, 20GB, 5GiB."""
 
     name = "size"
-    UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
+    UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    UNITS |= {"KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    #: A commit of more than a pebibyte is no limit at all; a number past it is a typo.
+    LARGEST = 2**50
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", str(value))
-        if not m or float(m.group(1)) <= 0:
-            self.fail(f"{value!r} is not a size such as 20GB, 512MiB or 1000000", param, ctx)
-        return int(float(m.group(1)) * self.UNITS[(m.group(2) or "").upper()])
+        m = re.fullmatch(r"\s*(\d{1,20}(?:\.\d{1,20})?)\s*([kKmMgGtT]i?)?[bB]?\s*", str(value))
+        if not m:
+            self.fail(f"{value!r:.60} is not a size such as 20GB, 512MiB or 1000000", param, ctx)
+        size = int(Fraction(m.group(1)) * self.UNITS[(m.group(2) or "").upper()])
+        if not 1 <= size <= self.LARGEST:
+            self.fail(f"{value!r:.60} is {size} bytes; a size is 1 byte to 1PiB", param, ctx)
+        return size
 
 
 def push_options(func: F) -> F:
@@ -342,7 +356,7 @@ def convert(
 
     result = api.convert(source, output, registry=registry, progress=not (quiet or as_json), **options)
     for warning in result.warnings:  # even with -q: each is something to act on (README "Use in CI")
-        click.echo(f"warning: {warning}", err=True)
+        say(f"warning: {warning}", err=True)
     payload = result.to_json() if as_json else {}
     echo_lines(() if as_json else _result_lines(result, verbose), quiet)
     if push_to_hub and result.written:
@@ -365,11 +379,11 @@ def convert(
                 raise error from None
             # the conversion happened: its record goes out with the push's error, then the exit code
             echo_json({**payload, "pushed": None, "push_error": error_json(EXIT_HUB, str(error), error)["error"]})
-            click.echo(f"Error: {error}", err=True)
+            say(f"Error: {error}", err=True)
             sys.exit(EXIT_HUB)
         payload["pushed"] = pushed.url
         if not as_json and not quiet:
-            click.echo(f"pushed: {pushed.url}")
+            say(f"pushed: {pushed.url}")
     if as_json:
         echo_json(payload)
 
@@ -419,7 +433,7 @@ def push(repo_id: str, folder: Path, as_json: bool, quiet: bool, **options: Any)
     if as_json:
         echo_json(pushed.to_json())
     elif not quiet:
-        click.echo(f"pushed: {pushed.url}")
+        say(f"pushed: {pushed.url}")
 
 
 INSPECT_EPILOG = """\b

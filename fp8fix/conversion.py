@@ -9,13 +9,14 @@ rename removes the staging folder, so OUTPUT never holds a half-written checkpoi
 
 from __future__ import annotations
 
+import errno
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8fix.errors import VerificationFailed
-from fp8fix.io.checkpoint import CONFIG, INDEX, Checkpoint, open_checkpoint
+from fp8fix.errors import OutputWriteFailed, VerificationFailed
+from fp8fix.io.checkpoint import CARD, CONFIG, INDEX, Checkpoint, open_checkpoint
 from fp8fix.io.staging import (
     check_output,
     output_lock,
@@ -99,9 +100,21 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
     with output_lock(output):
         check_output(source, output, options.overwrite)  # again: OUTPUT may have been written meanwhile
         result.warnings += remove_stale_staging(output)
-        _write(ckpt, plan, output, options, registry, result)
+        try:
+            _write(ckpt, plan, output, options, registry, result)
+        except OSError as e:
+            if e.errno not in OUTPUT_ERRNOS:
+                raise
+            raise OutputWriteFailed(
+                f"OUTPUT {output}: {e.strerror or e} while writing it; nothing was written (free space on that "
+                "disk, or choose another OUTPUT)"
+            ) from None
     result.written = True
     return result
+
+
+#: Errors of writing, not reading: the disk is full, a quota or a file-size limit is reached, read-only.
+OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 
 
 def _write(
@@ -136,7 +149,7 @@ def _write(
         if options.source_repo:
             name = options.source_repo + (f"@{options.revision}" if options.revision else "")
         write_card(
-            source,
+            source / CARD if CARD in ckpt.extra_files else None,
             staging,
             plan,
             name,

@@ -65,6 +65,14 @@ class SourceChanged(Fp8fixError):
     """A SOURCE file changed size while it was being read (another process truncated or rewrote it)."""
 
 
+class OutputWriteFailed(Fp8fixError):
+    """OUTPUT could not be written: the disk is full, a quota or file-size limit was hit, read-only."""
+
+
+class WorkerDied(Fp8fixError):
+    """A `--jobs` worker process ended without answering (killed by the OOM killer or a signal)."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C so the same cleanup runs (entry.run installs the handler)."""
 
@@ -82,6 +90,8 @@ ERROR_TABLE: tuple[tuple[type[BaseException], ErrorForm], ...] = (
     (VerificationFailed, ErrorForm(EXIT_MISMATCH, "Error: {message}")),
     (OutputBusy, ErrorForm(EXIT_MISMATCH, "Error: {message}")),
     (SourceChanged, ErrorForm(EXIT_MISMATCH, "Error: {message}")),
+    (WorkerDied, ErrorForm(EXIT_MISMATCH, "Error: {message}")),
+    (OutputWriteFailed, ErrorForm(EXIT_MISMATCH, "Error: {message}")),
     (UsageError, ErrorForm(EXIT_USAGE, "Error: {message}")),
     (HubError, ErrorForm(EXIT_HUB, "Error: {message}")),
     (InvalidCheckpoint, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),

@@ -15,7 +15,6 @@ read here, never tensor data, so a checkpoint known from the Hub's header API wo
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +23,15 @@ from fp8fix.io.checkpoint import Checkpoint, check_scale_values
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, INPUT_SCALE_DTYPES, SCALE_DTYPES, is_fp8
 from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, Registry, architecture_name
-from fp8fix.registry.formats import AUTOFP8, AUTOFP8_LEGACY, FormatSpec, detect_format, matches, quantization_config
+from fp8fix.registry.formats import (
+    AUTOFP8,
+    AUTOFP8_LEGACY,
+    FormatSpec,
+    detect_format,
+    matches,
+    pattern_error,
+    quantization_config,
+)
 from fp8fix.vocab import ScaleKind
 
 Block = tuple[int, int] | None
@@ -263,10 +270,9 @@ def ignore_linears(config: dict[str, Any], linears: list[str]) -> tuple[dict[str
 
 def _names(entry: str, module: str) -> bool:
     """compressed-tensors' exact-or-`re:` matching; an entry that is no valid pattern names nothing."""
-    try:
-        return matches(entry, module, "exact-or-re")
-    except re.error:
+    if entry.startswith("re:") and pattern_error(entry[3:]):
         return False
+    return matches(entry, module, "exact-or-re")
 
 
 def describe_checkpoint(ckpt: Checkpoint, registry: Registry) -> CheckpointModel:
@@ -296,14 +302,9 @@ def _find_fused_modules(ckpt: Checkpoint, arch: ArchitectureSpec) -> list[FusedM
         spec = arch.fused_spec_for(path)
         if spec is None or "weight" not in params:
             continue
-        rows, segments = arch.row_layout(spec, ckpt.config, path)
         weight = params["weight"]
-        if sum(rows) != weight.shape[0]:
-            raise InvalidCheckpoint(
-                f"{weight.path.name}: '{weight.name}' has {weight.shape[0]} rows, but config.json makes its shards "
-                f"{' + '.join(f'{s.shard} {r}' for s, r in zip(spec.shards, rows, strict=True))} = {sum(rows)}: "
-                "the config does not match the weights"
-            )
+        stored = (f"{weight.path.name}: '{weight.name}'", weight.shape[0] if weight.shape else 0)
+        rows, segments = arch.row_layout(spec, ckpt.config, path, stored)
         bias = params.get("bias")
         if bias is not None and list(bias.shape) != [weight.shape[0]]:
             raise InvalidCheckpoint(

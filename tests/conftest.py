@@ -103,11 +103,18 @@ def dequant(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def folder_digest(folder: Path) -> dict[str, str]:
-    return {
-        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
+    """Every entry below `folder`: a regular file's sha256, a link's target, what anything else is (a FIFO
+    is never opened); links to folders are not followed."""
+    found = {}
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_symlink():
+            found[rel] = "link -> " + os.readlink(p)
+        elif p.is_fifo():
+            found[rel] = "fifo"
+        elif p.is_file():
+            found[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return found
 
 
 def read_raw_header(path: Path) -> tuple[dict[str, Any], bytes]:

@@ -2,15 +2,18 @@
 
 Each case copies a small checkpoint, mutates one file (bit flips, byte insertions and
 deletions, truncations, header-length edits, hostile values swapped into the
-safetensors header, the index or config.json) and runs `convert` (and, on some cases,
-`inspect` and `verify`) in process. Asserted for every case:
+safetensors header, the index or config.json) or, in TREE_SHARE of the cases, its
+file-system shape (a link out of SOURCE to a secret, /dev/zero or /proc/self/environ, a
+FIFO, a linked folder, a name with control characters), and runs `convert` (and, on some
+cases, `inspect` and `verify`) in process. Asserted for every case:
 
 - no uncaught exception (a missed case would surface as exit 70 from the last-resort
   handler, which fails here too);
 - a failure leaves no OUTPUT and no staging folder;
 - SOURCE is unchanged;
 - an exit-0 conversion only ever comes from source shards that `safe_open` accepts,
-  and its every output shard opens with `safe_open`, tensor by tensor.
+  its every output shard opens with `safe_open`, tensor by tensor, and OUTPUT holds no
+  link and none of the secret's bytes.
 
 `FP8FIX_FUZZ_CASES` scales the campaign (default 2,400 cases, about 15 s; 20,000 take about 2 minutes).
 """
@@ -38,6 +41,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "phi3-tiny-fp8"
 CASES = int(os.environ.get("FP8FIX_FUZZ_CASES", "2400"))
 BATCHES = 24
 CLEAN_EXITS = {0, 1, 2, 3}
+#: The share of cases that change the file-system shape of SOURCE rather than a file's bytes.
+TREE_SHARE = 0.15
 
 #: Values swapped into JSON documents: wrong types, edge numbers, hostile strings.
 HOSTILE: list[Any] = [
@@ -78,7 +83,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 
 def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file())
+    return sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink())
 
 
 def _flip_bits(data: bytes, rng: random.Random) -> bytes:
@@ -159,8 +164,41 @@ Mutation = Callable[[bytes, random.Random], bytes]
 BYTE_MUTATIONS: list[Mutation] = [_flip_bits, _insert, _delete, _truncate]
 
 
+#: What a file-system mutation may point a link at: a secret beside SOURCE (never to reach OUTPUT), a
+#: device that reads without end, the environment, a folder outside.
+SECRET = "fuzz-secret-that-must-never-reach-OUTPUT"
+
+
+def _link_targets(folder: Path) -> list[Path]:
+    secret = folder.parent / "secret.txt"
+    if not secret.exists():
+        secret.write_text(SECRET)
+    return [secret, Path("/dev/zero"), Path("/proc/self/environ"), folder.parent]
+
+
+def mutate_tree(folder: Path, rng: random.Random) -> str:
+    """Turn one entry of `folder` into a hostile file-system shape: a link out of SOURCE, a FIFO, a
+    linked folder, or a file under a name with control characters; return what was done."""
+    path = rng.choice(_files(folder))
+    shape = rng.choice(["link", "link", "fifo", "folder-link", "odd-name"])
+    if shape == "odd-name":
+        odd = rng.choice(["a\nError: x", "\x1b[31m", "tab\tname", "é" * 120, "-" * 200])
+        target = folder / (odd + path.suffix)
+        path.rename(target)
+        return f"{path.name}: renamed {target.name!r}"
+    path.unlink()
+    if shape == "fifo":
+        os.mkfifo(path)
+        return f"{path.name}: a FIFO"
+    target = _link_targets(folder)[-1 if shape == "folder-link" else rng.randrange(3)]
+    path.symlink_to(target, target_is_directory=target.is_dir())
+    return f"{path.name}: a link to {target}"
+
+
 def mutate(folder: Path, rng: random.Random) -> str:
     """Mutate one file of `folder` in place; return what was done (for the failure message)."""
+    if rng.random() < TREE_SHARE:
+        return mutate_tree(folder, rng)
     path = rng.choice(_files(folder))
     data = path.read_bytes()
     if path.suffix == ".safetensors":
@@ -209,6 +247,8 @@ def run_case(seed: int, sources: list[Path], work: Path) -> None:
         assert not refused, f"converted {refused}, which safetensors refuses: " + context
         unloadable = [p.name for p in out.glob("*.safetensors") if not safetensors_opens(p)]
         assert not unloadable, f"wrote {unloadable}, which safetensors refuses: " + context
+        leaked = [p.name for p in out.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+        assert not leaked and not any(p.is_symlink() for p in out.rglob("*")), f"leaked {leaked}: " + context
     if seed % 4 == 0:
         code, text = _invoke("inspect", src)
         assert code in CLEAN_EXITS and "Traceback" not in text, f"inspect, {context}\n{text}"
@@ -217,6 +257,7 @@ def run_case(seed: int, sources: list[Path], work: Path) -> None:
         assert code in CLEAN_EXITS and "Traceback" not in text, f"verify, {context}\n{text}"
     shutil.rmtree(src)
     shutil.rmtree(out, ignore_errors=True)
+    (work / "secret.txt").unlink(missing_ok=True)
 
 
 def _model_shards(folder: Path) -> list[str]:

@@ -518,19 +518,15 @@ def test_a_source_truncated_mid_run_is_one_clear_error(tmp_path: Path, options: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
-# --- 10. said out loud: links outside SOURCE, tensors missing from the index, a wrong total_size -------------
+# --- 10. said out loud: tensors missing from the index, a wrong total_size -------------
 
 
 def test_checkpoint_oddities_are_warned_about(tmp_path: Path, src: Path) -> None:
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    shutil.move(src / SHARD1, elsewhere / SHARD1)
-    (src / SHARD1).symlink_to(elsewhere / SHARD1)
+    """(A shard linked from outside SOURCE was a warning here; issue 25 refuses it: tests/test_hostile_repos.py.)"""
     edit_json(src / INDEX, lambda idx: idx["weight_map"].pop("model.norm.weight") and None)
     edit_json(src / INDEX, lambda idx: idx["metadata"].update(total_size=12))
     result = run_cli("convert", src, tmp_path / "out", "-q")
     assert result.exit_code == 0, result.output
-    assert f"warning: {SHARD1}: a symbolic link to {(elsewhere / SHARD1).resolve()}, outside SOURCE" in result.output
     assert "missing from its weight_map" in result.output
     assert "total_size 12 is not the" in result.output
     index = json.loads((tmp_path / "out" / INDEX).read_text())

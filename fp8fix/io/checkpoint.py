@@ -9,7 +9,7 @@ reported here with the file it concerns.
 from __future__ import annotations
 
 import math
-import os
+import posixpath
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +18,18 @@ from typing import Any
 from fp8fix.errors import InvalidCheckpoint
 from fp8fix.io.json_text import MAX_FILE_BYTES, JsonRefused, parse_json
 from fp8fix.io.safetensors_file import SafetensorsHeader, TensorInfo, read_header, read_values
+from fp8fix.io.source_tree import SourceTree, read_regular
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 #: The model card: convert writes its own (keeping the source's text), so it is never copied as is.
 CARD = "README.md"
+#: The suffix every shard has: vLLM loads the `*.safetensors` files the index lists, and fp8fix writes
+#: its own files (config, index, card) under other names, so a shard can never be written over them.
+SHARD_SUFFIX = ".safetensors"
+#: Configuration files beside config.json that a format reads (NVIDIA ModelOpt's).
+SIDE_CONFIGS = ("hf_quant_config.json",)
 
 
 @dataclass
@@ -35,17 +41,13 @@ class Checkpoint:
     tensors: dict[str, TensorInfo]  # every tensor of the model, shard by shard in data order
     has_data: bool = True  # False when only the headers are known (read from the Hub)
     warnings: list[str] = field(default_factory=list)  # oddities that do not stop a conversion (see `_warnings`)
+    #: Every other readable file of the folder (tokenizer, generation config, license, card...): regular
+    #: files inside it, hidden ones and unlisted `*.safetensors` excepted (`_other_files`).
+    extra_files: list[str] = field(default_factory=list)
 
     def other_files(self) -> list[str]:
-        """Every other file of the folder (tokenizer, generation config, license, card...), hidden ones excepted."""
-        found = []
-        for path in sorted(self.root.rglob("*")):
-            rel = path.relative_to(self.root)
-            if any(part.startswith(".") for part in rel.parts) or not path.is_file():
-                continue
-            if rel.as_posix() not in self.model_files:
-                found.append(rel.as_posix())
-        return found
+        """Every other file of the folder (tokenizer, generation config, license, card...)."""
+        return [f for f in self.extra_files if f not in self.model_files]
 
     def copied_files(self, rewritten: Collection[str]) -> list[str]:
         """The files a conversion copies byte for byte: every other file but the card and the
@@ -81,10 +83,7 @@ def check_scale_values(scale: TensorInfo) -> list[float]:
 def read_json(path: Path, what: str = "") -> Any:
     """A small JSON file (config, index, quantization config), bounded and checked: any problem is one line."""
     try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise InvalidCheckpoint(f"{path.name}: {size} bytes, too large for a JSON config file")
-        return parse_json(path.read_bytes())
+        return parse_json(read_regular(path, MAX_FILE_BYTES))
     except FileNotFoundError:
         raise InvalidCheckpoint(f"{path.name}: missing; {what}" if what else f"{path.name}: missing") from None
     except OSError as e:
@@ -106,6 +105,10 @@ def open_checkpoint(root: Path, role: str = "SOURCE") -> Checkpoint:
 
 
 def _read_checkpoint(root: Path) -> Checkpoint:
+    tree = SourceTree.of(root)
+    for name in (CONFIG, INDEX, *SIDE_CONFIGS):
+        if (root / name).is_symlink() or (root / name).exists():
+            tree.require(name)
     config = read_json(root / CONFIG, "a checkpoint folder needs the model's config.json")
     if not isinstance(config, dict):
         raise InvalidCheckpoint(f"{CONFIG}: expected a JSON object")
@@ -113,11 +116,12 @@ def _read_checkpoint(root: Path) -> Checkpoint:
     if (root / INDEX).exists():
         index = read_json(root / INDEX, "")
         weight_map = _weight_map(index)
+        index = {**index, "weight_map": weight_map}  # file names normalized: one name per file
         shard_names = sorted(set(weight_map.values()))
     else:
         weight_map = None
         shard_names = _single_file(root)
-    shards = {name: read_header(_shard_path(root, name)) for name in shard_names}
+    shards = {name: read_header(_shard_path(tree, name)) for name in shard_names}
     tensors: dict[str, TensorInfo] = {}
     for name, header in shards.items():
         for tensor in header.tensors.values():
@@ -133,22 +137,32 @@ def _read_checkpoint(root: Path) -> Checkpoint:
                     f"{INDEX}: maps tensor '{tensor_name}' to {file}, which does not contain it; "
                     "the index does not match the shards"
                 )
-    return Checkpoint(root, config, index, shards, tensors, warnings=_warnings(root, index, shards, tensors))
+    extras, warnings = _other_files(tree, set(shards))
+    warnings += _warnings(index, tensors)
+    return Checkpoint(root, config, index, shards, tensors, warnings=warnings, extra_files=extras)
 
 
-def _warnings(
-    root: Path, index: Any, shards: dict[str, SafetensorsHeader], tensors: dict[str, TensorInfo]
-) -> list[str]:
+def _other_files(tree: SourceTree, shards: set[str]) -> tuple[list[str], list[str]]:
+    """The folder's other files that may be copied, and a warning for each that may not: links out
+    of the folder, FIFOs and devices, and `*.safetensors` files the index does not list (a stale
+    `model.safetensors` or Mistral's `consolidated.safetensors`: copied unconverted, a loader could
+    read them instead of the converted shards)."""
+    files, warnings = tree.files()
+    kept = []
+    for name in files:
+        if name.endswith(SHARD_SUFFIX) and name not in shards:
+            warnings.append(
+                f"{name}: a {SHARD_SUFFIX} file that is not one of the checkpoint's shards; not converted, "
+                "not copied to OUTPUT"
+            )
+        else:
+            kept.append(name)
+    return kept, warnings
+
+
+def _warnings(index: Any, tensors: dict[str, TensorInfo]) -> list[str]:
     """What is odd but not wrong enough to refuse: said out loud rather than fixed silently."""
-    found = []
-    real_root = Path(os.path.realpath(root))
-    # a Hub cache snapshot links every file to ../../blobs/: that is where the repo's files live
-    blobs = real_root.parent.parent / "blobs" if real_root.parent.name == "snapshots" else None
-    for name in [*shards, CONFIG]:
-        path = root / name
-        target = Path(os.path.realpath(path))
-        if path.is_symlink() and not target.is_relative_to(real_root) and not (blobs and target.is_relative_to(blobs)):
-            found.append(f"{name}: a symbolic link to {target}, outside SOURCE; that file was read")
+    found: list[str] = []
     if index is not None:
         unlisted = [t for t in tensors if t not in index["weight_map"]]
         if unlisted:
@@ -167,6 +181,7 @@ def _warnings(
 
 
 def _weight_map(index: Any) -> dict[str, str]:
+    """The index's weight map, each file name checked and normalized (`shard_name`)."""
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise InvalidCheckpoint(f"{INDEX}: has no weight_map object")
@@ -176,17 +191,42 @@ def _weight_map(index: Any) -> dict[str, str]:
         raise InvalidCheckpoint(
             f"{INDEX}: metadata must be an object (it holds total_size), not {index['metadata']!r:.60}"
         )
-    return weight_map
+    names = {file: shard_name(file) for file in set(weight_map.values())}
+    return {tensor: names[file] for tensor, file in weight_map.items()}
 
 
-def _shard_path(root: Path, name: str) -> Path:
-    path = root / name
-    # lexically, not through symlinks: a Hub cache snapshot links every file to ../../blobs/
-    if Path(name).is_absolute() or not Path(os.path.normpath(path)).is_relative_to(os.path.normpath(root)):
-        raise InvalidCheckpoint(f"{INDEX}: names '{name}', a path outside the checkpoint folder; refusing to read it")
-    if not path.is_file():
-        raise InvalidCheckpoint(f"{INDEX}: names '{name}', which does not exist in {root}; the download is incomplete")
-    return path
+#: The longest file name (one path component) Linux and macOS file systems take, in bytes.
+MAX_NAME_BYTES = 255
+
+
+def shard_name(name: str) -> str:
+    """The index's file name `name` normalized (`./a` and `sub/../a` are `a`: one name per file),
+    or an error saying why no shard may be called that: outside the folder, not a `.safetensors`
+    file (so never a file fp8fix writes: config.json, the index, README.md), a control character,
+    a name longer than a file system takes."""
+    shown = repr(name) if len(name) <= 80 else repr(name[:77]) + "..."
+    normal = posixpath.normpath(name) if name else ""
+    problem = None
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in name):
+        problem = "holds a control character"
+    elif not name or normal.startswith("/") or normal == ".." or normal.startswith("../"):
+        problem = "is a path outside the checkpoint folder"
+    elif not normal.endswith(SHARD_SUFFIX):
+        problem = f"is not a {SHARD_SUFFIX} file (a shard cannot be config.json, the index or README.md)"
+    elif any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for part in normal.split("/")):
+        problem = f"has a part longer than the {MAX_NAME_BYTES} bytes a file name can be"
+    if problem:
+        raise InvalidCheckpoint(f"{INDEX}: names the file {shown}, which {problem}; refusing to read it")
+    return normal
+
+
+def _shard_path(tree: SourceTree, name: str) -> Path:
+    path = tree.root / name
+    if not path.exists() and not path.is_symlink():
+        raise InvalidCheckpoint(
+            f"{INDEX}: names '{name}', which does not exist in {tree.root}; the download is incomplete"
+        )
+    return tree.require(name)
 
 
 def _single_file(root: Path) -> list[str]:

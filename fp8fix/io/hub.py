@@ -17,6 +17,7 @@ from typing import Any
 
 from fp8fix.errors import Fp8fixError, HubError, UsageError
 from fp8fix.io.checkpoint import Checkpoint, checkpoint_from_headers
+from fp8fix.io.source_tree import SourceTree
 
 #: `org/name`: what a repo id looks like (a local folder of that spelling always wins).
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -103,6 +104,60 @@ def hub_errors(repo_id: str, revision: str | None = None, action: str = "read") 
         raise HubError(_scrub(f"{where}: unexpected answer from the Hub ({type(e).__name__}: {e})")) from None
 
 
+#: Seconds to wait for the Hub to accept a connection, and for each answer to a read; a push waits
+#: WRITE_FACTOR times longer for answers (the Hub processes a commit before it answers). Reads use
+#: HF_HUB_DOWNLOAD_TIMEOUT when it is set, as huggingface_hub's own downloads do.
+CONNECT_SECONDS = 10.0
+WRITE_FACTOR = 6
+#: Tries of a read-only Hub call that timed out or lost its connection, with RETRY_WAIT seconds doubling between.
+TRIES = 3
+RETRY_WAIT = 1.0
+
+
+def _bounded_session(write: bool = False) -> None:
+    """Bound every request of huggingface_hub's shared HTTP client in time: a request that names no
+    timeout (huggingface_hub's API calls pass `timeout=None`, which waits forever: an endpoint that
+    accepts connections and never answers hung `convert org/name` and `push`) gets CONNECT_SECONDS to
+    connect and HF_HUB_DOWNLOAD_TIMEOUT (x WRITE_FACTOR for a push) for each answer. A request hook,
+    so a client the caller configured (proxy, certificates) is kept; a request with its own timeout
+    keeps it."""
+    from huggingface_hub import constants, get_session
+
+    read = float(constants.HF_HUB_DOWNLOAD_TIMEOUT) * (WRITE_FACTOR if write else 1)
+    bounds = {"connect": min(CONNECT_SECONDS, read), "read": read, "write": read, "pool": read}
+
+    def fp8fix_timeouts(request: Any) -> None:
+        if all(v is None for v in (request.extensions.get("timeout") or {}).values()):
+            request.extensions["timeout"] = bounds
+
+    session = get_session()
+    hooks = {kind: list(found) for kind, found in session.event_hooks.items()}
+    kept = [h for h in hooks.get("request", []) if getattr(h, "__name__", "") != fp8fix_timeouts.__name__]
+    session.event_hooks = {**hooks, "request": [*kept, fp8fix_timeouts]}
+
+
+def _network_failure(error: BaseException) -> bool:
+    """A timeout or a lost connection (httpx's TimeoutException / NetworkError, or OSError's): worth a retry."""
+    names = {c.__name__ for c in type(error).__mro__}
+    return bool(names & {"TimeoutException", "NetworkError", "TimeoutError", "ConnectionError"})
+
+
+def retried(call: Any, *args: Any, **kwargs: Any) -> Any:
+    """`call(*args, **kwargs)`, a read-only Hub call, tried up to TRIES times while it times out or loses
+    its connection (the Hub's blips); the last failure is raised. Commits are never retried: a rerun of
+    a push resumes it instead."""
+    import time
+
+    for attempt in range(TRIES):
+        try:
+            return call(*args, **kwargs)
+        except Exception as e:
+            if attempt == TRIES - 1 or not _network_failure(e):
+                raise
+            time.sleep(RETRY_WAIT * 2**attempt)
+    raise AssertionError("unreachable")
+
+
 def resolve_source(
     source: str, revision: str | None, token: str | None = None, role: str = "SOURCE"
 ) -> tuple[Path, str | None]:
@@ -115,7 +170,8 @@ def resolve_source(
     from huggingface_hub import snapshot_download
 
     with hub_errors(source, revision):
-        snapshot = snapshot_download(source, revision=revision, allow_patterns=ALLOW_PATTERNS, token=token)
+        _bounded_session()
+        snapshot = retried(snapshot_download, source, revision=revision, allow_patterns=ALLOW_PATTERNS, token=token)
     return Path(snapshot), source
 
 
@@ -174,17 +230,22 @@ def push_folder(
 
     api = HfApi(token=token)
     message = commit_message
+    local = {name: folder / name for name in pushed_files(folder)}  # refused before anything is sent
     with hub_errors(repo_id, action="write"):
+        _bounded_session(write=True)
         api.create_repo(repo_id, private=private or None, exist_ok=True)  # None: the owner's default
         revision, url = None, ""
         if create_pr:
-            parent = api.repo_info(repo_id).sha
+            parent = retried(api.repo_info, repo_id).sha
             message = f"{message} (parent {parent[:12]})" if parent else message
-            discussions = api.get_repo_discussions(repo_id, discussion_type="pull_request", discussion_status="open")
+            discussions = retried(
+                lambda: list(
+                    api.get_repo_discussions(repo_id, discussion_type="pull_request", discussion_status="open")
+                )
+            )
             pr = next((pr for pr in discussions if pr.title == message), None)
             if pr is not None:  # continue it: its commits go to refs/pr/N
                 revision, url = pr.git_reference, str(pr.url)
-        local = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
         present = _remote_files(api, repo_id, revision)
         todo = [(name, path.stat().st_size) for name, path in local.items() if not _same(path, present.get(name))]
         batches = upload_batches(todo, commit_bytes)
@@ -204,13 +265,24 @@ def push_folder(
     return url or f"{api.endpoint}/{repo_id}"
 
 
+def pushed_files(folder: Path) -> list[str]:
+    """The files of `folder` a push uploads: every regular file inside it. A link out of the folder, a
+    FIFO or a device is refused (a push must never upload what lies outside what was converted)."""
+    files, skipped = SourceTree.of(folder).files()
+    if skipped:
+        raise UsageError(
+            f"FOLDER {folder}: {skipped[0].split('; ')[0]}; fp8fix push uploads only regular files inside FOLDER"
+        )
+    return files
+
+
 def _remote_files(api: Any, repo_id: str, revision: str | None) -> dict[str, Any]:
     """The files the repo holds at `revision` (main by default), by path: none for a new repo."""
     from huggingface_hub import errors
     from huggingface_hub.hf_api import RepoFile
 
     try:
-        entries = api.list_repo_tree(repo_id, revision=revision, recursive=True)
+        entries = retried(lambda: list(api.list_repo_tree(repo_id, revision=revision, recursive=True)))
         return {e.path: e for e in entries if isinstance(e, RepoFile)}
     except (errors.RevisionNotFoundError, errors.EntryNotFoundError):
         return {}
@@ -243,8 +315,9 @@ def remote_headers(repo_id: str, revision: str | None, token: str | None = None)
     if constants.HF_HUB_OFFLINE:
         return None
     with hub_errors(repo_id, revision):
-        folder = snapshot_download(repo_id, revision=revision, allow_patterns=["*.json", "*.md"], token=token)
-        meta = HfApi(token=token).get_safetensors_metadata(repo_id, revision=revision)
+        _bounded_session()
+        folder = retried(snapshot_download, repo_id, revision=revision, allow_patterns=["*.json", "*.md"], token=token)
+        meta = retried(HfApi(token=token).get_safetensors_metadata, repo_id, revision=revision)
     headers = {
         file: (fm.metadata, {n: (t.dtype, t.shape, t.data_offsets) for n, t in fm.tensors.items()})
         for file, fm in meta.files_metadata.items()

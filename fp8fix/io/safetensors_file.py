@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from typing import Any
 from fp8fix.errors import InvalidCheckpoint
 from fp8fix.io.json_text import MAX_DEPTH, JsonRefused, depth, parse_json
 from fp8fix.io.source_files import SourceFiles
+from fp8fix.io.source_tree import open_regular
 from fp8fix.numerics.dtypes import BITS, decode_floats, tensor_nbytes
 
 #: The safetensors readers refuse headers larger than this.
@@ -57,8 +59,9 @@ def read_header(path: Path) -> SafetensorsHeader:
     """Parse and validate `path`'s header; raise `InvalidCheckpoint` naming the problem."""
     where = f"{path.name}"
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        f = os.fdopen(open_regular(path), "rb")
+        with f:
+            size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise InvalidCheckpoint(f"{where}: file is {size} bytes, too short for a safetensors header")

@@ -10,6 +10,7 @@ killed (SIGKILL, power loss): `remove_stale_staging` deletes them and says so.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,29 +31,45 @@ except ImportError:  # Windows: no flock; one writer per OUTPUT is then up to th
 
 
 def output_path(output: Path) -> Path:
-    """Where OUTPUT is really written: a symbolic link is followed, so the link keeps naming the new checkpoint."""
-    return Path(os.path.realpath(output)) if output.is_symlink() else output
+    """Where OUTPUT is really written: a symbolic link is followed, so the link keeps naming the new checkpoint;
+    `.` or `..` become the folder they name (whose parent holds the lock and the staging folder)."""
+    if output.is_symlink():
+        return Path(os.path.realpath(output))
+    return Path(os.path.abspath(output)) if output.name in ("", "..") else output
 
 
 #: Random hex bytes in a staging folder's name (`.NAME.fp8fix-<hex>`, `.NAME.fp8fix-old-<hex>`).
 _TOKEN_BYTES = 6
+#: OUTPUT names up to this many bytes appear whole in the names beside it; a longer one (up to the 255
+#: bytes a file name can be) is cut and followed by a digest of it, so the lock and staging names fit too.
+_LABEL_BYTES = 200
+
+
+def _label(output: Path) -> str:
+    """OUTPUT's name as the files beside it carry it: whole when short, else cut and made unique by a digest."""
+    name = output.name
+    encoded = name.encode("utf-8", "surrogateescape")
+    if len(encoded) <= _LABEL_BYTES:
+        return name
+    digest = hashlib.sha256(encoded).hexdigest()[:16]
+    return f"{encoded[:100].decode('utf-8', 'ignore')}~{digest}"
 
 
 def _staging_name(output: Path, old: bool = False) -> Path:
     """A fresh hidden folder name beside OUTPUT: for the new checkpoint, or (old) for the one it replaces."""
-    return output.parent / f".{output.name}.fp8fix-{'old-' if old else ''}{os.urandom(_TOKEN_BYTES).hex()}"
+    return output.parent / f".{_label(output)}.fp8fix-{'old-' if old else ''}{os.urandom(_TOKEN_BYTES).hex()}"
 
 
 def _staging_pattern(output: Path) -> re.Pattern[str]:
     """Every name `_staging_name` can give for OUTPUT, and no other."""
-    return re.compile(rf"\.{re.escape(output.name)}\.fp8fix-(old-)?[0-9a-f]{{{2 * _TOKEN_BYTES}}}")
+    return re.compile(rf"\.{re.escape(_label(output))}\.fp8fix-(old-)?[0-9a-f]{{{2 * _TOKEN_BYTES}}}")
 
 
 @contextmanager
 def output_lock(output: Path) -> Iterator[None]:
     """Hold `.NAME.fp8fix.lock` beside OUTPUT for the block; raise OutputBusy if another process holds it."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    path = output.parent / f".{output.name}.fp8fix.lock"
+    path = output.parent / f".{_label(output)}.fp8fix.lock"
     if fcntl is None:
         yield
         return

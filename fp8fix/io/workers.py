@@ -2,24 +2,36 @@
 runs of tensors to verify.
 
 Workers are forked, so they inherit what the parent prepared (open descriptors, the
-described checkpoint, the plan) and receive only small task arguments. One shared byte
-counter drives the parent's single progress bar. Ctrl-C and SIGTERM are left to the
-parent, which reports once and terminates the workers; a worker's exception is re-raised
-in the parent. Results come back in task order, so output never depends on scheduling.
+described checkpoint, the plan, the task list itself) and receive only a task's number
+over their own pipe. One shared byte counter drives the parent's single progress bar.
+Ctrl-C and SIGTERM are left to the parent, which reports once and ends the workers; a
+worker's exception is re-raised in the parent. Results come back in task order, so
+output never depends on scheduling.
+
+A worker that dies without answering (the out-of-memory killer's SIGKILL, a SIGTERM sent
+to it alone) is seen at once through its process sentinel: the parent stops the others
+and raises `WorkerDied`, naming the task. No pool: each worker is a plain process with
+one pipe, so the parent never waits on a queue a dead worker held (multiprocessing.Pool
+hung in both cases, and in its own terminate about once in 650 runs).
 """
 
 from __future__ import annotations
 
 import signal
 import sys
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from fp8fix.errors import WorkerDied
 from fp8fix.io.progress import Progress
 
 #: Bytes done by all workers, shared with the parent (which draws the one progress bar).
 _done: Any = None
+#: How often the parent redraws the progress bar while it waits, in seconds.
+_TICK = 0.05
+#: How long a worker asked to stop may take before it is killed, in seconds.
+_GRACE = 5.0
 
 
 def worker_count(jobs: int, tasks: int) -> int:
@@ -42,34 +54,146 @@ class SharedProgress:
             _done.value += n
 
 
-def _init_worker(counter: Any) -> None:
+def _serve(function: Callable[..., Any], tasks: list[tuple[Any, ...]], conn: Any, counter: Any) -> None:
+    """A worker's life: run each task number the parent sends, answer ("ok", result) or ("error", exception),
+    until it sends None."""
     global _done
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _done = counter
+    while (index := _next_task(conn)) is not None:
+        try:
+            answer: tuple[str, Any] = ("ok", function(SharedProgress(), *tasks[index]))
+        except Exception as e:
+            answer = ("error", e)
+        try:
+            try:
+                conn.send(answer)
+            except (OSError, EOFError):
+                raise
+            except Exception as e:  # an exception that does not pickle: its text still reaches the parent
+                conn.send(("error", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]} ({e})")))
+        except (OSError, EOFError):  # the parent is gone or has stopped listening: nothing left to do
+            return
 
 
-def run_tasks(function: Callable[..., Any], tasks: list[tuple[Any, ...]], workers: int, bar: Progress) -> list[Any]:
+def _next_task(conn: Any) -> int | None:
+    """The next task number from the parent; None when it says stop or is gone."""
+    try:
+        index: int | None = conn.recv()
+    except (EOFError, OSError):
+        return None
+    return index
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: Any
+    task: int | None = None
+
+
+def run_tasks(
+    function: Callable[..., Any],
+    tasks: list[tuple[Any, ...]],
+    workers: int,
+    bar: Progress,
+    names: list[str] | None = None,
+) -> list[Any]:
     """`function(SharedProgress(), *task)` for every task in `workers` forked processes; the results
-    in task order. `function` must be a module-level function (it is sent by name)."""
+    in task order. `function` must be a module-level function; `names` say what each task is, for the
+    error when a worker dies."""
     import multiprocessing
+    from multiprocessing.connection import wait
 
     context = multiprocessing.get_context("fork")
     counter = context.Value("q", 0)
-    pool = context.Pool(workers, initializer=_init_worker, initargs=(counter,))
+    pool: list[_Worker] = []
+    results: list[Any] = [None] * len(tasks)
+    queue = iter(range(len(tasks)))
     try:
-        pending = [pool.apply_async(function, (SharedProgress(), *task)) for task in tasks]
+        for _ in range(workers):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(target=_serve, args=(function, tasks, child_end, counter), daemon=True)
+            process.start()
+            child_end.close()
+            pool.append(_Worker(process, parent_end))
+        for worker in pool:
+            _assign(worker, queue, names)
         shown = 0
-        while not all(r.ready() for r in pending):
-            time.sleep(0.05)
+        while busy := [w for w in pool if w.task is not None]:
+            wait([w.conn for w in busy] + [w.process.sentinel for w in busy], timeout=_TICK)
             shown = _show(bar, counter, shown)
-        results = [r.get() for r in pending]  # re-raises a worker's error here, in the parent
+            for worker in busy:
+                if worker.conn.poll():
+                    kind, value = _answer(worker, names)
+                    if kind == "error":
+                        raise value
+                    results[worker.task] = value  # type: ignore[index]
+                    _assign(worker, queue, names)
+                elif not worker.process.is_alive():
+                    raise _died(worker, names)
         _show(bar, counter, shown)
-        pool.close()
+        for worker in pool:
+            try:
+                worker.conn.send(None)
+            except OSError:  # it died after its last answer: every result is in
+                pass
         return results
     finally:
-        pool.terminate()
-        pool.join()
+        _stop(pool)  # after success each has been told to stop; on any error they are ended
+
+
+def _assign(worker: _Worker, queue: Any, names: list[str] | None) -> None:
+    """Send `worker` the next task, if any; a worker that died since its last answer is an error (a broken
+    pipe here must not reach the CLI, which reads BrokenPipeError as a closed stdout)."""
+    worker.task = next(queue, None)
+    if worker.task is not None:
+        try:
+            worker.conn.send(worker.task)
+        except OSError:
+            raise _died(worker, names) from None
+
+
+def _answer(worker: _Worker, names: list[str] | None) -> tuple[str, Any]:
+    try:
+        answer: tuple[str, Any] = worker.conn.recv()
+    except (EOFError, OSError):  # it died halfway through its answer
+        worker.process.join(_GRACE)
+        raise _died(worker, names) from None
+    return answer
+
+
+def _died(worker: _Worker, names: list[str] | None) -> WorkerDied:
+    """The error for a worker that ended without answering, naming its task and how it ended."""
+    worker.process.join(_GRACE)
+    code = worker.process.exitcode
+    task = worker.task if worker.task is not None else 0
+    what = names[task] if names else f"task {task + 1}"
+    if code is not None and code < 0:
+        how = f"was killed by {signal.Signals(-code).name}"
+        if -code == signal.SIGKILL:
+            how += " (the kernel's out-of-memory killer sends it: try fewer --jobs)"
+    else:
+        how = f"exited with code {code}"
+    return WorkerDied(
+        f"the worker process (pid {worker.process.pid}) working on {what} {how}; the other workers were "
+        "stopped and nothing was written"
+    )
+
+
+def _stop(pool: list[_Worker]) -> None:
+    """End every worker: closing its pipe tells an idle one to stop; one still working gets SIGTERM, and
+    any left after the grace time SIGKILL."""
+    for worker in pool:
+        if worker.process.is_alive() and worker.task is not None:
+            worker.process.terminate()
+        worker.conn.close()
+    for worker in pool:
+        worker.process.join(_GRACE)
+        if worker.process.is_alive():
+            worker.process.kill()
+            worker.process.join()
 
 
 def _show(bar: Progress, counter: Any, shown: int) -> int:

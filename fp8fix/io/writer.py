@@ -80,7 +80,8 @@ def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False, jobs: i
         if workers > 1:
             order = sorted(plan.shards, key=lambda s: -s.nbytes)  # biggest first: the last to start is small
             tasks = [(s, out_dir / s.name, plan.sources) for s in order]
-            for result in run_tasks(_write_shard_job, tasks, workers, bar):
+            names = [s.name for s in order]
+            for result in run_tasks(_write_shard_job, tasks, workers, bar, names):
                 stats.merge(result)
             return stats
         sources = _Sources(plan.sources)

@@ -13,7 +13,6 @@ module but not all its shards gets the missing shard names added after it.
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -211,7 +210,8 @@ def source_scheme(model: CheckpointModel) -> tuple[bool, tuple[str, ...]] | None
     if model.is_autofp8:
         if qc.get("modules_to_not_convert"):
             return None  # transformers' prefix-or-suffix matching has no exact compressed-tensors form
-        return qc.get("activation_scheme", "static") != "static", tuple(qc.get("ignored_layers") or [])
+        ignore = named_modules(model, qc.get("ignored_layers"), "exact")
+        return qc.get("activation_scheme", "static") != "static", ignore
     if fmt.name == QUARK.name:
         config = qc.get("global_quant_config") or {}
         inputs = config.get("input_tensors")
@@ -222,32 +222,30 @@ def source_scheme(model: CheckpointModel) -> tuple[bool, tuple[str, ...]] | None
             return None  # weight-only FP8 has no compressed-tensors float-quantized W8A8 form here
         if inputs.get("dtype") != "fp8_e4m3" or inputs.get("qscheme") != "per_tensor":
             return None
-        return bool(inputs.get("is_dynamic")), tuple(qc.get("exclude") or [])  # the same exact-or-re grammar
+        return bool(inputs.get("is_dynamic")), named_modules(model, qc.get("exclude"), "exact-or-re")
     if fmt.name == MODELOPT.name:
         extra = model.checkpoint.root / MODELOPT_CONFIG
         quantization = (read_json(extra).get("quantization") or {}) if extra.is_file() else {}
         entries = [*(quantization.get("exclude_modules") or []), *(qc.get("ignore") or [])]
-        ignore = _from_fnmatch([*entries, *(qc.get("exclude_modules") or [])])
-        return None if ignore is None else (False, ignore)
+        return False, named_modules(model, [*entries, *(qc.get("exclude_modules") or [])], "fnmatch")
     return None
 
 
-def _from_fnmatch(entries: list[Any]) -> tuple[str, ...] | None:
-    """ModelOpt's fnmatch entries as compressed-tensors `ignore` entries matching the same
-    module names: a name without wildcards as itself, a pattern as `re:` + a regular expression that
-    compressed-tensors and vLLM match from the start (`*` any run, `?` one character, the rest
-    literal). None for a `[...]` class, which is rare and not worth a translation that could differ."""
-    out = []
-    for entry in entries:
-        text = str(entry)
-        if "[" in text:
-            return None
-        if "*" not in text and "?" not in text:
-            out.append(text)
-            continue
-        pattern = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in text)
-        out.append(f"re:{pattern}$")
-    return tuple(dict.fromkeys(out))
+def named_modules(model: CheckpointModel, entries: Any, grammar: Grammar) -> tuple[str, ...]:
+    """The modules of the checkpoint that a name list's `entries` name, as the source's loader matches
+    them (`grammar`), by exact name: a list is carried into another format by what it means, never as
+    text (an AutoFP8 `ignored_layers` entry `re:.*proj` names nothing in vLLM, which compares exactly;
+    copied into compressed-tensors' `ignore` it would be a pattern naming every projection)."""
+    texts = [e for e in entries or [] if isinstance(e, str)]
+    if not texts:
+        return ()
+    modules = [n.removesuffix(".weight") for n, t in model.checkpoint.tensors.items() if _linear_weight(n, t.shape)]
+    return tuple(m for m in dict.fromkeys(modules) if any(matches(e, m, grammar) for e in texts))
+
+
+def _linear_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """A module weight a name list can mean: a matrix (or stacked experts), not a norm's vector."""
+    return name.endswith(".weight") and len(shape) >= 2
 
 
 def can_write(model: CheckpointModel) -> bool:

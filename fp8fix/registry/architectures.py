@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint, RegistryEntryError, UnsupportedCheckpoint
-from fp8fix.io.json_text import JsonRefused, parse_json
+from fp8fix.io.json_text import MAX_FILE_BYTES, JsonRefused, parse_json
+from fp8fix.io.source_tree import read_regular
 from fp8fix.registry.entry_schema import parse_entry
 from fp8fix.registry.expressions import ExpressionError, Sample, config_lookup, evaluate
 from fp8fix.vocab import Layout
@@ -100,7 +101,11 @@ class ArchitectureSpec:
         return value
 
     def row_layout(
-        self, spec: FusedModuleSpec, config: dict[str, Any], module_path: str = ""
+        self,
+        spec: FusedModuleSpec,
+        config: dict[str, Any],
+        module_path: str = "",
+        stored: tuple[str, int] | None = None,
     ) -> tuple[list[int], list[tuple[int, int, int]]]:
         """Rows of each shard in total, and the (shard, first row, end row) segments in storage order.
 
@@ -108,17 +113,26 @@ class ArchitectureSpec:
         pre-sharded chunks) store [q; k; v] once per group, so each shard's rows are a segment in every
         group. Expressions may read the module's `layer` and `mtp` (see `module_variables`): MiMo's
         sliding-window and MTP layers have other head counts than its full-attention layers.
+        With `stored` (the weight, as `file: 'name'` for messages, and its rows), totals that disagree stop
+        before any segment is built: a config saying 10^9 heads must not make a billion segments first.
         """
         where = f"{spec.module} of '{module_path}'" if module_path else spec.module
         variables = module_variables(module_path)
         per_group = [self.size(s.size, f"shard '{s.shard}' of {where}", config, variables) for s in spec.shards]
         groups = self.size(spec.groups, f"the groups of {where}", config, variables) if spec.groups else 1
+        totals = [rows * groups for rows in per_group]
+        if stored is not None and sum(totals) != stored[1]:
+            raise InvalidCheckpoint(
+                f"{stored[0]} has {stored[1]} rows, but config.json makes its shards "
+                f"{' + '.join(f'{s.shard} {r}' for s, r in zip(spec.shards, totals, strict=True))} = {sum(totals)}: "
+                "the config does not match the weights"
+            )
         segments, position = [], 0
         for _ in range(groups):
             for shard, rows in enumerate(per_group):
                 segments.append((shard, position, position + rows))
                 position += rows
-        return [rows * groups for rows in per_group], segments
+        return totals, segments
 
 
 def parse_architecture(data: Any, source: str) -> ArchitectureSpec:
@@ -157,7 +171,9 @@ def parse_architecture(data: Any, source: str) -> ArchitectureSpec:
 #: Every config name an expression reads is taken as this when an entry is checked on load.
 SAMPLE_VALUE = Sample(64)
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+_LAYER = re.compile(r"(?:^|\.)layers\.([0-9]+)(?:\.|$)")
+#: A layer number has a few digits; int() refuses past 4,300 and nothing sensible has more than this.
+MAX_LAYER_DIGITS = 18
 
 
 def module_variables(module_path: str) -> dict[str, int]:
@@ -165,6 +181,8 @@ def module_variables(module_path: str) -> dict[str, int]:
     none), and `mtp`, 1 for a multi-token-prediction layer under an `mtp.` module (MiMo's
     `model.mtp.layers.N`), else 0."""
     found = _LAYER.findall(module_path)
+    if found and len(found[-1]) > MAX_LAYER_DIGITS:
+        raise InvalidCheckpoint(f"'{module_path[:80]}': a layer index of {len(found[-1])} digits is no layer number")
     return {"layer": int(found[-1]) if found else 0, "mtp": int(".mtp." in f".{module_path}.")}
 
 
@@ -211,9 +229,11 @@ def _builtin_entries() -> dict[str, ArchitectureSpec]:
 def read_arch_file(path: Path) -> ArchitectureSpec:
     """A user's registry entry (the format of `architectures/*.json`), validated."""
     try:
-        data = parse_json(path.read_bytes())
+        data = parse_json(read_regular(path, MAX_FILE_BYTES))
     except OSError as e:
         raise RegistryEntryError(f"{path}: cannot read the architecture file: {e.strerror or e}") from e
+    except InvalidCheckpoint as e:  # a FIFO, a device, a file too large
+        raise RegistryEntryError(f"{path}: {str(e).partition(': ')[2]}") from None
     except JsonRefused as e:
         raise RegistryEntryError(f"{path}: invalid JSON: {e}") from None
     return parse_architecture(data, str(path))

@@ -17,6 +17,9 @@ from typing import Any
 #: Limits on one expression: characters of text and nodes of its syntax tree.
 MAX_TEXT = 500
 MAX_NODES = 100
+#: The largest value arithmetic may make: sizes are far below it, and products of products of config
+#: values (a hostile `--arch-file`'s `defaults` chain) must not grow into numbers of millions of digits.
+MAX_VALUE = 2**62
 
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: lambda a, b: a + b,
@@ -55,13 +58,20 @@ def _eval(node: ast.AST, lookup: Callable[[str], Any], text: str) -> Any:
         left, right = _eval(node.left, lookup, text), _eval(node.right, lookup, text)
         if not all(isinstance(v, (int, bool)) for v in (left, right)):
             raise ExpressionError(f"{text!r}: arithmetic on a value that is not a whole number ({left!r}, {right!r})")
-        return _BINARY[type(node.op)](left, right)
+        value = _BINARY[type(node.op)](left, right)
+        if abs(value) > MAX_VALUE:
+            raise ExpressionError(f"{text!r} makes {_digits(value)}, too large to be a size")
+        return value
     if isinstance(node, ast.IfExp):
         branch = node.body if _eval(node.test, lookup, text) else node.orelse
         return _eval(branch, lookup, text)
     if isinstance(node, ast.Subscript):
         return _index(_eval(node.value, lookup, text), _eval(node.slice, lookup, text), text)
     raise ExpressionError(f"unsupported syntax in {text!r}: {ast.dump(node)[:80]}")
+
+
+def _digits(value: int) -> str:
+    return f"a number of {len(str(abs(value)))} digits" if abs(value) < 10**100 else "a number of over 100 digits"
 
 
 def _index(value: Any, index: Any, text: str) -> Any:
@@ -98,8 +108,10 @@ def config_lookup(
 ) -> Callable[[str], Any]:
     """Resolve a name in `variables` (what a module's path says: `layer`, `mtp`), then a dotted name
     in `config`; absent names through their `defaults` expression, then `missing` (else an error).
-    A default that needs itself, directly or not, is an error."""
+    A default that needs itself, directly or not, is an error. Each default is worked out once per
+    lookup: a chain of defaults that each use the next twice would otherwise take 2^n steps."""
     resolving: list[str] = []
+    known: dict[str, Any] = {}
 
     def lookup(name: str) -> Any:
         if variables and name in variables:
@@ -109,14 +121,17 @@ def config_lookup(
             value = value.get(part) if isinstance(value, dict) else None
         if value is not None:
             return value
+        if name in known:
+            return known[name]
         if name in defaults:
             if name in resolving:
                 raise ExpressionError(f"defaults are cyclic: {' -> '.join([*resolving, name])}")
             resolving.append(name)
             try:
-                return evaluate(defaults[name], lookup)
+                known[name] = evaluate(defaults[name], lookup)
             finally:
                 resolving.pop()
+            return known[name]
         if missing is not None:
             return missing(name)
         raise ExpressionError(f"config.json has no '{name}'")

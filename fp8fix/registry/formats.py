@@ -180,18 +180,57 @@ def _not_yet(label: str) -> UnsupportedCheckpoint:
 _BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
 
 
+#: Longest name-list entry read: module names are a few hundred characters; a longer entry is no name.
+MAX_ENTRY_CHARS = 10_000
+#: How long one regex entry may take to match one module name. The loaders match these lists with
+#: Python's `re`, which backtracks without limit; fp8fix matches them with the `regex` module, the
+#: same syntax and semantics as `re` (which re2 is not: it has no look-around, and transformers'
+#: boundary below is one) but with a timeout, and refuses an entry that takes longer.
+MATCH_SECONDS = 0.1
+
+
 def matches(entry: str, name: str, grammar: Grammar) -> bool:
     """Whether a name-list `entry` names module `name`, as the loader reading the list decides
-    (`registry.formats.NameList.evidence`)."""
+    (`registry.formats.NameList.evidence`). A pattern that takes longer than MATCH_SECONDS (catastrophic
+    backtracking: the loader would hang on it) raises InvalidCheckpoint naming it."""
     if grammar == "exact":
         return entry == name
     if grammar == "exact-or-re":
-        return entry == name or (entry.startswith("re:") and re.match(entry[3:], name) is not None)
+        return entry == name or (entry.startswith("re:") and _match(entry[3:], entry, name))
     if grammar == "transformers":  # transformers 5.24 quantizers_utils.should_convert_module
-        return re.match(rf"(?:{entry}){_BOUNDARY}", name) is not None or name.endswith(entry)
+        return _match(rf"(?:{entry}){_BOUNDARY}", entry, name) or name.endswith(entry)
     if grammar == "fnmatch":
         return fnmatch.fnmatchcase(name, entry)
     raise ValueError(f"unknown name-list grammar {grammar!r}")
+
+
+def _match(pattern: str, entry: str, name: str) -> bool:
+    """`re.match(pattern, name)` with a time bound (MATCH_SECONDS); `regex.error` for an invalid pattern."""
+    import regex
+
+    if len(entry) > MAX_ENTRY_CHARS:
+        raise InvalidCheckpoint(f"config.json: a name-list entry of {len(entry)} characters is not a module name")
+    try:
+        return regex.match(pattern, name, timeout=MATCH_SECONDS) is not None
+    except TimeoutError:
+        raise InvalidCheckpoint(
+            f"config.json: the name-list entry {entry!r:.80} takes more than {MATCH_SECONDS} s to match "
+            f"'{name}' (catastrophic backtracking: a loader's Python re would hang on it); simplify the pattern"
+        ) from None
+
+
+def pattern_error(pattern: str) -> str | None:
+    """Why `pattern` is not a regular expression the loaders' Python `re` compiles, or None."""
+    import regex
+
+    if len(pattern) > MAX_ENTRY_CHARS:
+        return f"{len(pattern)} characters long"
+    try:
+        re.compile(pattern)
+        regex.compile(pattern)
+    except (re.error, regex.error) as e:
+        return str(e)
+    return None
 
 
 def quantization_config(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -235,13 +274,11 @@ def _check_name_lists(qc: dict[str, Any], spec: FormatSpec) -> None:
             for entry in value:
                 pattern = entry[3:] if name_list.grammar == "exact-or-re" and entry.startswith("re:") else None
                 pattern = entry if name_list.grammar == "transformers" else pattern
-                if pattern is not None:
-                    try:
-                        re.compile(pattern)
-                    except re.error as e:
-                        raise InvalidCheckpoint(
-                            f"config.json: {where} entry {entry!r:.60} is not a valid regular expression ({e})"
-                        ) from None
+                problem = pattern_error(pattern) if pattern is not None else None
+                if problem:
+                    raise InvalidCheckpoint(
+                        f"config.json: {where} entry {entry!r:.60} is not a valid regular expression ({problem})"
+                    )
 
 
 def _detect(config: dict[str, Any], root: Path, tensor_names: set[str] | None) -> FormatSpec:

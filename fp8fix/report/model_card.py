@@ -14,37 +14,132 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix import __version__
+from fp8fix.errors import Fp8fixError
 from fp8fix.io.checkpoint import CARD
+from fp8fix.io.source_tree import read_regular
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.report.convert_report import VLLM_FNUZ_NOTE, encoding_line, module_groups, padding_lines
 
 TAGS = ["fp8", "fp8fix"]
-#: huggingface_hub.repocard.REGEX_YAML_BLOCK
-FRONT_MATTER = re.compile(r"^(\s*---[\r\n]+)([\S\s]*?)([\r\n]+---(\r\n|\n|$))")
 #: The card's sentence naming what was converted and how; `commit_message` reads it back.
 CONVERTED = "Converted from `{source}` with fp8fix {version} (`fp8fix convert {options}`)."
 CONVERTED_PATTERN = re.compile(r"Converted from `([^`]*)` with fp8fix \S+ \(`fp8fix convert ([^`]*)`\)")
+#: A model card is kilobytes; a larger README.md is not kept (with a warning).
+MAX_CARD_BYTES = 16 * 1024 * 1024
+#: YAML nodes the front matter may expand to (aliases counted each time they are used) and how deep
+#: it may nest: a real card has hundreds of nodes a few levels deep; an alias bomb has billions.
+MAX_YAML_NODES = 100_000
+MAX_YAML_DEPTH = 64
+_NEWLINES = "\r\n"
+
+
+def front_matter(text: str) -> tuple[str, int] | None:
+    """(the YAML block, where the body starts) of a card, as huggingface_hub's front-matter regex
+    `^(\\s*---[\\r\\n]+)([\\S\\s]*?)([\\r\\n]+---(\\r\\n|\\n|$))` finds them, or None.
+
+    A linear scan: the Hub's regex backtracks cubically on runs of newlines (`---` and 5,000
+    newlines took over 30 s). tests/test_model_card.py checks both agree on every short string.
+    """
+    start = len(text) - len(text.lstrip())
+    if not text.startswith("---", start):
+        return None
+    open_end = start + 3
+    run_end = open_end
+    while run_end < len(text) and text[run_end] in _NEWLINES:
+        run_end += 1
+    if run_end == open_end:
+        return None
+    # the first run of newlines after the opening one that is followed by a closing `---`
+    at = text.find("---", run_end + 1)
+    while at != -1:
+        after = _closing_end(text, at)
+        if text[at - 1] in _NEWLINES and after is not None:
+            run_start = at
+            while text[run_start - 1] in _NEWLINES:
+                run_start -= 1
+            return text[run_end:run_start], after
+        at = text.find("---", at + 1)
+    # else the opening run gives its last newline to the closing one: `---`, newlines, `---`, no YAML
+    if run_end - open_end >= 2:
+        after = _closing_end(text, run_end)
+        if text.startswith("---", run_end) and after is not None:
+            return "", after
+    return None
+
+
+def _closing_end(text: str, at: int) -> int | None:
+    """Where the card's body starts after a `---` at `at` that closes the front matter, or None:
+    it must be followed by a newline (`\\r\\n` or `\\n`) or the end (`$`: the end, or a last `\\n`)."""
+    end = at + 3
+    if text.startswith("\r\n", end):
+        return end + 2
+    if text.startswith("\n", end):
+        return end + 1
+    return end if end == len(text) else None
 
 
 def split_card(text: str) -> tuple[dict[str, Any], str, str | None]:
     """(metadata, body, problem) of a model card, as huggingface_hub's ModelCard reads it.
 
-    Front matter that is not a YAML mapping with string keys gives no metadata and a
-    `problem` to warn about: the card's text is still kept.
+    Front matter that is not a YAML mapping with string keys, or that is too large or deep
+    (`bounded_yaml`), gives no metadata and a `problem` to warn about: the card's text is still kept.
     """
-    import yaml
-
-    match = FRONT_MATTER.search(text)
-    if not match:
+    found = front_matter(text)
+    if found is None:
         return {}, text, None
-    body = text[match.end() :]
-    try:
-        metadata = yaml.safe_load(match.group(2)) or {}
-    except yaml.YAMLError as e:
-        return {}, body, f"its front matter is not valid YAML ({str(e).splitlines()[0]})"
+    block, body_start = found
+    body = text[body_start:]
+    metadata, problem = bounded_yaml(block)
+    if problem:
+        return {}, body, problem
     if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
         return {}, body, "its front matter is not a mapping with string keys"
     return metadata, body, None
+
+
+def bounded_yaml(block: str) -> tuple[Any, str | None]:
+    """(value, None) of a YAML block read safely, or (None, why not): PyYAML's safe loader, after the
+    composed node graph is checked to expand to at most MAX_YAML_NODES nodes MAX_YAML_DEPTH deep
+    (aliases count each time they are used, so an alias bomb is refused before it is built)."""
+    import yaml
+
+    try:
+        loader = yaml.SafeLoader(block)
+        try:
+            root = loader.get_single_node()
+            if root is None:
+                return {}, None
+            problem = _yaml_too_big(root)
+            if problem:
+                return None, f"its front matter {problem}"
+            return loader.construct_document(root) or {}, None
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as e:
+        return None, f"its front matter is not valid YAML ({str(e).splitlines()[0]})"
+    except RecursionError:
+        return None, f"its front matter nests more than {MAX_YAML_DEPTH} levels deep"
+    except (ValueError, OverflowError) as e:  # an integer of 5,000 digits, a date out of range
+        return None, f"its front matter holds a value Python cannot read ({str(e).splitlines()[0][:80]})"
+
+
+def _yaml_too_big(root: Any) -> str | None:
+    """Why a composed YAML graph is too large to build, or None."""
+    import yaml
+
+    stack, count = [(root, 1)], 0
+    while stack:
+        node, level = stack.pop()
+        count += 1
+        if count > MAX_YAML_NODES:
+            return f"expands to more than {MAX_YAML_NODES} values (YAML aliases)"
+        if level > MAX_YAML_DEPTH:
+            return f"nests more than {MAX_YAML_DEPTH} levels deep"
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((child, level + 1) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend((part, level + 1) for pair in node.value for part in pair)
+    return None
 
 
 def _card_metadata(metadata: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
@@ -124,7 +219,7 @@ def conversion_section(
 
 
 def write_card(
-    source: Path,
+    source_card: Path | None,
     out_dir: Path,
     plan: ConversionPlan,
     source_name: str,
@@ -134,13 +229,13 @@ def write_card(
     base_model: str | None = None,
     warnings: list[str] | None = None,
 ) -> None:
-    """Write OUTPUT's card; what could not be kept of SOURCE's card is appended to `warnings`."""
+    """Write OUTPUT's card, keeping `source_card`'s text (SOURCE's README.md, checked readable: None when
+    there is none or it may not be read); what could not be kept of it is appended to `warnings`."""
     warnings = [] if warnings is None else warnings
-    original = source / CARD
     metadata: dict[str, Any] = {}
     body = ""
-    if original.is_file():
-        raw = original.read_bytes()
+    raw = _card_bytes(source_card, warnings) if source_card is not None else None
+    if raw is not None:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -160,6 +255,15 @@ def write_card(
     (out_dir / CARD).write_text(f"---\n{metadata_yaml(metadata)}\n---\n\n{text}", encoding="utf-8")
 
 
+def _card_bytes(path: Path, warnings: list[str]) -> bytes | None:
+    """SOURCE's card, or None (with a warning) when it is larger than a card can be."""
+    size = path.stat().st_size
+    if size > MAX_CARD_BYTES:
+        warnings.append(f"{CARD}: {size} bytes, more than a model card can be; its text was not kept")
+        return None
+    return read_regular(path, MAX_CARD_BYTES)
+
+
 def commit_title(source_name: str, options: str) -> str:
     """The Hub commit title of a conversion: what was converted and how."""
     return f"fp8fix: convert {source_name} ({options.strip()})"
@@ -167,6 +271,9 @@ def commit_title(source_name: str, options: str) -> str:
 
 def commit_message(folder: Path) -> str:
     """The commit title for a folder converted earlier (`fp8fix push`), from the card this module wrote."""
-    card = folder / CARD
-    match = CONVERTED_PATTERN.search(card.read_text(encoding="utf-8", errors="replace")) if card.is_file() else None
+    try:
+        text = read_regular(folder / CARD, MAX_CARD_BYTES).decode("utf-8", errors="replace")
+    except (OSError, Fp8fixError):  # no card, or none that can be read: the generic title
+        text = ""
+    match = CONVERTED_PATTERN.search(text)
     return commit_title(match.group(1), match.group(2)) if match else "fp8fix: upload converted FP8 checkpoint"

@@ -1,8 +1,19 @@
-"""Text helpers every report shares: compact names for many modules, human sizes."""
+"""Text helpers every report shares: compact names for many modules, human sizes, printable lines."""
 
 from __future__ import annotations
 
 import math
+import re
+
+#: Control characters (C0 but tab, DEL, C1): a name from a checkpoint holding one could forge a line
+#: (a newline then `Error: ...`) or drive the terminal (ESC sequences).
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def printable(line: str) -> str:
+    """`line` with every control character written as its escape (`\\n`, `\\x1b`), so what
+    fp8fix prints is one line, and inert on a terminal, whatever names a checkpoint holds."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], line)
 
 
 def name_pattern(names: list[str]) -> str:
@@ -20,7 +31,7 @@ def name_pattern(names: list[str]) -> str:
     shapes: dict[tuple[str, ...], list[list[str]]] = {}
     for name in unique:
         parts = name.split(".")
-        shapes.setdefault(tuple("#" if p.isdigit() else p for p in parts), []).append(parts)
+        shapes.setdefault(tuple("#" if _number(p) else p for p in parts), []).append(parts)
     patterns = []
     for shape, members in shapes.items():
         numbers = [sorted({int(m[i]) for m in members}) for i, part in enumerate(shape) if part == "#"]
@@ -52,3 +63,8 @@ def human_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def _number(part: str) -> bool:
+    """A name part that is a layer or expert number: ASCII digits, few enough for int()."""
+    return part.isascii() and part.isdigit() and len(part) <= 18

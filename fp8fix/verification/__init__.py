@@ -75,7 +75,10 @@ def verify(
             if workers > 1:
                 _checks = checks  # inherited by the forked workers
                 try:
-                    for part in run_tasks(_check_run, runs, workers, bar):
+                    names = [
+                        f"the checks of '{checks.items[a][0]}' and {b - a - 1} tensor(s) after it" for a, b in runs
+                    ]
+                    for part in run_tasks(_check_run, runs, workers, bar, names):
                         ctx.report.merge(part)
                 finally:
                     _checks = None

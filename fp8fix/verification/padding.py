@@ -9,6 +9,7 @@ scales over padded blocks (they multiply zeros); the config may change only thos
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from fp8fix.io.safetensors_file import TensorInfo
@@ -36,10 +37,17 @@ class Padded:
 
 def padded_sizes(ctx: VerifyContext) -> dict[str, int]:
     """config.json sizes of MLPs (registry.parallel.PADDED_SIZES) that OUTPUT changed: the one edit
-    `--tp` makes to config.json."""
+    `--tp` makes to config.json, and only where an MLP weight of the model is padded to it (a size no
+    padded weight reads, as Phi-3's fused gate_up or a dense model's `moe_intermediate_size`, changed
+    is a config the weights do not match: not expected, so config.json's check reports it)."""
     keys = {expression for _, expression in PADDED_SIZES if expression.isidentifier()}
+    used: set[str] = set()
+    for mlp, names in mlp_weights({n: t.shape for n, t in ctx.src.tensors.items()}).items():
+        expression = padded_size_of(mlp)
+        if expression is not None and any(name in ctx.padded for name in names.values()):
+            used |= set(re.findall(r"[A-Za-z_]\w*", expression))
     src, out = ctx.src.config, ctx.out.config
-    return {k: out[k] for k in sorted(keys) if k in src and isinstance(out.get(k), int) and out[k] != src[k]}
+    return {k: out[k] for k in sorted(keys & used) if k in src and isinstance(out.get(k), int) and out[k] != src[k]}
 
 
 def padded_tensors(ctx: VerifyContext) -> dict[str, Padded]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import filecmp
+
 from fp8fix.io.checkpoint import CARD, CONFIG, INDEX, read_json
 from fp8fix.io.safetensors_file import read_values
 from fp8fix.io.source_files import CHUNK
+from fp8fix.io.source_tree import SourceTree
 from fp8fix.model import ignore_linears, unquantized_linears
 from fp8fix.numerics.recodings import scale_factor
 from fp8fix.plan.config_edit import Scheme, can_write, output_config, scheme_of
@@ -113,14 +116,15 @@ def check_repo(
         if file != CONFIG and (not (out.root / file).is_file() or read_json(out.root / file) != content):
             report.problem(f"{file}: not SOURCE's with the renamed module entries")
     copies = src.copied_files(rewritten)
+    present, unreadable = SourceTree.of(out.root).files()
+    for line in unreadable:
+        report.problem(f"{line.split('; ')[0]} in OUTPUT; a conversion writes only regular files")
     for rel in copies:
-        copied = out.root / rel
-        if not copied.is_file() or copied.read_bytes() != (src.root / rel).read_bytes():
+        if rel not in present or not filecmp.cmp(out.root / rel, src.root / rel, shallow=False):
             report.problem(f"{rel}: missing from OUTPUT or not a copy of SOURCE's")
     expected = {*out.model_files, *rewritten, *copies, CARD}
-    for path in sorted(out.root.rglob("*")):
-        rel = path.relative_to(out.root).as_posix()
-        if (path.is_file() or path.is_symlink()) and rel not in expected:
+    for rel in present:
+        if rel not in expected:
             report.problem(f"{rel}: in OUTPUT, but not a file a conversion of SOURCE writes")
 
 

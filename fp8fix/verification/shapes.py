@@ -27,7 +27,11 @@ def check_shapes(ctx: VerifyContext, mapping: dict[str, list[Target]], compresse
     weights = {w.name for w in ctx.model.weights.values()}
     scales = {s.name for w in ctx.model.weights.values() for s in (w.scale, w.input_scale) if s is not None}
     scales |= {t.name for t in ctx.model.kv_cache_scales}
-    weight_scales = {w.scale.name for w in ctx.model.weights.values() if w.scale is not None}
+    # a block grid stays a grid, split by rows, even one block wide ([rows / 128, 1], like a per-row
+    # scale) or one block in all ([1, 1], like a single scale)
+    grids = {w.scale.name for w in ctx.model.weights.values() if w.scale is not None and w.scale_kind == "block"}
+    weight_scales = {w.scale.name for w in ctx.model.weights.values() if w.scale is not None} - grids
+    scales -= grids
     experts_scales = {  # stacked experts' scales: per-shard [E, shards] or per-expert [E] (plan.experts)
         w.scale.name: {(w.experts.count, len(w.experts.widths)), (w.experts.count,)}
         for w in ctx.model.weights.values()
