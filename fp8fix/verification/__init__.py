@@ -43,7 +43,7 @@ from fp8fix.verification.dequantized import (
 )
 from fp8fix.verification.mapping import Target, map_tensors, module_renames
 from fp8fix.verification.padding import check_padded, padded_sizes, padded_tensors
-from fp8fix.verification.repo import check_bytes, check_input_scale, check_repo, compressed_tensors_output
+from fp8fix.verification.repo import check_bytes, check_input_scale, check_repo, converted_to_compressed_tensors
 from fp8fix.verification.report import VerifyReport, WeightCheck
 from fp8fix.verification.shapes import check_shapes
 from fp8fix.verification.weights import check_stacked_experts, check_weight
@@ -84,10 +84,9 @@ def verify(
                     _checks = None
             else:
                 checks.check(0, len(checks.items), bar)
-        scheme = compressed_tensors_output(ctx)
-        check_shapes(ctx, checks.mapping, scheme is not None)
+        check_shapes(ctx, checks.mapping, converted_to_compressed_tensors(ctx))
         renames = module_renames(ctx, checks.mapping)
-        check_repo(ctx, renames, scheme, padded_sizes(ctx), unquantized_modules(ctx.dequantized))
+        check_repo(ctx, renames, padded_sizes(ctx), unquantized_modules(ctx.dequantized))
     return ctx.report
 
 

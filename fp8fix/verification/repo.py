@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import filecmp
 
-from fp8fix.io.checkpoint import CARD, CONFIG, INDEX, read_json
+from fp8fix.io.checkpoint import CARD, INDEX
 from fp8fix.io.safetensors_file import read_values
 from fp8fix.io.source_files import CHUNK
 from fp8fix.io.source_tree import SourceTree
-from fp8fix.model import ignore_linears, unquantized_linears
 from fp8fix.numerics.recodings import scale_factor
-from fp8fix.plan.config_edit import Scheme, can_write, output_config, scheme_of
 from fp8fix.registry.formats import COMPRESSED_TENSORS, quantization_config
+from fp8fix.verification.config import check_config
 from fp8fix.verification.context import VerifyContext
 from fp8fix.verification.mapping import Target
 
@@ -64,57 +63,21 @@ def check_bytes(ctx: VerifyContext, name: str, targets: list[Target]) -> None:
 
 
 def check_repo(
-    ctx: VerifyContext,
-    renames: dict[str, list[str]],
-    scheme: Scheme | None,
-    sizes: dict[str, int] | None = None,
-    unquantized: list[str] | None = None,
+    ctx: VerifyContext, renames: dict[str, list[str]], sizes: dict[str, int], unquantized: list[str]
 ) -> None:
-    """Shard files, index, `format: pt`, config.json (only renamed name-list entries, the
-    compressed-tensors `scheme` where OUTPUT was written as compressed-tensors, `--tp` sizes and
-    `--tp-bf16` modules listed as unquantized) and copied files."""
+    """Shard files, index, shard `__metadata__`, config files (`config.check_config`: `--tp` sizes,
+    `--tp-bf16` modules listed as unquantized, renamed name lists, a compressed-tensors config) and
+    copied files."""
     src, out, report = ctx.src, ctx.out, ctx.report
     if set(out.shards) != set(src.shards):
         report.problem(f"OUTPUT's shard files {sorted(out.shards)} are not SOURCE's {sorted(src.shards)}")
     if (src.index is None) != (out.index is None):
         report.problem(f"{INDEX}: present in only one of SOURCE and OUTPUT")
     if out.index is not None:
-        weight_map = out.index.get("weight_map", {})
-        if set(weight_map) != set(out.tensors):
-            report.problem(f"{INDEX}: its weight_map does not list exactly the tensors of OUTPUT's shards")
-        total = sum(t.nbytes for t in out.tensors.values())
-        if (out.index.get("metadata") or {}).get("total_size") != total:
-            report.problem(f"{INDEX}: total_size is not {total}, the sum of OUTPUT's tensor sizes")
+        _check_index(ctx)
     for name, header in out.shards.items():
-        if header.metadata.get("format") != "pt":
-            report.problem(f"{name}: __metadata__ has no format: pt")
-    unfused_config = ctx.model.spec.unfused_config if ctx.model.spec else None
-    rewritten = output_config(
-        src.config,
-        src.root,
-        ctx.fmt.name_lists,
-        renames,
-        scheme,
-        channel_output(ctx),
-        unfused_config,
-        sizes,
-        unquantized,
-        unquantized_linears(src.tensors),
-    )
-    _, targeted = ignore_linears(out.config, unquantized_linears(out.tensors))
-    if targeted:  # read off OUTPUT alone: what its compressed-tensors config would quantize without a scale
-        report.problem(
-            f"config.json: quantization_config targets {len(targeted)} Linear module(s) OUTPUT holds no FP8 weight "
-            f"for ({', '.join(targeted[:3])}): compressed-tensors would quantize them; they belong in `ignore`"
-        )
-    if out.config != rewritten.get(CONFIG, (src.config, []))[0]:
-        report.problem(
-            "config.json: differs from SOURCE's beyond the renamed quantization_config entries"
-            + (f" and {', '.join(unfused_config)}" if unfused_config else "")
-        )
-    for file, (content, _) in rewritten.items():
-        if file != CONFIG and (not (out.root / file).is_file() or read_json(out.root / file) != content):
-            report.problem(f"{file}: not SOURCE's with the renamed module entries")
+        _check_metadata(ctx, name, header.metadata)
+    rewritten = check_config(ctx, renames, sizes, unquantized)
     copies = src.copied_files(rewritten)
     present, unreadable = SourceTree.of(out.root).files()
     for line in unreadable:
@@ -128,23 +91,54 @@ def check_repo(
             report.problem(f"{rel}: in OUTPUT, but not a file a conversion of SOURCE writes")
 
 
-def compressed_tensors_output(ctx: VerifyContext) -> Scheme | None:
-    """The compressed-tensors scheme OUTPUT must say when it says it is compressed-tensors and SOURCE
-    is not: the strategy read off OUTPUT's weight scales (one value each: tensor; one per row:
-    channel), the rest from SOURCE's config, so a config that claims another is a mismatch."""
-    if (quantization_config(ctx.out.config) or {}).get("quant_method") != COMPRESSED_TENSORS.name:
-        return None
-    if ctx.fmt.name == COMPRESSED_TENSORS.name or not can_write(ctx.model):
-        return None
-    scales = [t for name, t in ctx.out.tensors.items() if name.endswith("." + ctx.fmt.weight_scale)]
-    return scheme_of(ctx.model, "tensor" if all(t.numel == 1 for t in scales) else "channel")
+def _check_index(ctx: VerifyContext) -> None:
+    """OUTPUT's index: SOURCE's keys, its weight map listing exactly OUTPUT's tensors, the right total size,
+    and SOURCE's metadata but for total_size."""
+    src, out, report = ctx.src, ctx.out, ctx.report
+    assert out.index is not None
+    weight_map = out.index.get("weight_map", {})
+    if set(weight_map) != set(out.tensors):
+        report.problem(f"{INDEX}: its weight_map does not list exactly the tensors of OUTPUT's shards")
+    if not all(weight_map.get(t.name) == f for f, h in out.shards.items() for t in h.tensors.values()):
+        report.problem(f"{INDEX}: its weight_map places a tensor in a file that does not hold it")
+    total = sum(t.nbytes for t in out.tensors.values())
+    metadata = out.index.get("metadata") or {}
+    if metadata.get("total_size") != total:
+        report.problem(f"{INDEX}: total_size is not {total}, the sum of OUTPUT's tensor sizes")
+    source = src.index or {}
+    if set(out.index) != set(source) | {"metadata", "weight_map"}:
+        changed = sorted((set(out.index) ^ set(source)) - {"metadata", "weight_map"})
+        report.problem(f"{INDEX}: keys {changed} differ from SOURCE's")
+    elif any(out.index[k] != source[k] for k in source if k not in ("metadata", "weight_map")):
+        report.problem(f"{INDEX}: differs from SOURCE's beyond weight_map and total_size")
+    if {k: v for k, v in metadata.items() if k != "total_size"} != {
+        k: v for k, v in (source.get("metadata") or {}).items() if k != "total_size"
+    }:
+        report.problem(f"{INDEX}: metadata differs from SOURCE's beyond total_size")
 
 
-def channel_output(ctx: VerifyContext) -> bool:
-    """A compressed-tensors SOURCE whose OUTPUT holds every weight scale per row (the channel layout)
-    where SOURCE did not: its config groups must then say `strategy: channel`."""
-    if ctx.fmt.name != COMPRESSED_TENSORS.name:
-        return False
-    scaled = [(w, ctx.out.tensors.get(w.scale.name)) for w in ctx.model.module_weights() if w.scale is not None]
-    per_row = [o is not None and len(o.shape) == 2 and o.shape[1] == 1 for _, o in scaled]
-    return bool(per_row) and all(per_row) and any(w.scale_kind != "channel" for w, _ in scaled)
+def _check_metadata(ctx: VerifyContext, name: str, metadata: dict[str, str]) -> None:
+    """A shard's `__metadata__`: SOURCE's, with `format: pt`, and in every shard `fp8fix_encoding` naming
+    the encoding of OUTPUT's FP8 weights where it is not SOURCE's."""
+    source = ctx.src.shards[name].metadata if name in ctx.src.shards else {}
+    expected = {**source, "format": "pt"}
+    encodings = {ENCODINGS[t.dtype] for t in ctx.out.tensors.values() if t.dtype in ENCODINGS} - {
+        ENCODINGS[t.dtype] for t in ctx.src.tensors.values() if t.dtype in ENCODINGS
+    }
+    if len(encodings) == 1:
+        expected["fp8fix_encoding"] = encodings.pop()
+    if metadata.get("format") != "pt":
+        ctx.report.problem(f"{name}: __metadata__ has no format: pt")
+    elif metadata != expected:
+        changed = sorted(k for k in set(metadata) | set(expected) if metadata.get(k) != expected.get(k))
+        ctx.report.problem(f"{name}: __metadata__ differs from SOURCE's and the encoding's in {', '.join(changed[:3])}")
+
+
+#: The safetensors dtype of each FP8 weight encoding, and its `fp8fix_encoding` name.
+ENCODINGS = {"F8_E4M3": "e4m3fn", "F8_E4M3FNUZ": "e4m3fnuz"}
+
+
+def converted_to_compressed_tensors(ctx: VerifyContext) -> bool:
+    """OUTPUT says compressed-tensors where SOURCE is another format (its single scales are then [1])."""
+    method = (quantization_config(ctx.out.config) or {}).get("quant_method")
+    return method == COMPRESSED_TENSORS.name and ctx.fmt.name != COMPRESSED_TENSORS.name
