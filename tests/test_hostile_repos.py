@@ -27,16 +27,10 @@ import pytest
 from tests.builders import build, llama, phi3
 from tests.conftest import folder_digest, load_tensors, run_cli
 from tests.test_grouped import neox
+from tests.test_hostile_input import EXAMPLE, INDEX, SHARD1, src
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "phi3-tiny-fp8"
-SHARD1 = "model-00001-of-00002.safetensors"
-INDEX = "model.safetensors.index.json"
+__all__ = ["src"]  # the shipped example, copied: a fixture shared with test_hostile_input
 SECRET = "hf_SECRET_token_from_a_file_outside_SOURCE"
-
-
-@pytest.fixture
-def src(tmp_path: Path) -> Path:
-    return Path(shutil.copytree(EXAMPLE, tmp_path / "src"))
 
 
 @pytest.fixture
@@ -142,9 +136,9 @@ def test_a_link_inside_source_is_read(tmp_path: Path, src: Path) -> None:
 
 def test_a_hub_snapshot_link_out_of_its_blobs_is_skipped(tmp_path: Path, secret: Path) -> None:
     """S1, Hub cache: a snapshot's files link to ../../blobs/; one linking further out is not read."""
-    from tests.test_hub import SHA, offline_env
+    from tests.test_hub import SHA, make_hub_cache, offline_env
 
-    cache = _hub_cache(tmp_path)
+    cache = make_hub_cache(tmp_path)
     snapshot = cache / "models--org--tiny-fp8" / "snapshots" / SHA
     (snapshot / "tokenizer.json").symlink_to(os.path.relpath(secret, snapshot))
     result = fp8fix("convert", "org/tiny-fp8", tmp_path / "out", "-q", env=offline_env(tmp_path, cache))
@@ -152,24 +146,6 @@ def test_a_hub_snapshot_link_out_of_its_blobs_is_skipped(tmp_path: Path, secret:
     assert "tokenizer.json: a symbolic link to" in result.stderr
     assert SECRET not in everything_in(tmp_path / "out")
     assert (tmp_path / "out" / "config.json").is_file()  # the snapshot's own links into blobs/ were read
-
-
-def _hub_cache(tmp_path: Path) -> Path:
-    import hashlib
-
-    from tests.test_hub import SHA
-
-    cache = tmp_path / "cache"
-    repo = cache / "models--org--tiny-fp8"
-    snapshot = build(repo / "snapshots" / SHA, phi3())
-    (repo / "blobs").mkdir()
-    for file in list(snapshot.iterdir()):
-        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
-        file.rename(blob)
-        file.symlink_to(os.path.relpath(blob, snapshot))
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(SHA)
-    return cache
 
 
 def test_push_refuses_a_folder_with_a_link_out_before_sending_anything(tmp_path: Path, secret: Path) -> None:

@@ -37,6 +37,10 @@ def base_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 @pytest.fixture
 def hub_cache(tmp_path: Path) -> Path:
+    return make_hub_cache(tmp_path)
+
+
+def make_hub_cache(tmp_path: Path) -> Path:
     """A Hub cache as huggingface_hub lays it out: refs/main -> snapshots/<sha>/..."""
     cache = tmp_path / "cache"
     repo = cache / "models--org--tiny-fp8"
