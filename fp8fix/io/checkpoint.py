@@ -28,8 +28,10 @@ CARD = "README.md"
 #: The suffix every shard has: vLLM loads the `*.safetensors` files the index lists, and fp8fix writes
 #: its own files (config, index, card) under other names, so a shard can never be written over them.
 SHARD_SUFFIX = ".safetensors"
-#: Configuration files beside config.json that a format reads (NVIDIA ModelOpt's).
-SIDE_CONFIGS = ("hf_quant_config.json",)
+#: NVIDIA ModelOpt's quantization config beside config.json (registry/formats.py reads it).
+MODELOPT_CONFIG = "hf_quant_config.json"
+#: Configuration files beside config.json that a format reads.
+SIDE_CONFIGS = (MODELOPT_CONFIG,)
 
 
 @dataclass

@@ -131,6 +131,8 @@ def _bounded_session(write: bool = False) -> None:
             request.extensions["timeout"] = bounds
 
     session = get_session()
+    if not hasattr(session, "event_hooks"):  # huggingface_hub < 1.0 (requests): its own timeouts stand
+        return
     hooks = {kind: list(found) for kind, found in session.event_hooks.items()}
     kept = [h for h in hooks.get("request", []) if getattr(h, "__name__", "") != fp8fix_timeouts.__name__]
     session.event_hooks = {**hooks, "request": [*kept, fp8fix_timeouts]}

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
-from fp8fix.io.checkpoint import read_json
+from fp8fix.io.checkpoint import MODELOPT_CONFIG, read_json
 from fp8fix.vocab import Grammar
 
-MODELOPT_CONFIG = "hf_quant_config.json"
+__all__ = ["MODELOPT_CONFIG"]  # io/checkpoint.py names the file (it must check it is inside SOURCE)
 
 
 @dataclass(frozen=True)
