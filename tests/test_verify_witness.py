@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.builders import build, llama, phi3
-from tests.conftest import run_cli
+from tests.conftest import load_tensors, run_cli
 
 INDEX = "model.safetensors.index.json"
 
@@ -131,3 +132,99 @@ def test_index_keys_are_checked(tmp_path: Path) -> None:
     assert f"{INDEX}: keys ['extra'] differ from SOURCE's" in problems(src, out)
     edit(out / INDEX, lambda i: (i.pop("extra"), i["metadata"].update(note="x")))
     assert "metadata differs from SOURCE's beyond total_size" in problems(src, out)
+
+
+# --- the three properties verify must establish itself (issue 25: changing verify's code for them
+# --- made no test fail). Each OUTPUT is tampered with by torch's own float8 casts, never fp8fix's code.
+
+
+def _replace(folder: Path, tensors: dict[str, Any]) -> None:
+    """Put `tensors` into whichever OUTPUT shard holds each (same name), keeping the shard's metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        held = load_file(shard)
+        if not set(tensors) & set(held):
+            continue
+        with safe_open(shard, framework="pt") as f:
+            metadata = f.metadata()
+        held.update({k: v for k, v in tensors.items() if k in held})
+        save_file(held, shard, metadata=metadata)
+
+
+def test_codes_clipped_at_the_output_scale_are_caught(tmp_path: Path) -> None:
+    """(a) fn -> fnuz with the scale left as it was: every code above 240 (e4m3fnuz's largest) is clipped.
+    The values of the other codes are exact, so only the overflow check can see it."""
+    src, out = convert(tmp_path, llama, "--layout", "unfused", "--format", "keep", "--to", "e4m3fnuz")
+    source = load_tensors(src)
+    name = "model.layers.0.self_attn.q_proj"
+    codes = source[f"{name}.weight"].float()
+    assert codes.abs().max() > 240  # the absmax export reaches 448
+    clipped = codes.clamp(-240, 240).to(torch.float8_e4m3fnuz)
+    _replace(out, {f"{name}.weight": clipped, f"{name}.weight_scale": source[f"{name}.weight_scale"]})
+    said = problems(src, out)
+    assert f"'{name}.weight'" in said and "clipped" in said
+
+
+def test_a_kept_block_whose_scale_changed_by_three_is_caught(tmp_path: Path) -> None:
+    """(b) A block split keeps every block that lies in one shard exactly: its scale may only change by a
+    power of two. A block requantized to three times its scale (codes within half a step, so a value check
+    alone would pass it as requantized) must be caught by that rule."""
+    src = build(tmp_path / "src", phi3(), fmt="block-fp8")
+    qkv = "model.layers.0.self_attn.qkv_proj.weight_scale_inv"
+    grid = load_tensors(src)[qkv]
+    _replace(src, {qkv: torch.exp2(torch.log2(grid).round())})  # scales of one mantissa bit: x 3 is exact
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "-q", "--layout", "unfused", "--format", "keep").exit_code == 0
+    o = load_tensors(out)
+    changed = {}
+    for shard in ("q_proj", "k_proj", "v_proj"):  # all of qkv_proj's blocks: one ratio, 3, for the module
+        name = f"model.layers.0.self_attn.{shard}"
+        codes, grid = o[f"{name}.weight"].float(), o[f"{name}.weight_scale_inv"].float()
+        rows, cols = codes.shape
+
+        def per_element(g: Any, rows: int = rows, cols: int = cols) -> Any:
+            return g.repeat_interleave(32, 0)[:rows].repeat_interleave(32, 1)[:, :cols]
+
+        tripled = grid * 3
+        changed[f"{name}.weight"] = (codes * per_element(grid) / per_element(tripled)).to(torch.float8_e4m3fn)
+        changed[f"{name}.weight_scale_inv"] = tripled
+    _replace(out, changed)
+    said = problems(src, out)
+    assert "times the power of two" in said and "self_attn.q_proj" in said
+
+
+def test_fnuz_steps_below_the_smallest_normal_are_e4m3fnuz_steps(tmp_path: Path) -> None:
+    """(c) Requantized e4m3fnuz codes are checked within half an e4m3fnuz step. Below e4m3fnuz's smallest
+    normal (2^-7, one exponent below e4m3fn's 2^-6) the step is 2^-10: a code one step off, toward the true
+    value, is more than half a step off and must be caught (with e4m3fn's 2^-6 it would pass as 0.5 step).
+    The reference is torch's float8_e4m3fnuz, not fp8fix's step function."""
+
+    def model() -> Any:  # big enough that some codes fall below e4m3fnuz's smallest normal
+        return phi3(hidden=512, heads=8, kv_heads=4, intermediate=64, layers=1)
+
+    src, out = convert(tmp_path, model, "--layout", "fused", "--format", "keep", "--to", "e4m3fnuz", scale="shard")
+    s, o = load_tensors(src), load_tensors(out)
+    name = "model.layers.0.self_attn.qkv_proj"
+    src_codes, src_scale = s[f"{name}.weight"].double(), s[f"{name}.weight_scale"].double()
+    rows = [512, 256, 256]  # q: 8 heads of 64 rows; k, v: 4 each
+    row_scales = torch.cat([src_scale[i].repeat(n) for i, n in enumerate(rows)]).reshape(-1, 1)
+    out_scale = o[f"{name}.weight_scale"].double().max()
+    target = src_codes * row_scales / out_scale  # the true value in e4m3fnuz code units
+    got = o[f"{name}.weight"]
+    assert torch.equal(got, target.float().to(torch.float8_e4m3fnuz))  # fp8fix's codes: torch's RNE
+    raw = got.view(torch.uint8).clone()
+    value = got.double()
+    error = (value - target).abs() / 2.0**-10
+    small = (target.abs() < 2.0**-7) & (value != 0) & (error < 0.4) & (raw & 0x7F > 1)
+    assert small.any(), "no e4m3fnuz subnormal code to test with"
+    r, c = small.nonzero()[0].tolist()
+    toward = 1 if (target[r, c] > value[r, c]) == (target[r, c] > 0) else -1  # one code toward the true value
+    if value[r, c] == target[r, c]:
+        toward = -1
+    raw[r, c] = int(raw[r, c]) + toward
+    bumped = raw.view(torch.float8_e4m3fnuz)
+    assert abs(float(bumped[r, c].double() - value[r, c])) == 2.0**-10  # the neighbouring code, one step
+    _replace(out, {f"{name}.weight": bumped})
+    assert f"'{name}.weight' (from '{name}.weight') row {r} column {c}" in problems(src, out)
