@@ -107,10 +107,7 @@ def open_checkpoint(root: Path, role: str = "SOURCE") -> Checkpoint:
 
 
 def _read_checkpoint(root: Path) -> Checkpoint:
-    tree = SourceTree.of(root)
-    for name in (CONFIG, INDEX, *SIDE_CONFIGS):
-        if (root / name).is_symlink() or (root / name).exists():
-            tree.require(name)
+    tree = _model_files_inside(root, (CONFIG, INDEX, *SIDE_CONFIGS))
     config = read_json(root / CONFIG, "a checkpoint folder needs the model's config.json")
     if not isinstance(config, dict):
         raise InvalidCheckpoint(f"{CONFIG}: expected a JSON object")
@@ -142,6 +139,15 @@ def _read_checkpoint(root: Path) -> Checkpoint:
     extras, warnings = _other_files(tree, set(shards))
     warnings += _warnings(index, tensors)
     return Checkpoint(root, config, index, shards, tensors, warnings=warnings, extra_files=extras)
+
+
+def _model_files_inside(root: Path, names: tuple[str, ...]) -> SourceTree:
+    """The folder's tree, each of the config files `names` that exists refused unless it may be read."""
+    tree = SourceTree.of(root)
+    for name in names:
+        if (root / name).is_symlink() or (root / name).exists():
+            tree.require(name)
+    return tree
 
 
 def _other_files(tree: SourceTree, shards: set[str]) -> tuple[list[str], list[str]]:
@@ -247,6 +253,7 @@ def checkpoint_from_headers(root: Path, headers: dict[str, tuple[dict[str, str],
 
     `headers` maps each shard file to (its __metadata__, {tensor: (dtype, shape, (begin, end))}).
     """
+    _model_files_inside(root, (CONFIG, INDEX))
     config = read_json(root / CONFIG, "a checkpoint needs the model's config.json")
     index = read_json(root / INDEX, "") if (root / INDEX).exists() else None
     shards: dict[str, SafetensorsHeader] = {}
