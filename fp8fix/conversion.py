@@ -138,27 +138,31 @@ def _write(
         for name in copies:
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source / name, staging / name)
+        name = source.resolve().name
+        if options.source_repo:
+            name = options.source_repo + (f"@{options.revision}" if options.revision else "")
+
+        def card(summary: str | None, warnings: list[str]) -> None:
+            write_card(
+                source / CARD if CARD in ckpt.extra_files else None,
+                staging,
+                plan,
+                name,
+                options.describe(plan),
+                edits,
+                summary,
+                base_model=options.source_repo,
+                warnings=warnings,
+            )
+
+        card(None, result.warnings)  # before verify, which checks the card's facts too
         if options.verify:
             result.verification = verify(source, staging, quiet=options.quiet, registry=registry, jobs=options.jobs)
             if not result.verification.ok:
                 raise VerificationFailed(
                     "verification failed, nothing written: " + "; ".join(result.verification.problems[:5])
                 )
-        summary = result.verification.summary() if result.verification else None
-        name = source.resolve().name
-        if options.source_repo:
-            name = options.source_repo + (f"@{options.revision}" if options.revision else "")
-        write_card(
-            source / CARD if CARD in ckpt.extra_files else None,
-            staging,
-            plan,
-            name,
-            options.describe(plan),
-            edits,
-            summary,
-            base_model=options.source_repo,
-            warnings=result.warnings,
-        )
+            card(result.verification.summary(), [])  # again, with the summary (its warnings were said)
         result.commit_title = commit_title(name, options.describe(plan))
 
 

@@ -228,3 +228,23 @@ def test_fnuz_steps_below_the_smallest_normal_are_e4m3fnuz_steps(tmp_path: Path)
     assert abs(float(bumped[r, c].double() - value[r, c])) == 2.0**-10  # the neighbouring code, one step
     _replace(out, {f"{name}.weight": bumped})
     assert f"'{name}.weight' (from '{name}.weight') row {r} column {c}" in problems(src, out)
+
+
+@pytest.mark.parametrize(
+    "old, new, said",
+    [
+        ("- fp8fix\n", "", "no `fp8fix` tag"),
+        ("- Layout: **unfused**", "- Layout: **per-shard**", "says per-shard, but OUTPUT holds SOURCE's fused"),
+        ("- e4m3fnuz\n", "", "no `e4m3fnuz` tag"),
+        ("- FP8 encoding: e4m3fn -> e4m3fnuz", "- FP8: e4m3fn", "does not say the FP8 weights changed encoding"),
+        ("Converted from `", "Made from `", "does not say what it was converted from"),
+    ],
+    ids=["tag", "layout", "fnuz-tag", "encoding", "converted-from"],
+)
+def test_the_model_card_facts_are_checked(tmp_path: Path, old: str, new: str, said: str) -> None:
+    """The card was never read by verify: its layout, encoding and tags are facts a reader acts on."""
+    src, out = convert(tmp_path, phi3, "--layout", "unfused", "--format", "keep", "--to", "e4m3fnuz")
+    card = (out / "README.md").read_text()
+    assert old in card
+    (out / "README.md").write_text(card.replace(old, new, 1))
+    assert f"README.md: {said}" in problems(src, out)

@@ -10,6 +10,7 @@ from fp8fix.io.source_files import CHUNK
 from fp8fix.io.source_tree import SourceTree
 from fp8fix.numerics.recodings import scale_factor
 from fp8fix.registry.formats import COMPRESSED_TENSORS, quantization_config
+from fp8fix.verification.card import check_card
 from fp8fix.verification.config import check_config
 from fp8fix.verification.context import VerifyContext
 from fp8fix.verification.mapping import Target
@@ -78,6 +79,7 @@ def check_repo(
     for name, header in out.shards.items():
         _check_metadata(ctx, name, header.metadata)
     rewritten = check_config(ctx, renames, sizes, unquantized)
+    check_card(ctx, renames)
     copies = src.copied_files(rewritten)
     present, unreadable = SourceTree.of(out.root).files()
     for line in unreadable:
