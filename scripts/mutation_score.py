@@ -31,6 +31,9 @@ TESTS = {
         "tests/test_verify_witness.py",
         "tests/test_rocm.py",
         "tests/test_convert_layouts.py",
+        "tests/test_padding.py",  # --tp-bf16: numerics/dequantize.py
+        "tests/test_channel.py",
+        "tests/test_experts.py",
     ],
     "verification": [
         "tests/test_verify.py",
