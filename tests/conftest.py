@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -152,3 +154,32 @@ def patch_bytes(folder: Path, tensor: str, patches: dict[int, int]) -> None:
     for offset, value in patches.items():
         buffer[begin + offset] = value
     write_raw(path, header, bytes(buffer))
+
+
+class stopped_while:  # noqa: N801 (used as a statement: `with stopped_while(...)`)
+    """Stop `proc` (SIGSTOP) until `ready()` holds, then run the block with it stopped and continue it:
+    what the block does happens at a known point of the run, never after it finished."""
+
+    def __init__(self, proc: subprocess.Popen[str], ready: Callable[[], bool], limit: float = 60) -> None:
+        self.proc, self.ready, self.limit = proc, ready, limit
+
+    def __enter__(self) -> None:
+        deadline = time.monotonic() + self.limit
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "the process ended before the point it was to be stopped at"
+            os.kill(self.proc.pid, signal.SIGSTOP)
+            if self.ready():
+                return
+            os.kill(self.proc.pid, signal.SIGCONT)
+            time.sleep(0.001)
+        raise AssertionError("the process never reached the point it was to be stopped at")
+
+    def __exit__(self, *exc: object) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+
+def writing(folder: Path, output: str, shards: int) -> bool:
+    """True while a convert into `folder / output` is writing its shards: its staging folder exists and
+    holds fewer than `shards` of them (so the final rename, whose signals are held, is still ahead)."""
+    staging = [p for p in folder.iterdir() if p.name.startswith(f".{output}.fp8fix-") and "-old-" not in p.name]
+    return bool(staging) and len(list(staging[0].glob("*.safetensors"))) < shards

@@ -13,7 +13,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,16 @@ from fp8fix.errors import InvalidCheckpoint
 from fp8fix.io.safetensors_file import read_header
 from fp8fix.io.staging import output_lock
 from tests.builders import build, phi3
-from tests.conftest import folder_digest, read_raw_header, run_cli, safetensors_opens, shard_files, write_raw
+from tests.conftest import (
+    folder_digest,
+    read_raw_header,
+    run_cli,
+    safetensors_opens,
+    shard_files,
+    stopped_while,
+    write_raw,
+    writing,
+)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "phi3-tiny-fp8"
 SHARD1 = "model-00001-of-00002.safetensors"
@@ -429,15 +437,9 @@ def test_after_a_kill_no_staging_folder_survives_the_next_run(tmp_path: Path, si
     src = build(tmp_path / "src", phi3(hidden=1024, intermediate=4096, layers=8), files=4, extra_files=False)
     out = tmp_path / "out"
     proc = _fp8fix("convert", src, out, "-q")
-    deadline = time.monotonic() + 30
-    while not any(p.name.startswith(".out.fp8fix-") for p in tmp_path.iterdir()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            break
-        time.sleep(0.0005)
-    proc.send_signal(sig)
+    with stopped_while(proc, lambda: writing(tmp_path, "out", 4)):  # stopped mid-write: no race to lose
+        proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=60)
-    if proc.returncode == 0:
-        pytest.skip("the conversion finished before the signal arrived")
     if sig == signal.SIGTERM:
         assert proc.returncode == 143 and stderr.strip() == "Terminated: nothing was written.", stderr
         assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

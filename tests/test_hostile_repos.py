@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.builders import build, llama, phi3
-from tests.conftest import folder_digest, load_tensors, run_cli
+from tests.conftest import folder_digest, load_tensors, run_cli, stopped_while
 from tests.test_grouped import neox
 from tests.test_hostile_input import EXAMPLE, INDEX, SHARD1, src
 
@@ -384,28 +384,6 @@ def _children_of(pid: int) -> list[int]:
         return [int(p) for p in path.read_text().split()]
     except OSError:
         return []
-
-
-class stopped_while:  # noqa: N801 (used as a statement: `with stopped_while(...)`)
-    """Stop `proc` (SIGSTOP) until `ready()` holds, then run the block with it stopped and continue it:
-    what the block does happens at a known point of the run, never after it finished."""
-
-    def __init__(self, proc: subprocess.Popen[str], ready: Callable[[], bool], limit: float = 60) -> None:
-        self.proc, self.ready, self.limit = proc, ready, limit
-
-    def __enter__(self) -> None:
-        deadline = time.monotonic() + self.limit
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "the process ended before the point it was to be stopped at"
-            os.kill(self.proc.pid, signal.SIGSTOP)
-            if self.ready():
-                return
-            os.kill(self.proc.pid, signal.SIGCONT)
-            time.sleep(0.001)
-        raise AssertionError("the process never reached the point it was to be stopped at")
-
-    def __exit__(self, *exc: object) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
 
 
 # --- H7. a Hub that never answers ----------------------------------------------------------------------------
