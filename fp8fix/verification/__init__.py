@@ -19,8 +19,10 @@ Then:
 - every other tensor, or its row slice, is byte-identical;
 - `--tp` padding and `--tp-bf16` weights are checked as such (`padding`, `dequantized`);
 - every OUTPUT tensor has the dtype and shape its SOURCE tensor and mapping give (`shapes`);
-- index, shard files, config.json and the copied files are what they should be, and OUTPUT
-  holds no file besides them.
+- index, shard files and their `__metadata__`, and the copied files are what they should be,
+  and OUTPUT holds no file besides them;
+- config.json (and ModelOpt's side config) by what it means for OUTPUT's tensors, never from
+  convert's config code (`config`), and the model card's facts (`card`).
 Memory stays at one row chunk per tensor whatever the checkpoint's size.
 """
 

@@ -3,8 +3,8 @@
 Read off OUTPUT itself (never the plan): a SOURCE FP8 weight with a block scale whose OUTPUT tensor
 is BF16 of the same shape. Each of its values must be the SOURCE code times its block scale,
 computed exactly in float64, to within half a BF16 step (one rounding to nearest); its scales
-must be gone from OUTPUT, and config.json must list the module as unquantized (`repo.check_repo`
-through `output_config`'s `unquantized`).
+must be gone from OUTPUT, and config.json must list the module as unquantized (`config.check_config`,
+whose name lists must name them where a list is one of modules left unquantized).
 """
 
 from __future__ import annotations
