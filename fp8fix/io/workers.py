@@ -60,6 +60,7 @@ def _serve(function: Callable[..., Any], tasks: list[tuple[Any, ...]], conn: Any
     global _done
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)  # held since the fork (`_start`): now they act plainly
     _done = counter
     while (index := _next_task(conn)) is not None:
         try:
@@ -115,7 +116,7 @@ def run_tasks(
         for _ in range(workers):
             parent_end, child_end = context.Pipe()
             process = context.Process(target=_serve, args=(function, tasks, child_end, counter), daemon=True)
-            process.start()
+            _start(process)
             child_end.close()
             pool.append(_Worker(process, parent_end))
         for worker in pool:
@@ -142,6 +143,22 @@ def run_tasks(
         return results
     finally:
         _stop(pool)  # after success each has been told to stop; on any error they are ended
+
+
+#: Signals a worker must not take with the parent's handlers (fp8fix's SIGTERM handler raises an exception).
+_HELD = {signal.SIGINT, signal.SIGTERM}
+
+
+def _start(process: Any) -> None:
+    """Fork `process` with SIGINT and SIGTERM held: a child signalled before `_serve` has set its own
+    handlers (the parent stopping it at once, because another worker died) must not run the parent's,
+    which raised in the child's after-fork code and printed a traceback. They stay pending in the child
+    until `_serve` sets plain handlers and lets them through; the parent's are delivered right after."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _assign(worker: _Worker, queue: Any, names: list[str] | None) -> None:
