@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import Checkpoint, check_scale_values
 from fp8fix.io.safetensors_file import TensorInfo
+from fp8fix.io.source_files import SourceFiles
 from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, INPUT_SCALE_DTYPES, SCALE_DTYPES, is_fp8
 from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, Registry, architecture_name
 from fp8fix.registry.formats import (
@@ -174,6 +176,9 @@ class CheckpointModel:
     # set once require_convertible has passed: --target plans several candidates from one description,
     # and reading every scale again for each (tens of thousands of block grids) is wasted work
     _convertible: list[bool] = field(default_factory=list, repr=False, compare=False)
+    #: what other modules derive from this description alone (the loader facts), kept so that planning
+    #: several candidates does not derive it again for each: O(tensors) each time
+    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def is_autofp8(self) -> bool:
@@ -189,12 +194,20 @@ class CheckpointModel:
     def require_architecture(self) -> tuple[str, ArchitectureSpec]:
         """The registry entry (or, for an unregistered architecture whose FP8 weights look unfused, one
         with no fused modules); refused where an FP8 weight looks fused and no entry describes it."""
-        linear = [w.module for w in self.module_weights() if not w.stacked]
-        return self.registry.lookup(self.checkpoint.config, linear)
+        found = self.derived.get("architecture")
+        if found is None:  # looked up once: every candidate layout asks
+            linear = [w.module for w in self.module_weights() if not w.stacked]
+            found = self.derived["architecture"] = self.registry.lookup(self.checkpoint.config, linear)
+        assert isinstance(found, tuple)
+        return found
 
     def module_weights(self) -> list[Fp8Weight]:
         """FP8 weights of an encoding fp8fix converts, as modules (linear `.weight`s and stacked experts)."""
-        return [w for w in self.weights.values() if w.is_module_weight and w.tensor.dtype in FP8_WEIGHT_DTYPES]
+        return list(self._module_weights)
+
+    @cached_property
+    def _module_weights(self) -> tuple[Fp8Weight, ...]:
+        return tuple(w for w in self.weights.values() if w.is_module_weight and w.tensor.dtype in FP8_WEIGHT_DTYPES)
 
     def fused_experts(self) -> list[Fp8Weight]:
         return [w for w in self.weights.values() if w.experts is not None and w.experts.fused]
@@ -211,12 +224,13 @@ class CheckpointModel:
                 f"{ckpt.root.name}: no FP8 tensor in {len(ckpt.shards)} safetensors file(s); not an FP8 checkpoint"
             )
         ordered = sorted(self.weights.values(), key=lambda w: w.stacked)
-        for w in ordered:
-            if w.problem is not None:
-                raise w.problem
-            for scale in (w.scale, w.input_scale) if self.checkpoint.has_data else ():  # Hub headers: no values
-                if scale is not None:
-                    check_scale_values(scale)
+        with SourceFiles() as files:
+            for w in ordered:
+                if w.problem is not None:
+                    raise w.problem
+                for scale in (w.scale, w.input_scale) if self.checkpoint.has_data else ():  # Hub headers: no values
+                    if scale is not None:
+                        check_scale_values(scale, files)
         self._convertible.append(True)
 
 

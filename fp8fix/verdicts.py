@@ -132,6 +132,16 @@ def verdicts_json(verdicts: dict[str, LoaderVerdict]) -> dict[str, dict[str, obj
 
 
 def facts_of(model: CheckpointModel) -> Facts:
+    """The facts the loader rules read, derived once per description (`--target` judges the source for
+    every candidate)."""
+    facts = model.derived.get("facts")
+    if facts is None:
+        facts = model.derived["facts"] = _derive_facts(model)
+    assert isinstance(facts, Facts)
+    return facts
+
+
+def _derive_facts(model: CheckpointModel) -> Facts:
     weights = [w for w in model.weights.values() if w.is_module_weight]
     fused = [w for w in weights if w.fused is not None]
     unfused_suffixes = tuple(

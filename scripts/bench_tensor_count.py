@@ -27,71 +27,103 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 
 
-def checkpoint(root: Path, tensors: int) -> Path:
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    body = bytearray()
-    for i in range(tensors // 2):
-        start = len(body)
-        body += bytes(16) + struct.pack("<f", 0.01)
-        header[f"model.layers.{i}.mlp.down_proj.weight"] = {
-            "dtype": "F8_E4M3",
-            "shape": [4, 4],
-            "data_offsets": [start, start + 16],
-        }
-        header[f"model.layers.{i}.mlp.down_proj.weight_scale"] = {
-            "dtype": "F32",
-            "shape": [],
-            "data_offsets": [start + 16, start + 20],
-        }
+def checkpoint(root: Path, tensors: int, shards: int = 1) -> Path:
+    """N tensors (N/2 tiny weights with their scales) over SHARDS files; one shard has no index.
+
+    One shard: AutoFP8 per-tensor `down_proj` weights, one per layer (the issue's 10k-40k series).
+    Several shards: a DeepSeek-V3-shaped block-FP8 checkpoint (`weight_scale_inv` grids, per-expert
+    gate/up/down in 61 layers), as DeepSeek-V3 (~91k tensors, 163 shards) and Kimi-K2 publish them.
+    """
     root.mkdir(parents=True)
-    text = json.dumps(header).encode()
-    (root / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + bytes(body))
+    if shards == 1:
+        names = [f"model.layers.{i}.mlp.down_proj" for i in range(tensors // 2)]
+        scale, quant = "weight_scale", {"quant_method": "fp8", "activation_scheme": "dynamic"}
+        layers, scale_shape = len(names), []
+    else:
+        layers = 61
+        experts = -(-tensors // (2 * 3 * layers))
+        names = [
+            f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj"
+            for layer in range(layers)
+            for e in range(experts)
+            for proj in ("gate", "up", "down")
+        ][: tensors // 2]
+        scale, scale_shape = "weight_scale_inv", [1, 1]
+        quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    per_shard = -(-len(names) // shards)
+    weight_map: dict[str, str] = {}
+    for index in range(shards):
+        file = "model.safetensors" if shards == 1 else f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        body = bytearray()
+        for name in names[index * per_shard : (index + 1) * per_shard]:
+            start = len(body)
+            body += bytes(16) + struct.pack("<f", 0.01)
+            header[f"{name}.weight"] = {"dtype": "F8_E4M3", "shape": [4, 4], "data_offsets": [start, start + 16]}
+            header[f"{name}.{scale}"] = {"dtype": "F32", "shape": scale_shape, "data_offsets": [start + 16, start + 20]}
+            weight_map[f"{name}.weight"] = weight_map[f"{name}.{scale}"] = file
+        text = json.dumps(header).encode()
+        (root / file).write_bytes(struct.pack("<Q", len(text)) + text + bytes(body))
+    if shards > 1:
+        index_text = {"metadata": {"total_size": 20 * len(names)}, "weight_map": weight_map}
+        (root / "model.safetensors.index.json").write_text(json.dumps(index_text))
     config = {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": ["LlamaForCausalLM" if shards == 1 else "DeepseekV3ForCausalLM"],
         "hidden_size": 4,
-        "num_hidden_layers": tensors // 2,
-        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+        "num_hidden_layers": layers,
+        "quantization_config": quant,
     }
     (root / "config.json").write_text(json.dumps(config))
     return root
 
 
-def timed(checkout: Path, args: list[str]) -> float:
+def timed(checkout: Path, args: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds (with its workers) and peak RSS (MB) of one fp8fix command."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    start = time.perf_counter()  # cwd too: `python -m` puts the working folder first on sys.path
-    proc = subprocess.run(
-        [sys.executable, "-m", "fp8fix", *args], env=env, cwd=checkout, capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"{checkout}: fp8fix {' '.join(args)} failed:\n{proc.stderr[-2000:]}")
-    return time.perf_counter() - start
+    with tempfile.TemporaryFile() as stderr:
+        start = time.perf_counter()  # cwd too: `python -m` puts the working folder first on sys.path
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fp8fix", *args], env=env, cwd=checkout, stdout=subprocess.DEVNULL, stderr=stderr
+        )
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        if os.waitstatus_to_exitcode(status) != 0:
+            stderr.seek(0)
+            raise SystemExit(f"{checkout}: fp8fix {' '.join(args)} failed:\n{stderr.read().decode()[-2000:]}")
+    # wait4 gives the child's own usage; its --jobs workers are its children, counted by RUSAGE_CHILDREN
+    # only once reaped by it, which they are before it exits.
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--counts", type=int, nargs="+", default=[10_000, 20_000, 40_000])
+    parser.add_argument("--shards", type=int, default=1, help="files per checkpoint (several: block FP8 + index)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baseline", type=Path, help="another fp8fix checkout to time in the same run")
     args = parser.parse_args()
     checkouts = {"this": HERE, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     with tempfile.TemporaryDirectory() as tmp:
-        print("| tensors | command | " + " | ".join(f"{k} (s, median)" for k in checkouts) + " | ratio |")
-        print("|---|---|" + "---|" * len(checkouts) + "---|")
+        heads = " | ".join(f"{k}: wall s / CPU s / peak MB" for k in checkouts)
+        print(f"| tensors | shards | command | {heads} | ratio (wall) |")
+        print("|---|---|---|" + "---|" * len(checkouts) + "---|")
         for count in args.counts:
-            src = checkpoint(Path(tmp) / f"n{count}", count)
+            src = checkpoint(Path(tmp) / f"n{count}", count, args.shards)
+            out = Path(tmp) / f"n{count}-out"
             commands = {
                 "inspect --json": ["inspect", str(src), "--json", "-q"],
-                "convert --dry-run": ["convert", str(src), str(src) + "-out", "--dry-run", "-q"],
+                "convert --dry-run": ["convert", str(src), str(out), "--dry-run", "-q"],
+                "convert": ["convert", str(src), str(out), "-q", "--overwrite"],
             }
             for label, command in commands.items():
-                times: dict[str, list[float]] = {k: [] for k in checkouts}
+                runs: dict[str, list[tuple[float, float, float]]] = {k: [] for k in checkouts}
                 for _ in range(args.repeats):
                     for name, checkout in checkouts.items():  # alternately, round by round
-                        times[name].append(timed(checkout, command))
-                medians = {k: statistics.median(v) for k, v in times.items()}
-                ratio = f"{medians['baseline'] / medians['this']:.1f}x" if "baseline" in medians else "-"
-                cells = " | ".join(f"{m:.2f}" for m in medians.values())
-                print(f"| {count:,} | {label} | {cells} | {ratio} |", flush=True)
+                        runs[name].append(timed(checkout, command))
+                medians = {k: [statistics.median(r[i] for r in v) for i in range(3)] for k, v in runs.items()}
+                ratio = f"{medians['baseline'][0] / medians['this'][0]:.1f}x" if "baseline" in medians else "-"
+                cells = " | ".join(f"{m[0]:.2f} / {m[1]:.2f} / {m[2]:.0f}" for m in medians.values())
+                print(f"| {count:,} | {args.shards} | {label} | {cells} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("package", choices=sorted(TESTS))
     parser.add_argument("--max-children", type=int, default=2)
+    parser.add_argument("--timeout-multiplier", type=float, default=3.0)
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it (default: a temporary one)")
     args = parser.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="fp8fix-mutants-"))
@@ -64,6 +65,9 @@ def main() -> int:
             'source_paths = ["fp8fix/"]\n'
             f'only_mutate = ["fp8fix/{args.package}/*"]\n'
             f"pytest_add_cli_args_test_selection = {json.dumps(TESTS[args.package])}\n"
+            # A mutant whose tests run over 3x their clean time counts as caught (timed out): mutmut's
+            # default, 15x, spends a minute or more on each of the loops a mutant makes endless.
+            f"timeout_multiplier = {args.timeout_multiplier}\n"
         )
         with open(work / "pyproject.toml", "a", encoding="utf-8") as f:
             f.write(config)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.builders import build, phi3
-from tests.conftest import run_cli
+from tests.builders import block_fp8_checkpoint, build, llama, mlp_linears, phi3
+from tests.conftest import folder_digest, run_cli
 from tests.test_registry import MODELS
 
 CURRENT = ("vLLM >= 0.20", "transformers")
@@ -107,3 +107,36 @@ def test_a_source_that_already_loads_everywhere_is_said_so_and_written(tmp_path:
     assert "SOURCE already loads correctly in vLLM >= 0.20 and transformers" in result.output
     fp8 = build(tmp_path / "fp8", phi3())  # AutoFP8: transformers computes with raw codes
     assert "already loads" not in run_cli("convert", fp8, tmp_path / "out2").output
+
+
+def _without_fused_modules(root: Path, kind: str) -> Path:
+    if kind == "block":
+        config = {**llama().config, "hidden_size": 256, "intermediate_size": 256}
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
+        linears = {k: v for i in range(2) for k, v in mlp_linears(f"model.layers.{i}", 256, 256).items()}
+        return block_fp8_checkpoint(root, config, linears)
+    fmt, scale = kind.split("/")
+    return build(root, llama(), fmt=fmt, scale=scale)
+
+
+@pytest.mark.parametrize("kind", ["fp8/tensor", "fp8/channel", "compressed-tensors/tensor", "block"])
+def test_layouts_planned_once_where_nothing_is_fused(tmp_path: Path, kind: str) -> None:
+    """Issue 25 H5: --target plans per-shard and fused only where something is fused, since without a fused
+    module they write what unfused writes (and lose ties to it). Written out here, they do: same files,
+    byte for byte, model card aside (it names the layout); and the automatic choice is unfused."""
+    src = _without_fused_modules(tmp_path / "src", kind)
+    written = {}
+    for layout in ("unfused", "per-shard", "fused"):
+        out = tmp_path / layout
+        result = run_cli("convert", src, out, "--layout", layout, "-q")
+        assert result.exit_code == 0, result.output
+        written[layout] = {k: v for k, v in folder_digest(out).items() if k != "README.md"}
+    assert written["unfused"] == written["per-shard"] == written["fused"]
+    assert len(written["unfused"]) > 2
+    chosen = json.loads(run_cli("convert", src, tmp_path / "auto", "--json", "-q").output)
+    assert chosen["layout"] in ("unfused", "channel")

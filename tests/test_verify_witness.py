@@ -248,3 +248,149 @@ def test_the_model_card_facts_are_checked(tmp_path: Path, old: str, new: str, sa
     assert old in card
     (out / "README.md").write_text(card.replace(old, new, 1))
     assert f"README.md: {said}" in problems(src, out)
+
+
+# --- config.json sizes against the tensors (verification/sizes.py) ---------------------------------------
+# Shapes as the published checkpoints hold them (config.json and model.safetensors.index.json of each repo),
+# a few tensors each; the expected keys are read off those files, not computed by fp8fix.
+
+LLAMA_31_8B = {
+    "config": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 32,
+        "vocab_size": 128256,
+    },
+    "shapes": {
+        "model.embed_tokens.weight": (128256, 4096),
+        "model.layers.0.self_attn.q_proj.weight": (4096, 4096),
+        "model.layers.0.self_attn.k_proj.weight": (1024, 4096),
+        "model.layers.31.self_attn.v_proj.weight": (1024, 4096),
+        "model.layers.0.self_attn.o_proj.weight": (4096, 4096),
+        "model.layers.0.mlp.gate_proj.weight": (14336, 4096),
+        "model.layers.0.mlp.up_proj.weight": (14336, 4096),
+        "model.layers.0.mlp.down_proj.weight": (4096, 14336),
+    },
+}
+PHI_3_MINI = {
+    "config": {
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "num_hidden_layers": 32,
+        "vocab_size": 32064,
+    },
+    "shapes": {
+        "model.embed_tokens.weight": (32064, 3072),
+        "model.layers.0.self_attn.qkv_proj.weight": (9216, 3072),
+        "model.layers.0.self_attn.o_proj.weight": (3072, 3072),
+        "model.layers.31.mlp.gate_up_proj.weight": (16384, 3072),
+        "model.layers.0.mlp.down_proj.weight": (3072, 8192),
+    },
+}
+QWEN3_30B_A3B = {  # head_dim 128 with hidden 2048 / 32 heads = 64: head_dim is read, not derived
+    "config": {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "head_dim": 128,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 48,
+        "vocab_size": 151936,
+    },
+    "shapes": {
+        "model.embed_tokens.weight": (151936, 2048),
+        "model.layers.47.self_attn.q_proj.weight": (4096, 2048),
+        "model.layers.0.self_attn.k_proj.weight": (512, 2048),
+        "model.layers.0.self_attn.o_proj.weight": (2048, 4096),
+        "model.layers.0.mlp.experts.127.gate_proj.weight": (768, 2048),
+        "model.layers.0.mlp.experts.0.down_proj.weight": (2048, 768),
+    },
+}
+DEEPSEEK_V3 = {  # MLA attention (no rule); layer 61 is the MTP layer, outside num_hidden_layers
+    "config": {
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "num_attention_heads": 128,
+        "num_hidden_layers": 61,
+        "vocab_size": 129280,
+    },
+    "shapes": {
+        "model.embed_tokens.weight": (129280, 7168),
+        "model.layers.0.self_attn.q_b_proj.weight": (24576, 1536),
+        "model.layers.0.mlp.gate_proj.weight": (18432, 7168),
+        "model.layers.3.mlp.experts.255.up_proj.weight": (2048, 7168),
+        "model.layers.3.mlp.shared_experts.down_proj.weight": (7168, 2048),
+        "model.layers.61.mlp.experts.0.down_proj.weight": (7168, 2048),
+    },
+}
+
+
+ATTENTION = "num_attention_heads / num_key_value_heads x head_dim"
+
+
+def _with(model: dict[str, Any], **config: Any) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    return {**model["config"], **config}, model["shapes"]
+
+
+@pytest.mark.parametrize(
+    "case,keys",
+    [
+        (_with(LLAMA_31_8B), set()),
+        (_with(PHI_3_MINI), set()),
+        (_with(QWEN3_30B_A3B), set()),
+        (_with(DEEPSEEK_V3), {"num_hidden_layers"}),
+        (_with(LLAMA_31_8B, intermediate_size=14464), {"intermediate_size"}),
+        (_with(LLAMA_31_8B, num_key_value_heads=16), {ATTENTION}),
+        (
+            _with(LLAMA_31_8B, vocab_size=128000, hidden_size=4608),
+            {"vocab_size", "hidden_size", ATTENTION},
+        ),
+        (_with(LLAMA_31_8B, num_hidden_layers=31), {"num_hidden_layers"}),
+        (_with(PHI_3_MINI, intermediate_size=8320), {"intermediate_size"}),
+        (_with(PHI_3_MINI, num_key_value_heads=8), {ATTENTION}),  # qkv rows: (32 + 2 x 8) x 96
+        (_with(QWEN3_30B_A3B, moe_intermediate_size=1024), {"moe_intermediate_size"}),
+        (_with(QWEN3_30B_A3B, head_dim=None), {ATTENTION}),  # 2048 / 32 = 64
+        (_with(DEEPSEEK_V3, moe_intermediate_size=2304, num_hidden_layers=62), {"moe_intermediate_size"}),
+    ],
+)
+def test_config_sizes_read_against_published_shapes(
+    case: tuple[dict[str, Any], dict[str, tuple[int, ...]]], keys: set[str]
+) -> None:
+    from fp8fix.verification.sizes import size_disagreements
+
+    config, shapes = case
+    assert set(size_disagreements(config, shapes)) == keys
+
+
+def test_verify_catches_a_padded_size_under_a_key_the_model_does_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registry bug shared by convert and verify's padding check (experts' intermediate under the dense
+    MLP's key) is repeated by that check, not by the sizes one: convert pads Qwen3-MoE's experts for TP 4
+    and writes `intermediate_size` (no dense MLP reads it); moe_intermediate_size stays 384 for 512 rows."""
+    import fp8fix.registry.parallel as parallel
+    from tests.test_parallel import qwen3_moe
+
+    wrong = tuple(
+        (p, "intermediate_size" if key == "moe_intermediate_size" else key) for p, key in parallel.PADDED_SIZES
+    )
+    monkeypatch.setattr(parallel, "PADDED_SIZES", wrong)
+    src = qwen3_moe(tmp_path / "src", moe_intermediate=384)
+    edit(src / "config.json", lambda c: c.update(intermediate_size=384))  # what convert checks the experts by
+    result = run_cli("convert", src, tmp_path / "out", "--tp", "4", "-q", check_output=False)
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["moe_intermediate_size"] == 384
+    assert load_tensors(tmp_path / "out")["model.layers.0.mlp.experts.0.gate_proj.weight"].shape[0] == 512
+    report = json.loads(run_cli("verify", src, tmp_path / "out", "--json").output)
+    (line,) = [p for p in report["problems"] if "moe_intermediate_size" in p]
+    assert "mlp.experts.0." in line and "384" in line and "512" in line
+    assert not report["ok"]

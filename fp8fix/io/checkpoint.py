@@ -18,6 +18,7 @@ from typing import Any
 from fp8fix.errors import InvalidCheckpoint
 from fp8fix.io.json_text import MAX_FILE_BYTES, JsonRefused, parse_json
 from fp8fix.io.safetensors_file import SafetensorsHeader, TensorInfo, read_header, read_values
+from fp8fix.io.source_files import SourceFiles
 from fp8fix.io.source_tree import SourceTree, read_regular
 
 CONFIG = "config.json"
@@ -70,9 +71,9 @@ def first_invalid_scale(values: list[float]) -> float | None:
     return next((v for v in values if not 0 < v < math.inf), None)
 
 
-def check_scale_values(scale: TensorInfo) -> list[float]:
+def check_scale_values(scale: TensorInfo, files: SourceFiles | None = None) -> list[float]:
     """The scale's values, each finite and positive, or a clear error naming the first that is not."""
-    values = read_values(scale)
+    values = read_values(scale, files)
     bad = first_invalid_scale(values)
     if bad is not None:
         raise InvalidCheckpoint(

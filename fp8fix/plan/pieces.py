@@ -163,7 +163,7 @@ class OutputTensor:
 
     def __post_init__(self) -> None:
         expected = tensor_nbytes(self.dtype, self.shape)
-        got = sum(p.nbytes for p in self.pieces)
+        got = self.pieces[0].nbytes if len(self.pieces) == 1 else sum(p.nbytes for p in self.pieces)
         assert expected == got, f"{self.name}: planned {got} bytes for {self.dtype} {self.shape} ({expected})"
 
     @property

@@ -12,7 +12,7 @@ import bisect
 from pathlib import Path
 
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
-from fp8fix.io.checkpoint import CONFIG
+from fp8fix.io.checkpoint import CONFIG, Checkpoint
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import CheckpointModel, describe_checkpoint, unquantized_linears
 from fp8fix.plan import compressed_tensors
@@ -53,7 +53,10 @@ def plan_for_target(
         if not found:  # every candidate refused: plan the first for its error
             return plan_conversion(model, layout or arch.default_layout, to, output_format or "keep", tp, tp_bf16)
         chosen = best(found, target, arch.default_layout)
-        plan = plan_conversion(model, chosen.layout, to, chosen.output_format, tp, tp_bf16)
+        if to is None and tp is None and not tp_bf16:  # the candidate is the whole conversion
+            plan = chosen.plan
+        else:
+            plan = plan_conversion(model, chosen.layout, to, chosen.output_format, tp, tp_bf16)
         plan.layout_was_default = layout is None
     else:
         plan = plan_conversion(model, layout, to, output_format, tp, tp_bf16)
@@ -89,6 +92,9 @@ def plan_conversion(
         )
     if chosen == "channel":
         _require_channel_format(model, output_format, arch_name)
+    writable = output_format == "compressed-tensors" and compressed_tensors.can_write(model)
+    if output_format == "compressed-tensors" and not writable:  # before the shards are planned: refused anyway
+        raise _no_compressed_tensors(arch_name, chosen)
     replacements: dict[str, list[OutputTensor]] = {}
     changes: list[ModuleChange] = []
     renames: dict[str, list[str]] = {}
@@ -112,13 +118,9 @@ def plan_conversion(
     encoding = plan_encoding(model, shards, to) if to else None
     strategy = None
     if output_format == "compressed-tensors":
-        strategy = compressed_tensors.strategy_of(shards, model) if compressed_tensors.can_write(model) else None
+        strategy = compressed_tensors.strategy_of(shards, model) if writable else None
         if strategy is None:
-            raise UnsupportedCheckpoint(
-                f"{arch_name}: compressed-tensors output needs an AutoFP8, Quark or ModelOpt source whose config "
-                "one compressed-tensors group can say (no per-layer overrides, no modules_to_not_convert) and whose "
-                f"weight scales the {chosen} layout leaves all per tensor or all per channel"
-            )
+            raise _no_compressed_tensors(arch_name, chosen)
         compressed_tensors.rewrite_tensors(shards, model)
     check_pieces_inside_sources(shards, ckpt.tensors)
     plan = ConversionPlan(
@@ -151,9 +153,31 @@ def plan_conversion(
     if model.spec is None:
         plan.notes.append(unregistered_note(arch_name))
     plan.source_loaders = loader_verdicts(model)
-    config = plan.config_files.get(CONFIG, (ckpt.config, []))[0]
-    plan.loaders = loader_verdicts(describe_checkpoint(planned_checkpoint(plan, ckpt, config), model.registry))
+    if CONFIG not in plan.config_files and _tensors_unchanged(plan, ckpt):
+        plan.loaders = plan.source_loaders  # what verdicts read (config.json, tensor names, dtypes, shapes) is SOURCE's
+    else:
+        config = plan.config_files.get(CONFIG, (ckpt.config, []))[0]
+        plan.loaders = loader_verdicts(describe_checkpoint(planned_checkpoint(plan, ckpt, config), model.registry))
     return plan
+
+
+def _tensors_unchanged(plan: ConversionPlan, ckpt: Checkpoint) -> bool:
+    """Every SOURCE tensor written as it is, under its name, and nothing else: the output's headers say
+    what SOURCE's do (a DeepSeek-V3 kept as it is: 91k tensors not described a second time)."""
+    written = [t for shard in plan.shards for t in shard.tensors]
+    source = ckpt.tensors
+    return len(written) == len(source) and all(
+        t.unchanged and (t.dtype, tuple(t.shape)) == (source[t.name].dtype, tuple(source[t.name].shape))
+        for t in written
+    )
+
+
+def _no_compressed_tensors(arch_name: str, layout: Layout) -> UnsupportedCheckpoint:
+    return UnsupportedCheckpoint(
+        f"{arch_name}: compressed-tensors output needs an AutoFP8, Quark or ModelOpt source whose config "
+        "one compressed-tensors group can say (no per-layer overrides, no modules_to_not_convert) and whose "
+        f"weight scales the {layout} layout leaves all per tensor or all per channel"
+    )
 
 
 def channel_format(model: CheckpointModel) -> OutputFormat | None:

@@ -1,7 +1,7 @@
 """Choosing the layout for the loaders a conversion is for (`--target`), from the verdicts on each
 candidate output.
 
-Every layout the planner accepts is planned (headers only: cheap) and judged by
+Every layout the planner accepts (that can differ: see `_distinct_layouts`) is planned and judged by
 `fp8fix.verdicts` as the output it would write. The target's loaders are counted
 first; then exactness: where a fused module's shards carry different scales, every layout
 but `channel` leaves them to be requantized (by fp8fix for `fused`, by the runtime at load
@@ -62,7 +62,7 @@ def candidates(
 
     found = []
     differ = shard_scales_differ(model)
-    for lay in [layout] if layout else LAYOUTS:
+    for lay in [layout] if layout else _distinct_layouts(model):
         for fmt in [output_format] if output_format else OUTPUT_FORMATS:
             try:
                 plan = plan_conversion(model, lay, output_format=fmt)
@@ -73,6 +73,15 @@ def candidates(
                 Candidate(lay, fmt, plan, unchanged, (differ and lay != "channel") or _requantizes(plan, model))
             )
     return found
+
+
+def _distinct_layouts(model: CheckpointModel) -> tuple[Layout, ...]:
+    """The layouts whose outputs can differ: per-shard and fused write what unfused writes when nothing
+    is fused (no fused module, no fused stacked experts), and lose every tie to it (`best`), so they are
+    not planned again (DeepSeek-V3: 91k tensors, seconds per plan)."""
+    if model.fused or model.fused_experts():
+        return LAYOUTS
+    return tuple(lay for lay in LAYOUTS if lay not in ("per-shard", "fused"))
 
 
 def _requantizes(plan: ConversionPlan, model: CheckpointModel) -> bool:

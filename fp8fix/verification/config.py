@@ -3,6 +3,7 @@
 verify does not ask convert's config code what config.json should be (a bug there would
 repeat itself here): it reads both configs itself and checks what a loader takes from them.
 
+- The sizes config.json gives the model's layers match OUTPUT's tensors wherever SOURCE's do (`sizes`).
 - Every key outside `quantization_config` is SOURCE's, but the sizes `--tp` padding changed
   (`padding.padded_sizes`, which only counts a size a padded weight reads) and the keys the
   registry entry sets for an unfused layout.
@@ -30,6 +31,7 @@ from fp8fix.numerics.dtypes import is_fp8
 from fp8fix.registry.formats import COMPRESSED_TENSORS, NameList, locations, matches
 from fp8fix.registry.formats import quantization_config as quantization_of
 from fp8fix.verification.context import VerifyContext
+from fp8fix.verification.sizes import check_sizes
 
 _NAME_LIST = "<a name list, compared by meaning>"
 _STRATEGY = "<the weights' strategy, read off OUTPUT's scales>"
@@ -42,6 +44,8 @@ def check_config(
     the side config files (ModelOpt's) that OUTPUT holds rewritten, so they are not taken for copies."""
     src, out = ctx.src.config, ctx.out.config
     _model_keys(ctx, renames, sizes)
+    for line in check_sizes(ctx.out, ctx.src):
+        ctx.report.problem(line)
     source_qc, output_qc = quantization_of(src) or {}, quantization_of(out) or {}
     kept = source_qc.get("quant_method") == output_qc.get("quant_method")
     if output_qc.get("quant_method") == COMPRESSED_TENSORS.name:
