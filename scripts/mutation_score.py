@@ -6,15 +6,17 @@ test fail. This runs mutmut (`pip install mutmut==3.8.1`) over `fp8fix/numerics/
 the tests that exercise them, and prints the score and every mutant that survived, to be justified
 (README "Mutation testing") or killed by a new test.
 
-    python scripts/mutation_score.py numerics              # about 10 minutes on 2 cores
+    python scripts/mutation_score.py numerics --recheck-timeouts   # an hour or more on 2 cores
     python scripts/mutation_score.py verification --max-children 2
     python scripts/mutation_score.py numerics --keep /tmp/mut   # keep the copy (mutmut show NAME there)
+    python scripts/mutation_score.py numerics --recheck-only /tmp/mut   # recheck a kept run's timeouts
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -55,8 +57,14 @@ def main() -> int:
     parser.add_argument("package", choices=sorted(TESTS))
     parser.add_argument("--max-children", type=int, default=2)
     parser.add_argument("--timeout-multiplier", type=float, default=3.0)
+    parser.add_argument("--recheck-timeouts", action="store_true", help="run each timed-out mutant again alone")
+    parser.add_argument("--recheck-limit", type=float, default=600.0, help="wall seconds per recheck")
+    parser.add_argument("--recheck-only", type=Path, help="recheck the timeouts of a kept run in this folder; no run")
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it (default: a temporary one)")
     args = parser.parse_args()
+    if args.recheck_only:
+        recheck_timeouts(args.recheck_only, TESTS[args.package], args.recheck_limit)
+        return 0
     work = args.keep or Path(tempfile.mkdtemp(prefix="fp8fix-mutants-"))
     try:
         _copy_tree(work)
@@ -80,10 +88,44 @@ def main() -> int:
         print(f"\nfp8fix/{args.package}: {killed} of {total} mutants killed ({100 * killed / max(total, 1):.1f}%)")
         print(json.dumps(stats))
         print("not killed:\n" + survivors)
+        if args.recheck_timeouts:
+            recheck_timeouts(work, TESTS[args.package], args.recheck_limit)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def timed_out(work: Path) -> list[str]:
+    """The mutants mutmut stopped at its CPU-time limit (SIGXCPU), from its per-file results."""
+    names = []
+    for meta in sorted((work / "mutants").rglob("*.meta")):
+        codes = json.loads(meta.read_text()).get("exit_code_by_key", {})
+        names += [name for name, code in codes.items() if code in (-24, 24, 152)]
+    return names
+
+
+def recheck_timeouts(work: Path, tests: list[str], limit: float) -> None:
+    """Run each timed-out mutant's tests again, alone, in file order, stopping at the first failure.
+
+    mutmut stops a mutant's test run at a CPU-time limit it derives from the clean run. Here some runs
+    hit it before reaching a test that fails: `steps_at` made to raise TypeError on its first call timed
+    out at 96 s, and `pytest -x tests/test_transforms.py` kills it in 5 s. So a timeout is not counted
+    as caught: each is run again alone, in the selection's file order, and becomes killed or survived
+    (or stays a timeout past `limit` wall seconds)."""
+    verdicts: dict[str, list[str]] = {"killed": [], "survived": [], "timeout": []}
+    for name in timed_out(work):
+        env = {**os.environ, "MUTANT_UNDER_TEST": name}
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+        try:
+            code = subprocess.run(command, cwd=work / "mutants", env=env, capture_output=True, timeout=limit).returncode
+            verdicts["survived" if code == 0 else "killed"].append(name)
+        except subprocess.TimeoutExpired:
+            verdicts["timeout"].append(name)
+        print(f"{name}: {next(k for k, v in verdicts.items() if name in v)}", flush=True)
+    print(json.dumps({k: len(v) for k, v in verdicts.items()}))
+    for name in verdicts["survived"] + verdicts["timeout"]:
+        print(f"not killed on recheck: {name}")
 
 
 def _copy_tree(work: Path) -> None:

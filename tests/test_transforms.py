@@ -134,3 +134,31 @@ def test_dequantize_to_bf16_ties_go_to_even_and_tiny_values_are_refused() -> Non
         assert torch.frombuffer(bytearray(out), dtype=torch.bfloat16).item() == expected
     with pytest.raises(ValueError, match="BF16's normal range"):
         dequantize_rows(bytes([0x01]), "F8_E4M3", 1, 1, (2.0**-120,))  # 2^-9 x 2^-120: below BF16's normals
+
+
+@pytest.mark.parametrize(
+    "value,kept",
+    [
+        (2.0**-126, True),  # BF16's smallest normal (float32's exponent range), kept exactly
+        (-(2.0**-126), True),
+        ((2 - 2**-7) * 2.0**127, True),  # BF16's largest finite value
+        (0.0, True),
+        (2.0**-127, False),  # a BF16 subnormal: refused, not flushed
+        (2.0**128, False),  # past float32's range: no BF16 holds it
+        ((2 - 2**-9) * 2.0**127, False),  # rounds up past the largest BF16: to inf
+    ],
+)
+def test_round_to_bf16_keeps_exactly_bf16s_normal_range(value: float, kept: bool) -> None:
+    """The edges of `--tp-bf16`'s range check, from BF16's definition (8 exponent bits as float32, 7 stored
+    mantissa bits): mutation testing found the boundaries untested (`<` vs `<=`, float32's max vs float64's)."""
+    import numpy as np
+
+    from fp8fix.numerics.dequantize import round_to_bf16
+
+    exact = np.array([value], dtype=np.float64)
+    if kept:
+        assert round_to_bf16(exact).tolist() == [value]
+        assert torch.tensor(value, dtype=torch.float64).to(torch.bfloat16).double().item() == value
+    else:
+        with pytest.raises(ValueError, match="^a dequantized value falls outside BF16's normal range$"):
+            round_to_bf16(exact)
