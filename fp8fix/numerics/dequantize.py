@@ -73,7 +73,7 @@ def dequantize_rows(
     exact = np.asarray(scales, dtype=np.float64)[:, None] * values[None, :]  # one 256-entry table per block
     rounded = round_to_bf16(exact)
     errors = np.abs(rounded - exact)
-    steps = np.divide(errors, bf16_step(exact), out=np.zeros_like(errors), where=exact != 0)
+    steps = errors / bf16_step(exact)  # the step at 0 is 2^-8, not 0: no division by zero
     tables = bf16_bits(rounded)
     grid = np.frombuffer(codes, dtype=np.uint8).reshape(-1, cols)
     column_block = np.arange(cols) // block_cols
