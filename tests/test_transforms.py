@@ -162,3 +162,16 @@ def test_round_to_bf16_keeps_exactly_bf16s_normal_range(value: float, kept: bool
     else:
         with pytest.raises(ValueError, match="^a dequantized value falls outside BF16's normal range$"):
             round_to_bf16(exact)
+
+
+def test_dequantize_rows_reports_no_error_where_bf16_holds_every_value() -> None:
+    """e4m3fn values have at most 4 significant bits and BF16 keeps 8: at a power-of-two scale every code
+    dequantizes exactly, so the worst error reported is 0 (mutation testing: a wrong `initial` of the max
+    went unnoticed), and the bytes are torch's own BF16 of the same values."""
+    from fp8fix.numerics.dequantize import dequantize_rows
+
+    codes = bytes(c for c in range(256) if c not in (0x7F, 0xFF))  # every e4m3fn code but NaN
+    data, stats = dequantize_rows(codes, "F8_E4M3", len(codes), len(codes), (0.25,))
+    assert (stats.max_abs, stats.max_steps) == (0.0, 0.0)
+    expected = torch.frombuffer(bytearray(codes), dtype=torch.float8_e4m3fn).double() * 0.25
+    assert data == raw(expected.to(torch.bfloat16))
