@@ -176,8 +176,8 @@ class CheckpointModel:
     # set once require_convertible has passed: --target plans several candidates from one description,
     # and reading every scale again for each (tens of thousands of block grids) is wasted work
     _convertible: list[bool] = field(default_factory=list, repr=False, compare=False)
-    #: what other modules derive from this description alone (the loader facts), kept so that planning
-    #: several candidates does not derive it again for each: O(tensors) each time
+    #: what modules above this one derive from the description alone (the loader facts), kept so that
+    #: planning several candidates does not derive it again for each: O(tensors) each time
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -194,12 +194,13 @@ class CheckpointModel:
     def require_architecture(self) -> tuple[str, ArchitectureSpec]:
         """The registry entry (or, for an unregistered architecture whose FP8 weights look unfused, one
         with no fused modules); refused where an FP8 weight looks fused and no entry describes it."""
-        found = self.derived.get("architecture")
-        if found is None:  # looked up once: every candidate layout asks
-            linear = [w.module for w in self.module_weights() if not w.stacked]
-            found = self.derived["architecture"] = self.registry.lookup(self.checkpoint.config, linear)
-        assert isinstance(found, tuple)
-        return found
+        return self._architecture
+
+    @cached_property
+    def _architecture(self) -> tuple[str, ArchitectureSpec]:
+        """Looked up once (every candidate layout asks); a refusal is not cached, it raises each time."""
+        linear = [w.module for w in self.module_weights() if not w.stacked]
+        return self.registry.lookup(self.checkpoint.config, linear)
 
     def module_weights(self) -> list[Fp8Weight]:
         """FP8 weights of an encoding fp8fix converts, as modules (linear `.weight`s and stacked experts)."""

@@ -210,7 +210,7 @@ def encode_header(
 def read_values(t: TensorInfo, files: SourceFiles | None = None) -> list[float]:
     """A small float tensor's values (scales), read by absolute offset; big tensors are streamed instead.
     Pass `files` to read many through descriptors opened once (100k scales: one open per shard)."""
-    if files is not None:
-        return decode_floats(files.read(t.path, t.start, t.end), t.dtype)
-    with SourceFiles() as own:
-        return decode_floats(own.read(t.path, t.start, t.end), t.dtype)
+    if files is None:
+        with SourceFiles() as own:
+            return read_values(t, own)
+    return decode_floats(files.read(t.path, t.start, t.end), t.dtype)

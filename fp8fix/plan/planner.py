@@ -92,8 +92,7 @@ def plan_conversion(
         )
     if chosen == "channel":
         _require_channel_format(model, output_format, arch_name)
-    writable = output_format == "compressed-tensors" and compressed_tensors.can_write(model)
-    if output_format == "compressed-tensors" and not writable:  # before the shards are planned: refused anyway
+    if output_format == "compressed-tensors" and not compressed_tensors.can_write(model):  # before planning shards
         raise _no_compressed_tensors(arch_name, chosen)
     replacements: dict[str, list[OutputTensor]] = {}
     changes: list[ModuleChange] = []
@@ -118,7 +117,7 @@ def plan_conversion(
     encoding = plan_encoding(model, shards, to) if to else None
     strategy = None
     if output_format == "compressed-tensors":
-        strategy = compressed_tensors.strategy_of(shards, model) if writable else None
+        strategy = compressed_tensors.strategy_of(shards, model)
         if strategy is None:
             raise _no_compressed_tensors(arch_name, chosen)
         compressed_tensors.rewrite_tensors(shards, model)
