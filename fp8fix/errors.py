@@ -73,6 +73,10 @@ class WorkerDied(Fp8fixError):
     """A `--jobs` worker process ended without answering (killed by the OOM killer or a signal)."""
 
 
+class MissingExtra(Fp8fixError):
+    """An optional dependency a path needs is not installed (torch: `fp8fix[torch]`)."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C so the same cleanup runs (entry.run installs the handler)."""
 
@@ -96,6 +100,7 @@ ERROR_TABLE: tuple[tuple[type[BaseException], ErrorForm], ...] = (
     (HubError, ErrorForm(EXIT_HUB, "Error: {message}")),
     (InvalidCheckpoint, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
     (UnsupportedCheckpoint, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
+    (MissingExtra, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
     (Fp8fixError, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
     (Terminated, ErrorForm(EXIT_TERMINATED, "Terminated: nothing was written.")),
     (KeyboardInterrupt, ErrorForm(EXIT_INTERRUPTED, "Interrupted: nothing was written.")),

@@ -10,6 +10,7 @@ the tests that exercise them, and prints the score and every mutant that survive
     python scripts/mutation_score.py verification --max-children 2
     python scripts/mutation_score.py numerics --keep /tmp/mut   # keep the copy (mutmut show NAME there)
     python scripts/mutation_score.py numerics --recheck-only /tmp/mut   # recheck a kept run's timeouts
+    python scripts/mutation_score.py verification --sample 200 --seed 0   # a random draw: an estimate
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -57,10 +59,15 @@ def main() -> int:
     parser.add_argument("package", choices=sorted(TESTS))
     parser.add_argument("--max-children", type=int, default=2)
     parser.add_argument("--timeout-multiplier", type=float, default=3.0)
+    parser.add_argument(
+        "--timeout-constant", type=float, default=60.0, help="seconds added to each mutant's estimated test time"
+    )
     parser.add_argument("--recheck-timeouts", action="store_true", help="run each timed-out mutant again alone")
     parser.add_argument("--recheck-limit", type=float, default=600.0, help="wall seconds per recheck")
     parser.add_argument("--recheck-only", type=Path, help="recheck the timeouts of a kept run in this folder; no run")
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it (default: a temporary one)")
+    parser.add_argument("--sample", type=int, help="test this many mutants drawn at random, not all of them")
+    parser.add_argument("--seed", type=int, default=0, help="of the --sample draw")
     args = parser.parse_args()
     if args.recheck_only:
         recheck_timeouts(args.recheck_only, TESTS[args.package], args.recheck_limit)
@@ -71,16 +78,30 @@ def main() -> int:
         config = (
             "\n[tool.mutmut]\n"
             'source_paths = ["fp8fix/"]\n'
+            'also_copy = ["examples/"]\n'  # the shipped example some tests convert
             f'only_mutate = ["fp8fix/{args.package}/*"]\n'
             f"pytest_add_cli_args_test_selection = {json.dumps(TESTS[args.package])}\n"
             # A mutant whose tests run over 3x their clean time counts as caught (timed out): mutmut's
             # default, 15x, spends a minute or more on each of the loops a mutant makes endless.
             f"timeout_multiplier = {args.timeout_multiplier}\n"
+            # mutmut estimates a mutant's test time from the tests' call phases only: the checkpoints
+            # their fixtures build and convert are not in it, so a small estimate made runs that would
+            # have failed or passed time out instead. The constant covers that setup.
+            f"timeout_constant = {args.timeout_constant}\n"
         )
         with open(work / "pyproject.toml", "a", encoding="utf-8") as f:
             f.write(config)
         mutmut = [sys.executable, "-m", "mutmut"]
-        subprocess.run([*mutmut, "run", "--max-children", str(args.max_children)], cwd=work, check=False)
+        run = [*mutmut, "run", "--max-children", str(args.max_children)]
+        if args.sample:
+            # mutants and per-test coverage, no mutant tested (mutmut stops at a name no mutant has)
+            subprocess.run([*run, "fp8fix.no_such_mutant"], cwd=work, check=False, capture_output=True)
+            everyone = sorted(exit_codes(work))
+            names = random.Random(args.seed).sample(everyone, min(args.sample, len(everyone)))
+            subprocess.run([*run, *names], cwd=work, check=False)
+            report_sample(work, names, len(everyone), args)
+            return 0
+        subprocess.run(run, cwd=work, check=False)
         subprocess.run([*mutmut, "export-cicd-stats"], cwd=work, check=True)
         stats = json.loads((work / "mutants" / "mutmut-cicd-stats.json").read_text())
         survivors = subprocess.run([*mutmut, "results"], cwd=work, capture_output=True, text=True).stdout
@@ -96,13 +117,51 @@ def main() -> int:
     return 0
 
 
+def exit_codes(work: Path) -> dict[str, int | None]:
+    """Every mutant's exit code from mutmut's per-file results (None: not tested yet)."""
+    codes: dict[str, int | None] = {}
+    for meta in sorted((work / "mutants").rglob("*.meta")):
+        codes.update(json.loads(meta.read_text()).get("exit_code_by_key", {}))
+    return codes
+
+
 def timed_out(work: Path) -> list[str]:
     """The mutants mutmut stopped at its CPU-time limit (SIGXCPU), from its per-file results."""
-    names = []
-    for meta in sorted((work / "mutants").rglob("*.meta")):
-        codes = json.loads(meta.read_text()).get("exit_code_by_key", {})
-        names += [name for name, code in codes.items() if code in (-24, 24, 152)]
-    return names
+    return [name for name, code in exit_codes(work).items() if code in (-24, 24, 152)]
+
+
+def report_sample(work: Path, names: list[str], population: int, args: argparse.Namespace) -> None:
+    """The sample's verdicts, the score they estimate with a 95% Wilson interval, and every mutant
+    not killed. A package of thousands of mutants, each running conversions for seconds, takes hours
+    on two cores: a uniform random draw estimates its score without bias, and its survivors are a fair
+    sample of the tests' gaps. "no tests" (code only `--jobs` workers run, which mutmut's in-process
+    coverage does not see) and timeouts count as not killed."""
+    from mutmut.stats import status_by_exit_code
+
+    codes = exit_codes(work)
+    verdicts: dict[str, list[str]] = {}
+    for name in names:
+        verdicts.setdefault(status_by_exit_code[codes.get(name)], []).append(name)
+    killed, n = len(verdicts.get("killed", [])), len(names)
+    low, high = _wilson(killed, n)
+    print(
+        f"\nfp8fix/{args.package}: a sample of {n} of {population} mutants (seed {args.seed}): {killed} killed, "
+        f"score {100 * killed / max(n, 1):.1f}% (95% interval {100 * low:.1f}-{100 * high:.1f}%)"
+    )
+    print(json.dumps({status: len(found) for status, found in sorted(verdicts.items())}))
+    for status, found in sorted(verdicts.items()):
+        if status != "killed":
+            print("\n".join(f"{status}: {name}" for name in found))
+
+
+def _wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion k/n."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return max(0.0, center - half), min(1.0, center + half)
 
 
 def recheck_timeouts(work: Path, tests: list[str], limit: float) -> None:

@@ -8,31 +8,19 @@ suite needs (tests/ with builders, conftest and the Hub test server, examples/, 
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 import tarfile
 import zipfile
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-#: The folder is read before building: setuptools' backend rewrites sys.argv while it builds.
-BUILD = "import sys; from setuptools import build_meta as b; out = sys.argv[1]; b.build_sdist(out); b.build_wheel(out)"
+from tests.distributions import ROOT, build_distributions
 
 
 @pytest.fixture(scope="module")
 def dists(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[str], set[str], str]:
     out, tree_copy = tmp_path_factory.mktemp("dist"), tmp_path_factory.mktemp("src")
-    # built from a copy: setuptools builds in ./build, whose stale files would otherwise reach the wheel
-    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
-        shutil.copy(ROOT / name, tree_copy / name)
-    for folder in ("fp8fix", "tests", "examples", "scripts"):
-        shutil.copytree(ROOT / folder, tree_copy / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    proc = subprocess.run([sys.executable, "-c", BUILD, str(out)], cwd=tree_copy, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    sdist_name, wheel_name = next(out.glob("*.tar.gz")).name, next(out.glob("*.whl")).name
+    sdist_path, wheel_path = build_distributions(out, tree_copy)
+    sdist_name, wheel_name = sdist_path.name, wheel_path.name
     with tarfile.open(out / sdist_name) as sdist:
         top = sdist_name.removesuffix(".tar.gz")
         sdist_files = {m.name.removeprefix(top + "/") for m in sdist.getmembers() if m.isfile()}
@@ -68,3 +56,8 @@ def test_the_wheel_holds_the_package_its_data_and_license(dists: tuple[set[str],
     assert "License-Expression: Apache-2.0" in metadata
     assert "Classifier: Typing :: Typed" in metadata and "Project-URL: Issues," in metadata
     assert "Requires-Python: >=3.10" in metadata
+    # torch only as an extra: the package index's default torch is the multi-GB CUDA build (issue 26)
+    requires = [line.split(": ", 1)[1] for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    torch_requires = [r for r in requires if r.startswith("torch")]
+    assert 'torch>=2.1; extra == "torch"' in torch_requires
+    assert all("extra ==" in r for r in torch_requires), torch_requires

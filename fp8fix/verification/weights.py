@@ -4,9 +4,10 @@ Where the output scale is the source's times a power of two (splits, fn <-> fnuz
 check is a byte map (`numerics.recodings.value_map`); requantized rows are checked
 against `numerics.requantize.requantize_map`, itself tested code by code against
 torch's float32 arithmetic. Both are fast and need no torch. Rows those maps do not
-explain (codes that round, another tool's rounding) are dequantized in float32 with
-torch and must be within half an fp8 step of the converter's formula. Rows are read in chunks, so
-memory stays at one chunk per tensor.
+explain (codes that round, another tool's rounding, block rows requantized to a merged scale)
+are dequantized in float32 with torch, an independent reference, and must be within half an fp8
+step of the converter's formula: the only use of torch (the `fp8fix[torch]` extra) in a command.
+Rows are read in chunks, so memory stays at one chunk per tensor.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import Fp8Weight
 from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, NAN_CODES, REQUANT_CLAMP
 from fp8fix.numerics.fp8 import is_power_of_two, steps_at, torch_dtype
 from fp8fix.numerics.recodings import value_map
 from fp8fix.numerics.requantize import requantize_map
+from fp8fix.numerics.torch_extra import import_torch
 from fp8fix.verification.context import CHUNK_ELEMENTS, Mismatch, VerifyContext, scale_values
 from fp8fix.verification.mapping import Target
 from fp8fix.verification.report import WeightCheck
@@ -56,8 +60,6 @@ def check_weight(ctx: VerifyContext, weight: Fp8Weight, targets: list[Target]) -
 def check_stacked_experts(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
     """Stacked experts [E, in, out]: same shape; every (expert, column) scale is the source's times one
     power of two (fp8fix never requantizes experts); codes are the source values at the new scales."""
-    import torch
-
     name = weight.name
     w, o = weight.tensor, ctx.out.tensors[name]
     check = WeightCheck(name, [name], "exact")
@@ -66,7 +68,7 @@ def check_stacked_experts(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
             raise Mismatch(f"'{name}' is {o.dtype} {list(o.shape)}, expected FP8 {list(w.shape)}")
         src_grid = _expert_column_scales(ctx, weight, ctx.src.tensors, "SOURCE")
         out_grid = _expert_column_scales(ctx, weight, ctx.out.tensors, "OUTPUT")
-        ratios = torch.unique(out_grid / src_grid).tolist()
+        ratios = np.unique(out_grid / src_grid).tolist()
         if len(ratios) != 1 or not is_power_of_two(ratios[0]):
             raise Mismatch(
                 f"'{ctx.fmt.weight_scale_of(name)}': the scales are not SOURCE's times one power of two "
@@ -80,8 +82,8 @@ def check_stacked_experts(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
             r1 = min(rows, r0 + step_rows)
             a, b = ctx.read_rows(w, r0, r1, cols), ctx.read_rows(o, r0, r1, cols)
             if not same_values(a, b, w.dtype, o.dtype, ratios[0], name, r0, cols):
-                experts_of_rows = torch.arange(r0, r1) // inner
-                s_src, s_out = src_grid[experts_of_rows].float(), out_grid[experts_of_rows].float()
+                experts_of_rows = np.arange(r0, r1) // inner
+                s_src, s_out = src_grid[experts_of_rows], out_grid[experts_of_rows]
                 _compare_values(w, o, target, r0, r1, a, b, s_src, s_out, check)
     except Mismatch as e:
         ctx.report.problem(str(e))
@@ -89,24 +91,22 @@ def check_stacked_experts(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
 
 
 def _expert_column_scales(ctx: VerifyContext, weight: Fp8Weight, tensors: dict[str, TensorInfo], where: str) -> Any:
-    """The scale of every (expert, output column) of stacked experts, as a float64 [E, out] tensor."""
-    import torch
-
+    """The scale of every (expert, output column) of stacked experts, as a float64 [E, out] array."""
     w = weight.tensor
     experts, _, cols = w.shape
     scale = tensors.get(ctx.fmt.weight_scale_of(w.name))
     if scale is None:
         raise Mismatch(f"{where}: FP8 experts '{w.name}' have no scale")
-    values = torch.tensor(scale_values(scale, where), dtype=torch.float64)
-    if values.numel() == 1:
-        return values.reshape(1, 1).expand(experts, cols)
-    if values.numel() == experts:
-        return values.reshape(experts, 1).expand(experts, cols)
-    if values.numel() == experts * cols:
+    values = np.asarray(scale_values(scale, where), dtype=np.float64)
+    if values.size == 1:
+        return np.broadcast_to(values.reshape(1, 1), (experts, cols))
+    if values.size == experts:
+        return np.broadcast_to(values.reshape(experts, 1), (experts, cols))
+    if values.size == experts * cols:
         return values.reshape(experts, cols)
     widths = weight.experts.widths if weight.experts else []
     if widths and scale.shape == (experts, len(widths)) and sum(widths) == cols:
-        return values.reshape(experts, -1).repeat_interleave(torch.tensor(widths), dim=1)
+        return np.repeat(values.reshape(experts, -1), widths, axis=1)
     raise Mismatch(f"{where}: scale '{scale.name}' of shape {list(scale.shape)} does not fit '{w.name}'")
 
 
@@ -244,16 +244,17 @@ def _compare_values(
     out_scales: Any,
     check: WeightCheck,
 ) -> None:
-    """Dequantize rows [r0, r1) in float32 and compare; scales are per-row lists or per-element tensors."""
-    import torch
-
+    """Dequantize rows [r0, r1) in float32 with torch and compare; scales are per-row lists or arrays
+    that broadcast to the rows' elements."""
+    torch = import_torch(f"verify: checking '{o.name}', whose codes no byte map explains,")
     clamp = REQUANT_CLAMP[o.dtype]
     if isinstance(src_scales, list):
         s_src = torch.tensor(src_scales[r0:r1], dtype=torch.float32).reshape(-1, 1)
         first = r0 - target.start + target.out_offset
         s_out = torch.tensor(out_scales[first : first + (r1 - r0)], dtype=torch.float32).reshape(-1, 1)
     else:
-        s_src, s_out = src_scales, out_scales
+        s_src = torch.from_numpy(np.asarray(src_scales, dtype=np.float32))
+        s_out = torch.from_numpy(np.asarray(out_scales, dtype=np.float32))
     a = torch.frombuffer(bytearray(a_bytes), dtype=torch.uint8).view(torch_dtype(w.dtype)).float().reshape(r1 - r0, -1)
     b = torch.frombuffer(bytearray(b_bytes), dtype=torch.uint8).view(torch_dtype(o.dtype)).float().reshape(r1 - r0, -1)
     src_value = a * s_src
@@ -372,7 +373,5 @@ def _grid_ratio(
 
 
 def _expand_row(scales: list[float], cols: int, block: tuple[int, int]) -> Any:
-    """One block row's scales as a [1, cols] float32 tensor, one per column."""
-    import torch
-
-    return torch.tensor(scales, dtype=torch.float32)[torch.arange(cols) // block[1]].reshape(1, cols)
+    """One block row's scales as a [1, cols] float32 array, one per column."""
+    return np.asarray(scales, dtype=np.float32)[np.arange(cols) // block[1]].reshape(1, cols)
