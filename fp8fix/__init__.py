@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         architecture_template,
         architectures,
         convert,
+        convert_to_hub,
         inspect,
         push,
         verify,
@@ -34,11 +35,13 @@ if TYPE_CHECKING:
     from fp8fix.conversion import ConvertResult
     from fp8fix.inspection import Report as InspectReport
     from fp8fix.registry.architectures import Registry
+    from fp8fix.streaming import StreamResult
     from fp8fix.verification import VerifyReport
 
 __all__ = [
     "__version__",
     "convert",
+    "convert_to_hub",
     "inspect",
     "verify",
     "push",
@@ -47,6 +50,7 @@ __all__ = [
     "Architecture",
     "PushResult",
     "ConvertResult",
+    "StreamResult",
     "InspectReport",
     "VerifyReport",
     "Registry",
@@ -65,6 +69,7 @@ __all__ = [
 #: Where the public names that `fp8fix.api` does not define (or re-export) live: (module, attribute).
 _ELSEWHERE = {
     "ConvertResult": ("fp8fix.conversion", "ConvertResult"),
+    "StreamResult": ("fp8fix.streaming", "StreamResult"),
     "InspectReport": ("fp8fix.inspection", "Report"),
     "VerifyReport": ("fp8fix.verification", "VerifyReport"),
     "Registry": ("fp8fix.registry.architectures", "Registry"),

@@ -17,7 +17,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,9 +45,10 @@ from fp8fix.vocab import (
 )
 
 if TYPE_CHECKING:
-    from fp8fix.conversion import ConvertResult
+    from fp8fix.conversion import ConvertOptions, ConvertResult
     from fp8fix.inspection import Report
     from fp8fix.registry.architectures import Registry
+    from fp8fix.streaming import StreamResult
     from fp8fix.verification import VerifyReport
 
 PathArg = str | os.PathLike[str]
@@ -58,6 +59,7 @@ __all__ = [
     "architecture_template",
     "architectures",
     "convert",
+    "convert_to_hub",
     "inspect",
     "push",
     "verify",
@@ -99,37 +101,96 @@ def convert(
     written (`result.plan.modules`: each fused module's action and why; `result.plan.loaders`:
     what each runtime does with the output; `result.verification` with `verify=True`).
     """
-    from fp8fix.conversion import ConvertOptions
     from fp8fix.conversion import convert as run_convert
 
-    _choice("layout", layout, LAYOUTS)
-    _choice("to", to, ENCODING_NAMES)
-    _choice("target", target, TARGETS, optional=False)
-    _choice("output_format", output_format, OUTPUT_FORMATS)
     _count("jobs", jobs)
-    if tp is not None:
-        _count("tp", tp, "or None")
     with api_errors(), _hub_progress(progress, source):
-        if tp_bf16 and tp is None:
-            raise UsageError("--tp-bf16 needs --tp: it writes in BF16 the modules that padding for --tp cannot fix")
+        base = _conversion(layout, to, target, output_format, tp, tp_bf16)
         reg = _registry(registry, arch_files)
         folder, repo_id = _source(source, revision, token)
-        options = ConvertOptions(
-            layout=layout,
-            to=to,
-            target=target,
-            output_format=output_format,
+        options = replace(
+            base,
             dry_run=dry_run,
             overwrite=overwrite,
             quiet=not progress,
             verify=verify,
             jobs=jobs,
-            tp=tp,
-            tp_bf16=tp_bf16,
             source_repo=repo_id,
             revision=revision,
         )
         return run_convert(folder, Path(output), options, reg)
+
+
+def _conversion(
+    layout: Layout | None,
+    to: Encoding | None,
+    target: Target,
+    output_format: OutputFormat | None,
+    tp: int | None,
+    tp_bf16: bool,
+) -> ConvertOptions:
+    """What convert and convert_to_hub both take, checked before any work, as options."""
+    from fp8fix.conversion import ConvertOptions
+
+    _choice("layout", layout, LAYOUTS)
+    _choice("to", to, ENCODING_NAMES)
+    _choice("target", target, TARGETS, optional=False)
+    _choice("output_format", output_format, OUTPUT_FORMATS)
+    if tp is not None:
+        _count("tp", tp, "or None")
+    if tp_bf16 and tp is None:
+        raise UsageError("--tp-bf16 needs --tp: it writes in BF16 the modules that padding for --tp cannot fix")
+    return ConvertOptions(layout=layout, to=to, target=target, output_format=output_format, tp=tp, tp_bf16=tp_bf16)
+
+
+def convert_to_hub(
+    source: str,
+    dest: str,
+    *,
+    max_disk: int | None = None,
+    private: bool = False,
+    create_pr: bool = False,
+    commit_message: str | None = None,
+    layout: Layout | None = None,
+    to: Encoding | None = None,
+    target: Target = "auto",
+    output_format: OutputFormat | None = None,
+    tp: int | None = None,
+    tp_bf16: bool = False,
+    revision: str | None = None,
+    token: str | None = None,
+    arch_files: Sequence[PathArg] = (),
+    registry: Registry | None = None,
+    progress: bool = False,
+) -> StreamResult:
+    """Convert the Hub repo `source` into the Hub repo `dest`, shard by shard, in at most `max_disk`
+    bytes of disk (default: three of the largest source shard): `fp8fix convert SOURCE --push-to-hub
+    DEST` with no OUTPUT. Lands on `dest`'s main in one merge (a pull request with `create_pr`); a
+    rerun after an interruption continues from the output shards already uploaded."""
+    from fp8fix.io.hub import is_repo_id
+    from fp8fix.streaming import stream_convert
+
+    if max_disk is not None and (not isinstance(max_disk, int) or max_disk < 1):
+        raise ValueError(f"max_disk must be a positive number of bytes, not {max_disk!r}")
+    with api_errors(), _hub_progress(progress, source):
+        base = _conversion(layout, to, target, output_format, tp, tp_bf16)
+        if not is_repo_id(source):
+            raise UsageError(
+                f"SOURCE {source}: streaming to the Hub reads a Hub repo id (org/name); for a folder, "
+                "give OUTPUT and --push-to-hub"
+            )
+        options = replace(base, quiet=not progress, source_repo=source, revision=revision)
+        return stream_convert(
+            source,
+            dest,
+            options,
+            _registry(registry, arch_files),
+            max_disk=max_disk,
+            token=token,
+            private=private,
+            create_pr=create_pr,
+            commit_message=commit_message,
+        )
 
 
 def inspect(

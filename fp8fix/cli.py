@@ -285,7 +285,7 @@ or unsupported checkpoint, 4 Hub error (the conversion record is printed first).
 
 @main.command(epilog=CONVERT_EPILOG)
 @source_options
-@click.argument("output", type=click.Path(path_type=Path))
+@click.argument("output", type=click.Path(path_type=Path), required=False)
 @click.option(
     "--target",
     type=click.Choice(TARGETS),
@@ -328,15 +328,25 @@ or unsupported checkpoint, 4 Hub error (the conversion record is printed first).
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan (each module: what changes and why); write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists and is not empty.")
-@click.option("--push-to-hub", metavar="REPO_ID", help="Then upload OUTPUT to this Hub repo.")
+@click.option(
+    "--push-to-hub",
+    metavar="REPO_ID",
+    help="Then upload OUTPUT to this Hub repo. With a Hub SOURCE and no OUTPUT: stream Hub to Hub, shard by shard.",
+)
+@click.option(
+    "--max-disk",
+    type=ByteSize(),
+    help="Streaming (no OUTPUT): bytes of disk the work may hold at once [default: 3 of the largest source shard].",
+)
 @push_options
 @output_options("Also list every module and every tensor written anew.")
 @reports_errors
 def convert(
     source: str,
-    output: Path,
+    output: Path | None,
     registry: Registry | None,
     push_to_hub: str | None,
+    max_disk: int | None,
     as_json: bool,
     quiet: bool,
     verbose: bool,
@@ -349,10 +359,18 @@ def convert(
     """Convert the FP8 checkpoint SOURCE (folder or Hub repo id) into a fixed copy in OUTPUT.
 
     SOURCE is never modified. OUTPUT appears only once complete: an error or an
-    interrupt leaves nothing behind.
+    interrupt leaves nothing behind. With a Hub SOURCE, --push-to-hub and no OUTPUT,
+    the conversion streams Hub to Hub: each output shard is made from the source
+    shards it needs, uploaded and deleted, in at most --max-disk of disk; the
+    destination's main gets everything in one merge, and a rerun resumes.
     """
     from fp8fix import api
     from fp8fix.errors import HubError
+
+    if output is None or max_disk is not None:
+        push = {"private": private, "create_pr": create_pr, "commit_message": commit_message, "max_disk": max_disk}
+        _stream(source, output, push_to_hub, push, as_json, quiet, verbose, commit_size, registry, options)
+        return
 
     result = api.convert(source, output, registry=registry, progress=not (quiet or as_json), **options)
     for warning in result.warnings:  # even with -q: each is something to act on (README "Use in CI")
@@ -386,6 +404,70 @@ def convert(
             say(f"pushed: {pushed.url}")
     if as_json:
         echo_json(payload)
+
+
+def _stream(
+    source: str,
+    output: Path | None,
+    push_to_hub: str | None,
+    push: dict[str, Any],
+    as_json: bool,
+    quiet: bool,
+    verbose: bool,
+    commit_size: int | None,
+    registry: Registry | None,
+    options: dict[str, Any],
+) -> None:
+    """convert with no OUTPUT: Hub to Hub (`api.convert_to_hub`); the options that need OUTPUT are refused."""
+    from fp8fix import api
+    from fp8fix.errors import UsageError
+
+    if output is not None:
+        raise UsageError("--max-disk bounds a streamed conversion, which has no OUTPUT: drop OUTPUT or --max-disk")
+    if not push_to_hub:
+        raise UsageError(
+            "OUTPUT is missing: give an OUTPUT folder, or, for a Hub repo SOURCE, --push-to-hub REPO_ID to convert "
+            "Hub to Hub without one"
+        )
+    needs_output = [
+        ("--dry-run", options["dry_run"]),
+        ("--overwrite", options["overwrite"]),
+        ("--commit-size", commit_size is not None),
+    ]
+    if options["verify"]:
+        raise UsageError(
+            "--verify checks OUTPUT before it appears, and a streamed conversion has no OUTPUT: give an OUTPUT folder"
+        )
+    for flag, given in needs_output:
+        if given:
+            raise UsageError(f"{flag} applies to a conversion into OUTPUT; a streamed conversion has none")
+    streamed = api.convert_to_hub(
+        source,
+        push_to_hub,
+        **push,
+        registry=registry,
+        progress=not (quiet or as_json),
+        **{k: options[k] for k in ("layout", "to", "target", "output_format", "tp", "tp_bf16", "revision", "token")},
+    )
+    result = streamed.result
+    for warning in result.warnings:
+        say(f"warning: {warning}", err=True)
+    summary = (
+        f"streamed: {len(streamed.converted)} output shards converted and uploaded, {len(streamed.skipped)} already "
+        f"on the Hub; at most {streamed.peak_disk} bytes on disk (--max-disk {streamed.max_disk})"
+    )
+    if as_json:
+        payload = result.to_json()
+        payload["pushed"] = streamed.url
+        payload["streamed"] = {
+            "converted": streamed.converted,
+            "skipped": streamed.skipped,
+            "peak_disk": streamed.peak_disk,
+            "max_disk": streamed.max_disk,
+        }
+        echo_json(payload)
+        return
+    echo_lines([*_result_lines(result, verbose), summary, f"pushed: {streamed.url}"], quiet)
 
 
 def _result_lines(result: Any, verbose: bool) -> list[str]:

@@ -126,47 +126,67 @@ def _write(
     result: ConvertResult,
 ) -> None:
     """Stream the plan into a staging folder, add index, config, copies and card, verify, rename into place."""
-    source, rewritten, edits, copies = ckpt.root, plan.config_files, result.config_edits, result.copied_files
     with staging_folder(output) as staging:
-        _record_stats(plan, write_plan(plan, staging, quiet=options.quiet, jobs=options.jobs))
-        if plan.has_index:
-            write_json(staging / INDEX, new_index(ckpt, plan))
-        if CONFIG not in rewritten:
-            shutil.copyfile(source / CONFIG, staging / CONFIG)  # byte for byte when nothing changes
-        for file, (content, _) in rewritten.items():
-            write_json(staging / file, content)
-        for name in copies:
-            (staging / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source / name, staging / name)
-        name = source.resolve().name
-        if options.source_repo:
-            name = options.source_repo + (f"@{options.revision}" if options.revision else "")
-
-        def card(summary: str | None, warnings: list[str]) -> None:
-            write_card(
-                source / CARD if CARD in ckpt.extra_files else None,
-                staging,
-                plan,
-                name,
-                options.describe(plan),
-                edits,
-                summary,
-                base_model=options.source_repo,
-                warnings=warnings,
-            )
-
-        card(None, result.warnings)  # before verify, which checks the card's facts too
+        record_stats(plan, write_plan(plan, staging, quiet=options.quiet, jobs=options.jobs))
+        write_repo_files(ckpt, plan, staging, options, result)
         if options.verify:
-            result.verification = verify(source, staging, quiet=options.quiet, registry=registry, jobs=options.jobs)
+            result.verification = verify(ckpt.root, staging, quiet=options.quiet, registry=registry, jobs=options.jobs)
             if not result.verification.ok:
                 raise VerificationFailed(
                     "verification failed, nothing written: " + "; ".join(result.verification.problems[:5])
                 )
-            card(result.verification.summary(), [])  # again, with the summary (its warnings were said)
-        result.commit_title = commit_title(name, options.describe(plan))
+            write_card_for(ckpt, plan, staging, options, result, result.verification.summary())
 
 
-def _record_stats(plan: ConversionPlan, stats: WriteStats) -> None:
+def write_repo_files(
+    ckpt: Checkpoint, plan: ConversionPlan, folder: Path, options: ConvertOptions, result: ConvertResult
+) -> None:
+    """Everything but the shards: index, config files, the copied files and the model card (before
+    verify, which checks the card's facts too); sets the commit title."""
+    source, rewritten = ckpt.root, plan.config_files
+    if plan.has_index:
+        write_json(folder / INDEX, new_index(ckpt, plan))
+    if CONFIG not in rewritten:
+        shutil.copyfile(source / CONFIG, folder / CONFIG)  # byte for byte when nothing changes
+    for file, (content, _) in rewritten.items():
+        write_json(folder / file, content)
+    for name in result.copied_files:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / name, folder / name)
+    write_card_for(ckpt, plan, folder, options, result, None)
+    result.commit_title = commit_title(_source_name(ckpt, options), options.describe(plan))
+
+
+def write_card_for(
+    ckpt: Checkpoint,
+    plan: ConversionPlan,
+    folder: Path,
+    options: ConvertOptions,
+    result: ConvertResult,
+    summary: str | None,
+) -> None:
+    """The model card; with verify's `summary` once verified (its warnings were said: not repeated)."""
+    write_card(
+        ckpt.root / CARD if CARD in ckpt.extra_files else None,
+        folder,
+        plan,
+        _source_name(ckpt, options),
+        options.describe(plan),
+        result.config_edits,
+        summary,
+        base_model=options.source_repo,
+        warnings=result.warnings if summary is None else [],
+    )
+
+
+def _source_name(ckpt: Checkpoint, options: ConvertOptions) -> str:
+    """SOURCE as the card and the commit title name it: the Hub repo (and revision) or the folder's name."""
+    if options.source_repo:
+        return options.source_repo + (f"@{options.revision}" if options.revision else "")
+    return ckpt.root.resolve().name
+
+
+def record_stats(plan: ConversionPlan, stats: WriteStats) -> None:
     """What only the data could tell (requantization errors, inexact recodes), onto the plan for the reports."""
     for module in plan.modules:
         error = stats.requantized.get(module.weight)

@@ -1,8 +1,11 @@
 """A tiny stand-in for the Hub's HTTP API, on 127.0.0.1, for testing the real HfApi client.
 
-Implements just what `create_repo`, `repo_info`, `get_repo_discussions`, `preupload`
-(answering `regular` upload mode, so files arrive inline) and `commit` call, and
-records every commit with its files. It can also be told to fail with a status code.
+Implements just what `create_repo`, `repo_info`, `list_repo_tree`, `get_repo_discussions`,
+`preupload`, `commit` and `merge_pull_request` call, and records every commit with its files.
+`*.safetensors` go through the LFS protocol (the batch API, then a PUT of the bytes, counted in
+`uploads`; the client needs HF_HUB_DISABLE_XET=1), other files inline. Served repos' files
+(`files`) answer HEAD and ranged GETs without reading more than asked. It can be told to fail
+with a status code, once for the next N requests (`fail_next`), or to answer slowly.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,6 +26,34 @@ from urllib.parse import unquote, urlparse
 def git_blob_id(data: bytes) -> str:
     """The id git (and the Hub's tree API, as `oid`) gives a file's content."""
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _entry(name: str, data: bytes) -> dict[str, Any]:
+    """A tree entry as the Hub lists it: LFS files with their sha256."""
+    entry: dict[str, Any] = {"type": "file", "path": name, "size": len(data), "oid": git_blob_id(data)}
+    if name.endswith(".safetensors"):
+        entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+    return entry
+
+
+_SERVED: dict[tuple[Path, int, int], dict[str, Any]] = {}
+
+
+def _served_entry(path: Path) -> dict[str, Any]:
+    """`_entry` of a served file, hashed in pieces and once per (size, mtime): shards may be gigabytes."""
+    stat = path.stat()
+    key = (path, stat.st_size, stat.st_mtime_ns)
+    if key not in _SERVED:
+        blob, sha = hashlib.sha1(b"blob %d\0" % stat.st_size), hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                blob.update(chunk)
+                sha.update(chunk)
+        entry: dict[str, Any] = {"type": "file", "path": path.name, "size": stat.st_size, "oid": blob.hexdigest()}
+        if path.name.endswith(".safetensors"):
+            entry["lfs"] = {"oid": sha.hexdigest(), "size": stat.st_size, "pointerSize": 134}
+        _SERVED[key] = entry
+    return _SERVED[key]
 
 
 @dataclass
@@ -39,12 +71,18 @@ class FakeHub:
     commits: list[Commit] = field(default_factory=list)
     repos: dict[str, dict[str, Any]] = field(default_factory=dict)  # repo id -> {"private", "sha"}
     pull_requests: list[dict[str, Any]] = field(default_factory=list)
+    merges: list[tuple[str, int]] = field(default_factory=list)  # (repo, pull request) merged
     requests: list[str] = field(default_factory=list)
     fail_with: int | str | None = None  # answer every request with this status, or "gated"
     authorization: list[str] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)  # repo id -> folder served by /{repo}/resolve/...
     trees: dict[tuple[str, str], dict[str, bytes]] = field(default_factory=dict)  # (repo, revision) -> committed
     fail_commit_after: int | None = None  # answer HTTP 500 to commits once this many have landed
+    fail_next: list[int] = field(default_factory=list)  # statuses for the next requests, one each (429, 500...)
+    delay: float = 0.0  # seconds to wait before answering each request (a slow link)
+    lfs: dict[str, bytes] = field(default_factory=dict)  # sha256 -> content uploaded through LFS
+    uploads: list[str] = field(default_factory=list)  # sha256 of every LFS upload (PUT), in order
+    reads: list[tuple[str, str]] = field(default_factory=list)  # (repo/path, Range header or "") of each file GET
     url: str = ""
 
     def open_pull_request(self, repo: str, title: str, description: str | None) -> dict[str, Any]:
@@ -90,14 +128,32 @@ class FakeHub:
             def do_POST(self) -> None:
                 self._route("POST")
 
+            def do_PUT(self) -> None:
+                self._route("PUT")
+
             def _route(self, method: str) -> None:
                 url = urlparse(self.path)
                 hub.requests.append(f"{method} {url.path}")
-                hub.authorization.append(self.headers.get("Authorization", ""))
-                body = self._body() if method == "POST" else b""
+                if not url.path.startswith("/lfs-upload/"):  # presigned upload URLs carry no token
+                    hub.authorization.append(self.headers.get("Authorization", ""))
+                body = self._body() if method in ("POST", "PUT") else b""
                 parts = url.path.strip("/").split("/")
+                if hub.delay:
+                    time.sleep(hub.delay)
+                if hub.fail_next:
+                    status = hub.fail_next.pop(0)
+                    return self._send(status, {"error": f"injected {status}"})
+                if method == "PUT" and parts[0] == "lfs-upload":
+                    if hashlib.sha256(body).hexdigest() != parts[1]:
+                        return self._send(400, {"error": "content does not match its oid"})
+                    hub.lfs[parts[1]] = body
+                    hub.uploads.append(parts[1])
+                    return self._send(200, {})
+                if len(parts) == 6 and parts[1].endswith(".git") and parts[2:] == ["info", "lfs", "objects", "batch"]:
+                    return self._lfs_batch(json.loads(body))
                 if len(parts) > 4 and parts[2] == "resolve" and not hub.fail_with:
-                    return self._resolve(method, f"{parts[0]}/{parts[1]}", "/".join(parts[4:]))
+                    repo, revision = f"{parts[0]}/{parts[1]}", unquote(parts[3])
+                    return self._resolve(method, repo, revision, unquote("/".join(parts[4:])))
                 if hub.fail_with:
                     if hub.fail_with in (404, "gated"):
                         self.send_response(404 if hub.fail_with == 404 else 403)
@@ -125,15 +181,19 @@ class FakeHub:
                     if rest[0] == "tree":  # snapshot_download lists the files first; a push, what is there
                         folder = hub.files.get(repo)
                         if folder:
-                            content = {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
-                        else:
-                            revision = unquote(rest[1]) if len(rest) > 1 else "main"
-                            content = {**hub.trees.get((repo, "main"), {}), **hub.trees.get((repo, revision), {})}
-                        entries = [
-                            {"type": "file", "path": name, "size": len(data), "oid": git_blob_id(data)}
-                            for name, data in sorted(content.items())
-                        ]
-                        return self._send(200, entries)
+                            return self._send(200, [_served_entry(p) for p in sorted(folder.iterdir())])
+                        revision = unquote(rest[1]) if len(rest) > 1 else "main"
+                        content = {**hub.trees.get((repo, "main"), {}), **hub.trees.get((repo, revision), {})}
+                        return self._send(200, [_entry(name, data) for name, data in sorted(content.items())])
+                    if rest[0] == "discussions" and len(rest) == 3 and rest[2] == "merge" and method == "POST":
+                        pr = next(
+                            p for p in hub.pull_requests if p["repo"] == repo and p["entry"]["num"] == int(rest[1])
+                        )
+                        merged = hub.trees.get((repo, f"refs/pr/{rest[1]}"), {})
+                        hub.trees.setdefault((repo, "main"), {}).update(merged)
+                        pr["entry"]["status"] = "merged"
+                        hub.merges.append((repo, int(rest[1])))
+                        return self._send(200, {})
                     if rest[0] == "discussions" and method == "POST":  # a pull request opened on its own
                         data = json.loads(body)
                         entry = hub.open_pull_request(repo, data.get("title", ""), data.get("description"))
@@ -161,7 +221,12 @@ class FakeHub:
                             200,
                             {
                                 "files": [
-                                    {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files
+                                    {
+                                        "path": f["path"],
+                                        "uploadMode": "lfs" if f["path"].endswith(".safetensors") else "regular",
+                                        "shouldIgnore": False,
+                                    }
+                                    for f in files
                                 ],
                                 "commitOid": hub.repos.get(repo, {}).get("sha"),
                             },
@@ -171,8 +236,15 @@ class FakeHub:
                         return self._commit(repo, unquote("/".join(rest[1:])), body, create_pr)
                 self._send(404, {"error": f"not implemented: {method} {url.path}"})
 
-            def _resolve(self, method: str, repo: str, name: str) -> None:
-                """A file of a served repo: HEAD for metadata, GET with an optional Range (header reads)."""
+            def _resolve(self, method: str, repo: str, revision: str, name: str) -> None:
+                """A file of a served repo: HEAD for metadata, GET with an optional Range (header reads),
+                streamed from disk in pieces (a 2 GB shard is never held in memory)."""
+                if method == "GET":
+                    hub.reads.append((f"{repo}/{name}", self.headers.get("Range", "")))
+                if repo not in hub.files:  # a file committed to the repo
+                    data = hub.tree(repo, revision).get(name)
+                    if data is not None:
+                        return self._send_bytes(method, data)
                 path = hub.files.get(repo, Path("/nonexistent")) / name
                 if not path.is_file():
                     self.send_response(404)
@@ -180,20 +252,51 @@ class FakeHub:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
-                data = path.read_bytes()
-                status, first = 200, 0
+                size = path.stat().st_size
+                status, first, last = 200, 0, size - 1
                 ranged = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
                 if ranged:
                     first = int(ranged.group(1))
-                    last = int(ranged.group(2)) if ranged.group(2) else len(data) - 1
-                    data, status = data[first : last + 1], 206
+                    last = min(int(ranged.group(2)), size - 1) if ranged.group(2) else size - 1
+                    status = 206
                 self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.send_header("ETag", f'"{hashlib.sha1(path.read_bytes()).hexdigest()}"')
+                self.send_header("Content-Length", str(last + 1 - first))
+                self.send_header("ETag", f'"{_served_entry(path)["oid"]}"')
                 self.send_header("X-Repo-Commit", "f" * 40)
                 self.end_headers()
                 if method == "GET":
+                    with open(path, "rb") as f:
+                        f.seek(first)
+                        left = last + 1 - first
+                        while left > 0:
+                            chunk = f.read(min(left, 1 << 20))
+                            if not chunk:
+                                break
+                            self.wfile.write(chunk)
+                            left -= len(chunk)
+
+            def _send_bytes(self, method: str, data: bytes) -> None:
+                ranged = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+                status = 200
+                if ranged:
+                    last = int(ranged.group(2)) if ranged.group(2) else len(data) - 1
+                    data, status = data[int(ranged.group(1)) : last + 1], 206
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("ETag", f'"{git_blob_id(data)}"')
+                self.end_headers()
+                if method == "GET":
                     self.wfile.write(data)
+
+            def _lfs_batch(self, request: dict[str, Any]) -> None:
+                """Upload actions for the objects the store lacks; none for those it holds (not sent again)."""
+                objects = []
+                for obj in request["objects"]:
+                    entry = {"oid": obj["oid"], "size": obj["size"]}
+                    if obj["oid"] not in hub.lfs:
+                        entry["actions"] = {"upload": {"href": f"{hub.url}/lfs-upload/{obj['oid']}"}}
+                    objects.append(entry)
+                self._send(200, {"transfer": "basic", "objects": objects})
 
             def _commit(self, repo: str, revision: str, body: bytes, open_pr: bool = False) -> None:
                 """A commit to `revision`; with `open_pr` (the client's create_pr=1) a pull request opened
@@ -202,18 +305,29 @@ class FakeHub:
                     return self._send(500, {"error": "interrupted"})
                 header: dict[str, Any] = {}
                 files: dict[str, bytes] = {}
+                deleted: list[str] = []
                 for line in body.decode().splitlines():
                     item = json.loads(line)
                     if item["key"] == "header":
                         header = item["value"]
                     elif item["key"] == "file":
                         files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                    elif item["key"] in ("deletedFile", "deletedFolder"):
+                        deleted.append(item["value"]["path"])
+                    elif item["key"] == "lfsFile":
+                        if item["value"]["oid"] not in hub.lfs:
+                            return self._send(422, {"error": f"LFS object {item['value']['oid']} was never uploaded"})
+                        files[item["value"]["path"]] = hub.lfs[item["value"]["oid"]]
                 pr_url = None
                 if open_pr:
                     num = hub.open_pull_request(repo, header.get("summary", ""), header.get("description"))["num"]
                     revision, pr_url = f"refs/pr/{num}", f"{hub.url}/{repo}/discussions/{num}"
                 create_pr = revision.startswith("refs/pr/")
-                hub.trees.setdefault((repo, revision), {}).update(files)
+                tree = hub.trees.setdefault((repo, revision), {})
+                for gone in deleted:  # a file, or a folder as "path/"
+                    for name in [n for n in tree if n == gone or n.startswith(gone.rstrip("/") + "/")]:
+                        del tree[name]
+                tree.update(files)
                 hub.commits.append(
                     Commit(repo, revision, header.get("summary", ""), header.get("description", ""), create_pr, files)
                 )
@@ -230,6 +344,11 @@ class FakeHub:
         self._server = server
         threading.Thread(target=server.serve_forever, daemon=True).start()
         return self
+
+    def tree(self, repo: str, revision: str = "main") -> dict[str, bytes]:
+        """The files committed to `revision` of `repo` (a pull request's on top of main)."""
+        base = self.trees.get((repo, "main"), {})
+        return {**base, **self.trees.get((repo, revision), {})} if revision != "main" else dict(base)
 
     def stop(self) -> None:
         self._server.shutdown()

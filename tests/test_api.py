@@ -154,6 +154,7 @@ CLI_ONLY = {
     "create_pr",
     "commit_message",
     "commit_size",
+    "max_disk",  # a streamed conversion's: `convert_to_hub` (test below)
 }
 #: The CLI's `--arch-file` arrives as a Registry (validated by click); the API takes either; the API's
 #: `progress` is the CLI's default (on unless -q or --json).
@@ -185,3 +186,14 @@ def test_cli_options_are_the_api_keyword_arguments(command: str, function: str) 
         if isinstance(param.type, click.Choice):  # the same vocabulary (fp8fix/vocab.py) on both sides
             vocabulary = getattr(vocab, str(api[name].annotation).split(" |")[0])
             assert set(param.type.choices) == set(typing.get_args(vocabulary)), name
+
+
+def test_convert_to_hub_takes_the_cli_options_of_a_streamed_convert() -> None:
+    """`convert SOURCE --push-to-hub DEST` with no OUTPUT is `convert_to_hub(SOURCE, DEST)`: its keywords
+    are the CLI's convert options, less those that need OUTPUT (refused there when streaming)."""
+    from fp8fix.cli import main
+
+    cli = {p.name for p in main.commands["convert"].params}  # type: ignore[attr-defined]
+    api = set(pyinspect.signature(fp8fix.convert_to_hub).parameters) - API_ONLY
+    needs_output = {"output", "verify", "dry_run", "overwrite", "jobs", "commit_size", "as_json", "quiet", "verbose"}
+    assert api == (cli - needs_output - {"push_to_hub"}) | {"dest"}, api ^ ((cli - needs_output) | {"dest"})

@@ -31,7 +31,8 @@ def fp8fix(*args: str | Path, env: dict[str, str], cwd: Path | None = None) -> s
 
 def base_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1", **extra)
+    # the test Hub speaks LFS, not Xet (tests/hub_server.py)
+    env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_XET="1", **extra)
     return env
 
 

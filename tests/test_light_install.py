@@ -120,7 +120,7 @@ def test_a_hub_repo_converts_without_torch(light_venv: Path, tmp_path: Path) -> 
     try:
         hub.files["org/remote"] = build(tmp_path / "served", phi3())
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-        env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1", HF_ENDPOINT=hub.url)
+        env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_XET="1", HF_ENDPOINT=hub.url)
         proc = light(light_venv, "convert", "org/remote", tmp_path / "out", "-q", "--verify", env=env)
         assert proc.returncode == 0, proc.stderr
         assert (tmp_path / "out" / "config.json").is_file()

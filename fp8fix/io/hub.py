@@ -114,7 +114,7 @@ TRIES = 3
 RETRY_WAIT = 1.0
 
 
-def _bounded_session(write: bool = False) -> None:
+def bounded_session(write: bool = False) -> None:
     """Bound every request of huggingface_hub's shared HTTP client in time: a request that names no
     timeout (huggingface_hub's API calls pass `timeout=None`, which waits forever: an endpoint that
     accepts connections and never answers hung `convert org/name` and `push`) gets CONNECT_SECONDS to
@@ -172,7 +172,7 @@ def resolve_source(
     from huggingface_hub import snapshot_download
 
     with hub_errors(source, revision):
-        _bounded_session()
+        bounded_session()
         snapshot = retried(snapshot_download, source, revision=revision, allow_patterns=ALLOW_PATTERNS, token=token)
     return Path(snapshot), source
 
@@ -234,7 +234,7 @@ def push_folder(
     message = commit_message
     local = {name: folder / name for name in pushed_files(folder)}  # refused before anything is sent
     with hub_errors(repo_id, action="write"):
-        _bounded_session(write=True)
+        bounded_session(write=True)
         api.create_repo(repo_id, private=private or None, exist_ok=True)  # None: the owner's default
         revision, url = None, ""
         if create_pr:
@@ -317,7 +317,7 @@ def remote_headers(repo_id: str, revision: str | None, token: str | None = None)
     if constants.HF_HUB_OFFLINE:
         return None
     with hub_errors(repo_id, revision):
-        _bounded_session()
+        bounded_session()
         folder = retried(snapshot_download, repo_id, revision=revision, allow_patterns=["*.json", "*.md"], token=token)
         meta = retried(HfApi(token=token).get_safetensors_metadata, repo_id, revision=revision)
     headers = {

@@ -91,6 +91,16 @@ def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False, jobs: i
         return stats
 
 
+def write_shard(plan: ConversionPlan, shard: OutputShard, path: Path, bar: Progress) -> WriteStats:
+    """One shard of `plan` written to `path` (a streamed conversion writes them one at a time)."""
+    return _write_shard_job(bar, shard, path, plan.sources)
+
+
+def shard_inputs(shard: OutputShard) -> set[Path]:
+    """The source files the shard's pieces read."""
+    return {p.path for t in shard.tensors for p in t.pieces if not isinstance(p, Fill)}
+
+
 def _cpu_bound(plan: ConversionPlan) -> bool:
     """Recoding and requantizing pass bytes through Python; plain copies are the kernel's (and the disk's)."""
     return any(
@@ -109,11 +119,20 @@ def _write_shard_job(progress: Progress, shard: OutputShard, path: Path, tensors
     return stats
 
 
-def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progress, stats: WriteStats) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    header = encode_header(
+def _header(shard: OutputShard) -> bytes:
+    return encode_header(
         [(t.name, t.dtype, t.shape) for t in shard.tensors], shard.metadata, lambda size: _page_padding(shard, size)
     )
+
+
+def shard_file_bytes(shard: OutputShard) -> int:
+    """The size of the shard's file: its header, then its tensors."""
+    return len(_header(shard)) + shard.nbytes
+
+
+def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progress, stats: WriteStats) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = _header(shard)
     with open(path, "w+b", buffering=0) as f:  # read too: `_copy` restores bytes it overwrote
         out = f.fileno()
         _write_all(out, header)

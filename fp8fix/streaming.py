@@ -1,0 +1,309 @@
+"""`convert ORG/SRC --push-to-hub ORG/DST` with no OUTPUT: Hub to Hub, shard by shard, in bounded disk.
+
+The plan comes from a sparse stand-in of SOURCE (`io/remote_source.py`: headers and scales only).
+Then, for each output shard: download the source shards it reads (releasing others first where
+the disk bound needs it), write it, commit it with a small record of it to a pull request on DST,
+delete it, and delete the source shards no later output shard reads. The index, config files,
+copied files and model card go last, in one commit that also removes the records; the pull request
+is then merged (left open with --create-pr), so DST's main never shows a half checkpoint.
+
+A rerun resumes: the pull request's title carries a fingerprint of the plan (source commit,
+options, fp8fix version, output shard names and sizes), and every output shard the pull request
+holds whose record gives the same fingerprint and the shard's sha256 is neither rebuilt nor
+uploaded again. The records also keep what writing the shard revealed (requantization errors),
+so the model card of a resumed run is the one a single run writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp8fix import __version__
+from fp8fix.conversion import ConvertOptions, ConvertResult, record_stats, write_repo_files
+from fp8fix.errors import UsageError
+from fp8fix.io.checkpoint import open_checkpoint
+from fp8fix.io.hub import bounded_session, hub_errors, retried
+from fp8fix.io.progress import progress_bar
+from fp8fix.io.remote_source import RemoteRepo, fetch, fill_values, mirror, open_remote
+from fp8fix.io.safetensors_file import TensorInfo
+from fp8fix.io.writer import WriteStats, shard_file_bytes, shard_inputs, write_shard
+from fp8fix.model import CheckpointModel, describe_checkpoint
+from fp8fix.numerics.dtypes import E4M3FNUZ
+from fp8fix.numerics.requantize import RoundingStats
+from fp8fix.plan.pieces import ConversionPlan, OutputShard
+from fp8fix.plan.planner import plan_for_target
+from fp8fix.registry.architectures import Registry
+from fp8fix.report.model_card import commit_title
+
+#: Where the records of committed shards live on the pull request until the last commit removes them.
+RECORDS = ".fp8fix-stream"
+#: The default disk bound: this many times the largest source shard (or what one output shard needs).
+DEFAULT_SHARDS_ON_DISK = 3
+
+
+@dataclass
+class StreamResult:
+    """A streamed conversion: what was planned (`result`), where it went, and what each shard took."""
+
+    result: ConvertResult
+    url: str = ""
+    converted: list[str] = field(default_factory=list)  # output shards written and uploaded by this run
+    skipped: list[str] = field(default_factory=list)  # output shards the pull request already held
+    max_disk: int = 0  # the bound the working folder was held under
+    peak_disk: int = 0  # the most bytes it held (source shards downloaded, the output shard being written)
+
+
+def stream_convert(
+    repo_id: str,
+    dest: str,
+    options: ConvertOptions,
+    registry: Registry,
+    *,
+    max_disk: int | None = None,
+    token: str | None = None,
+    private: bool = False,
+    create_pr: bool = False,
+    commit_message: str | None = None,
+) -> StreamResult:
+    """Convert the Hub repo `repo_id` into the Hub repo `dest` shard by shard (see the module docstring)."""
+    remote = open_remote(repo_id, options.revision, token)
+    work = Path(tempfile.mkdtemp(prefix="fp8fix-stream-"))
+    try:
+        return _stream(remote, dest, options, registry, work, max_disk, private, create_pr, commit_message)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _stream(
+    remote: RemoteRepo,
+    dest: str,
+    options: ConvertOptions,
+    registry: Registry,
+    work: Path,
+    max_disk: int | None,
+    private: bool,
+    create_pr: bool,
+    commit_message: str | None,
+) -> StreamResult:
+    source = work / "source"
+    source.mkdir()
+    headers = mirror(remote, source)
+    ckpt = open_checkpoint(source)
+    ckpt.has_data = False  # headers only: which tensors are scales, before their values are there
+    fill_values(remote, source, _scales(describe_checkpoint(ckpt, registry)))
+    ckpt = open_checkpoint(source)
+    model = describe_checkpoint(ckpt, registry)
+    if options.to == "e4m3fn" and any(w.tensor.dtype == E4M3FNUZ for w in model.module_weights()):
+        raise UsageError(
+            "--to e4m3fn from e4m3fnuz depends on every code of every weight (whether code 0x7F occurs), which a "
+            "streamed conversion plans without: give an OUTPUT folder"
+        )
+    plan = plan_for_target(
+        model, options.layout, options.to, options.target, options.output_format, options.tp, options.tp_bf16
+    )
+    edits = [edit for _, file_edits in plan.config_files.values() for edit in file_edits]
+    result = ConvertResult(plan, Path(dest), written=False, config_edits=edits)
+    result.copied_files = ckpt.copied_files(plan.config_files)
+    result.warnings += ckpt.warnings
+    sizes = {source / name: size for name, size in remote.files.items()}
+    needs = [(shard, sorted(shard_inputs(shard))) for shard in plan.shards]
+    bound = _bound(max_disk, needs, sizes)
+    streamed = StreamResult(result, max_disk=bound)
+    name = remote.repo_id + (f"@{options.revision}" if options.revision else "")
+    fingerprint = _fingerprint(remote, options, plan)
+    title = f"{commit_message or commit_title(name, options.describe(plan))} [fp8fix {fingerprint}]"
+    hub = _PullRequest(dest, title, fingerprint, remote.token, private)
+    stats = WriteStats()
+    local: dict[Path, int] = {}  # source shards on disk, with their sizes
+    last_use = {path: i for i, (_, inputs) in enumerate(needs) for path in inputs}
+    out = work / "output"
+    out.mkdir()
+    with progress_bar(plan.total_bytes, "fp8fix convert", options.quiet) as bar:
+        for i, (shard, inputs) in enumerate(needs):
+            record = hub.records.get(shard.name)
+            if record is not None:
+                stats.merge(_stats_from_json(record["stats"]))
+                streamed.skipped.append(shard.name)
+                bar.update(shard.nbytes)
+                continue
+            size = shard_file_bytes(shard)
+            missing = [p for p in inputs if p not in local]
+            usage = sum(local.values()) + sum(sizes[p] for p in missing) + size
+            for path in sorted(local, key=lambda p: last_use[p], reverse=True):  # read latest: released first
+                if usage <= bound:
+                    break
+                if path not in inputs:
+                    path.unlink(missing_ok=True)
+                    usage -= local.pop(path)
+            for path in missing:
+                fetch(remote, source, path.relative_to(source).as_posix(), headers)
+                local[path] = sizes[path]
+            streamed.peak_disk = max(streamed.peak_disk, sum(local.values()) + size)
+            shard_stats = write_shard(plan, shard, out / shard.name, bar)
+            stats.merge(shard_stats)
+            hub.commit_shard(shard, out / shard.name, shard_stats)
+            (out / shard.name).unlink()
+            streamed.converted.append(shard.name)
+            for path in [p for p in local if last_use[p] <= i]:
+                path.unlink(missing_ok=True)
+                local.pop(path)
+    record_stats(plan, stats)
+    final = work / "final"
+    final.mkdir()
+    write_repo_files(ckpt, plan, final, options, result)
+    streamed.url = hub.finish(final, merge=not create_pr)
+    result.written = True
+    return streamed
+
+
+def _scales(model: CheckpointModel) -> list[TensorInfo]:
+    """Every weight's scale and input scale, and the KV-cache scales: all a plan reads of the data."""
+    found = {s.name: s for w in model.weights.values() for s in (w.scale, w.input_scale) if s is not None}
+    found.update((s.name, s) for s in model.kv_cache_scales)
+    return list(found.values())
+
+
+def _bound(max_disk: int | None, needs: list[tuple[OutputShard, list[Path]]], sizes: dict[Path, int]) -> int:
+    """The disk bound: `max_disk`, or DEFAULT_SHARDS_ON_DISK times the largest source shard (at least what
+    one output shard needs); a bound some output shard cannot be written under is refused here, before
+    anything is downloaded."""
+    need = {shard.name: shard_file_bytes(shard) + sum(sizes[p] for p in inputs) for shard, inputs in needs}
+    largest = max(need, key=lambda name: need[name])
+    if max_disk is None:
+        return max(DEFAULT_SHARDS_ON_DISK * max(sizes.values(), default=0), need[largest])
+    if need[largest] > max_disk:
+        raise UsageError(
+            f"--max-disk {max_disk}: output shard {largest} needs {need[largest]} bytes on disk at once (the source "
+            f"shards it reads and itself); give --max-disk {need[largest]} or more"
+        )
+    return max_disk
+
+
+def _fingerprint(remote: RemoteRepo, options: ConvertOptions, plan: ConversionPlan) -> str:
+    """What the output bytes depend on, hashed: equal fingerprints, equal shards."""
+    facts = {
+        "source": remote.repo_id,
+        "commit": remote.commit,
+        "options": options.describe(plan),
+        "fp8fix": __version__,
+        "shards": [(s.name, s.nbytes) for s in plan.shards],
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _PullRequest:
+    """The pull request on `dest` a streamed conversion commits to: found by title or opened by the
+    first commit; its shard records read once at the start."""
+
+    def __init__(self, dest: str, title: str, fingerprint: str, token: str | None, private: bool) -> None:
+        from huggingface_hub import HfApi
+
+        self.dest, self.title, self.fingerprint, self.token = dest, title, fingerprint, token
+        self.api = HfApi(token=token)
+        self.num: int | None = None
+        self.url = ""
+        self.records: dict[str, dict[str, Any]] = {}
+        with hub_errors(dest, action="write"):
+            bounded_session(write=True)
+            self.api.create_repo(dest, private=private or None, exist_ok=True)
+            discussions = retried(
+                lambda: list(
+                    self.api.get_repo_discussions(dest, discussion_type="pull_request", discussion_status="open")
+                )
+            )
+            pr = next((d for d in discussions if d.title == title), None)
+            if pr is not None:
+                self.num, self.url = pr.num, str(pr.url)
+                self.records = self._read_records()
+
+    @property
+    def ref(self) -> str | None:
+        return f"refs/pr/{self.num}" if self.num is not None else None
+
+    def _read_records(self) -> dict[str, dict[str, Any]]:
+        """Records of shards this pull request holds as recorded (same fingerprint, same sha256)."""
+        from huggingface_hub.hf_api import RepoFile
+
+        entries = retried(lambda: list(self.api.list_repo_tree(self.dest, revision=self.ref, recursive=True)))
+        files = {e.path: e for e in entries if isinstance(e, RepoFile)}
+        repo = RemoteRepo(self.dest, self.ref or "main", {p: e.size for p, e in files.items()}, self.token)
+        records = {}
+        for path in files:
+            if not path.startswith(RECORDS + "/") or files[path].size > 1 << 20:
+                continue
+            record = json.loads(repo.read_range(path, 0, files[path].size))
+            shard = files.get(record.get("shard", ""))
+            lfs = getattr(shard, "lfs", None)
+            if record.get("fingerprint") == self.fingerprint and lfs is not None and lfs.sha256 == record["sha256"]:
+                records[record["shard"]] = record
+        return records
+
+    def commit_shard(self, shard: OutputShard, path: Path, stats: WriteStats) -> None:
+        """The shard and its record, in one commit (the first opens the pull request)."""
+        from huggingface_hub import CommitOperationAdd
+
+        record = {
+            "fingerprint": self.fingerprint,
+            "shard": shard.name,
+            "size": path.stat().st_size,
+            "sha256": _sha256(path),
+            "stats": _stats_to_json(stats),
+        }
+        operations = [
+            CommitOperationAdd(path_in_repo=shard.name, path_or_fileobj=path),
+            CommitOperationAdd(f"{RECORDS}/{shard.name}.json", json.dumps(record).encode()),
+        ]
+        self._commit(operations, shard.name)
+
+    def _commit(self, operations: list[Any], message: str) -> None:
+        with hub_errors(self.dest, action="write"):
+            if self.num is None:
+                info = self.api.create_commit(self.dest, operations, commit_message=self.title, create_pr=True)
+                self.num, self.url = info.pr_num, str(info.pr_url)
+            else:
+                self.api.create_commit(self.dest, operations, commit_message=message, revision=self.ref)
+
+    def finish(self, folder: Path, merge: bool) -> str:
+        """Index, config files, copies and card in one commit that removes the records; then merged."""
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+        operations: list[Any] = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=folder / f) for f in files]
+        operations.append(CommitOperationDelete(path_in_repo=f"{RECORDS}/", is_folder=True))
+        self._commit(operations, "config, index and model card")
+        if merge:
+            assert self.num is not None
+            with hub_errors(self.dest, action="write"):
+                self.api.merge_pull_request(self.dest, self.num)
+            return f"{self.api.endpoint}/{self.dest}"
+        return self.url
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _stats_to_json(stats: WriteStats) -> dict[str, Any]:
+    return {
+        "requantized": {k: [v.max_abs, v.max_steps] for k, v in stats.requantized.items()},
+        "dequantized": {k: [v.max_abs, v.max_steps] for k, v in stats.dequantized.items()},
+        "inexact_codes": stats.inexact_codes,
+    }
+
+
+def _stats_from_json(data: dict[str, Any]) -> WriteStats:
+    return WriteStats(
+        requantized={k: RoundingStats(*v) for k, v in data["requantized"].items()},
+        dequantized={k: RoundingStats(*v) for k, v in data["dequantized"].items()},
+        inexact_codes=int(data["inexact_codes"]),
+    )

@@ -1,0 +1,173 @@
+"""Hub to Hub without an OUTPUT folder (issue 26): `convert ORG/SRC --push-to-hub ORG/DST`.
+
+Against the test Hub (tests/hub_server.py: ranged reads, LFS uploads, pull requests and merges):
+the files that land on DST's main are byte for byte those of a local `convert ORG/SRC OUTPUT`;
+the working folder's disk use, sampled every few milliseconds, stays under --max-disk; a bound no
+output shard fits is refused before any shard is downloaded; an interrupted run, rerun, uploads
+no shard twice; the Hub cache is not used; main never shows a half checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.builders import build, phi3
+from tests.hub_server import FakeHub
+
+TOKEN = "hf_streaming_test_token"
+
+
+@pytest.fixture
+def hub():
+    server = FakeHub().start()
+    yield server
+    server.stop()
+
+
+def env_for(tmp_path: Path, hub: FakeHub) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env.update(
+        HF_HOME=str(tmp_path / "hf-home"),
+        HF_ENDPOINT=hub.url,
+        HF_TOKEN=TOKEN,
+        HF_HUB_DISABLE_XET="1",  # the test Hub speaks LFS
+        TMPDIR=str(tmp_path / "tmp"),  # where the working folder goes
+    )
+    return env
+
+
+def fp8fix(*args: str | Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fp8fix", *map(str, args)], env=env, capture_output=True, text=True)
+
+
+def served(tmp_path: Path, hub: FakeHub, files: int = 3, **sizes: int) -> Path:
+    folder = build(tmp_path / "served", phi3(**sizes) if sizes else phi3(layers=4), files=files)
+    hub.files["org/src"] = folder
+    return folder
+
+
+def local_reference(tmp_path: Path, env: dict[str, str], *options: str) -> dict[str, bytes]:
+    """What `convert org/src OUTPUT` writes, read from the same test Hub: the files streaming must push."""
+    out = tmp_path / "reference"
+    proc = fp8fix("convert", "org/src", out, "-q", *options, env={**env, "HF_HOME": str(tmp_path / "ref-home")})
+    assert proc.returncode == 0, proc.stderr
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("options", [[], ["--format", "keep", "--layout", "unfused"], ["--to", "e4m3fnuz"]])
+def test_hub_to_hub_lands_what_a_local_conversion_writes(tmp_path: Path, hub: FakeHub, options: list[str]) -> None:
+    served(tmp_path, hub)
+    env = env_for(tmp_path, hub)
+    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", *options, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"pushed: {hub.url}/me/dst" in proc.stdout
+    assert "3 output shards converted and uploaded, 0 already on the Hub" in proc.stdout
+    # each source shard read whole once, planning having read only headers and scales (ranges)
+    whole = sorted(path for path, ranged in hub.reads if path.endswith(".safetensors") and not ranged)
+    assert whole == sorted(f"org/src/{p.name}" for p in hub.files["org/src"].glob("*.safetensors"))
+    assert not list((tmp_path / "hf-home").rglob("*.safetensors")), "the Hub cache was used"
+    assert not any((tmp_path / "tmp").iterdir()), "the working folder was left behind"
+    assert hub.tree("me/dst") == local_reference(tmp_path, env, *options)
+    assert hub.merges == [("me/dst", 1)]  # one merge: main never held a part of it
+
+
+def test_disk_stays_under_the_bound(tmp_path: Path, hub: FakeHub) -> None:
+    folder = served(tmp_path, hub, files=6, hidden=256, intermediate=1024, layers=6)
+    shards = sorted(p.stat().st_size for p in folder.glob("*.safetensors"))
+    bound = 3 * shards[-1]
+    env = env_for(tmp_path, hub)
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            used = 0
+            for root, _, names in os.walk(tmp_path / "tmp"):
+                for name in names:
+                    try:
+                        used += os.lstat(os.path.join(root, name)).st_blocks * 512
+                    except FileNotFoundError:
+                        pass
+            samples.append(used)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "--max-disk", str(bound), "--json", env=env)
+    finally:
+        stop.set()
+        sampler.join()
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["streamed"]["max_disk"] == bound and report["streamed"]["peak_disk"] <= bound
+    assert max(samples) > 0, "the sampler saw nothing"
+    # what the disk holds besides the planned bytes: the source stand-ins' headers and scales, a few KiB each
+    assert max(samples) <= bound + 64 * 1024 * len(shards), (max(samples), bound)
+    assert hub.tree("me/dst")["config.json"]
+
+
+def test_a_bound_no_shard_fits_is_refused_before_any_download(tmp_path: Path, hub: FakeHub) -> None:
+    served(tmp_path, hub)
+    env = env_for(tmp_path, hub)
+    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "--max-disk", "10KB", env=env)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("Error: --max-disk 10000: output shard model-0000") and "give --max-disk" in line
+    assert "me/dst" not in hub.repos and not hub.uploads
+    assert not [path for path, ranged in hub.reads if path.endswith(".safetensors") and not ranged]
+
+
+def test_an_interrupted_stream_resumes_without_uploading_a_shard_twice(tmp_path: Path, hub: FakeHub) -> None:
+    served(tmp_path, hub)
+    env = env_for(tmp_path, hub)
+    hub.fail_commit_after = 2  # two shards land on the pull request, then the Hub fails
+    cut = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", env=env)
+    assert cut.returncode == 4 and "HTTP 500" in cut.stderr, cut.stderr
+    assert not hub.tree("me/dst").get("config.json"), "main shows a half checkpoint"
+    uploaded = list(hub.uploads)
+    hub.fail_commit_after = None
+    again = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", env=env)
+    assert again.returncode == 0, again.stderr
+    assert "1 output shards converted and uploaded, 2 already on the Hub" in again.stdout
+    # the third shard's bytes went up before its commit failed: rebuilt, its upload is not repeated
+    assert len(uploaded) == 3 and hub.uploads == uploaded
+    main = hub.tree("me/dst")
+    assert main == local_reference(tmp_path, env)  # the card of a resumed run is a single run's
+    assert not any(name.startswith(".fp8fix-stream") for name in main)
+
+
+def test_create_pr_leaves_main_alone(tmp_path: Path, hub: FakeHub) -> None:
+    served(tmp_path, hub)
+    env = env_for(tmp_path, hub)
+    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "--create-pr", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith(f"pushed: {hub.url}/me/dst/discussions/1")
+    assert hub.merges == [] and not hub.tree("me/dst")
+    assert set(hub.tree("me/dst", "refs/pr/1")) == set(local_reference(tmp_path, env))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "OUTPUT is missing"),
+        (["--push-to-hub", "me/dst", "--verify"], "--verify checks OUTPUT"),
+        (["--push-to-hub", "me/dst", "--dry-run"], "--dry-run applies to a conversion into OUTPUT"),
+        (["--push-to-hub", "me/dst", "--commit-size", "1GB"], "--commit-size applies"),
+        (["out", "--push-to-hub", "me/dst", "--max-disk", "1GB"], "--max-disk bounds a streamed conversion"),
+    ],
+)
+def test_what_a_stream_cannot_do_is_refused(tmp_path: Path, hub: FakeHub, args: list[str], message: str) -> None:
+    served(tmp_path, hub)
+    proc = fp8fix("convert", "org/src", *args, env=env_for(tmp_path, hub))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert hub.requests == []
