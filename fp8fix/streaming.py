@@ -211,7 +211,7 @@ class _PullRequest:
         self.records: dict[str, dict[str, Any]] = {}
         with hub_errors(dest, action="write"):
             bounded_session(write=True)
-            self.api.create_repo(dest, private=private or None, exist_ok=True)
+            retried(self.api.create_repo, dest, private=private or None, exist_ok=True)
             discussions = retried(
                 lambda: list(
                     self.api.get_repo_discussions(dest, discussion_type="pull_request", discussion_status="open")
@@ -264,10 +264,10 @@ class _PullRequest:
     def _commit(self, operations: list[Any], message: str) -> None:
         with hub_errors(self.dest, action="write"):
             if self.num is None:
-                info = self.api.create_commit(self.dest, operations, commit_message=self.title, create_pr=True)
+                info = retried(self.api.create_commit, self.dest, operations, commit_message=self.title, create_pr=True)
                 self.num, self.url = info.pr_num, str(info.pr_url)
             else:
-                self.api.create_commit(self.dest, operations, commit_message=message, revision=self.ref)
+                retried(self.api.create_commit, self.dest, operations, commit_message=message, revision=self.ref)
 
     def finish(self, folder: Path, merge: bool) -> str:
         """Index, config files, copies and card in one commit that removes the records; then merged."""
@@ -280,7 +280,7 @@ class _PullRequest:
         if merge:
             assert self.num is not None
             with hub_errors(self.dest, action="write"):
-                self.api.merge_pull_request(self.dest, self.num)
+                retried(self.api.merge_pull_request, self.dest, self.num)
             return f"{self.api.endpoint}/{self.dest}"
         return self.url
 

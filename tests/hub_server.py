@@ -79,6 +79,7 @@ class FakeHub:
     trees: dict[tuple[str, str], dict[str, bytes]] = field(default_factory=dict)  # (repo, revision) -> committed
     fail_commit_after: int | None = None  # answer HTTP 500 to commits once this many have landed
     fail_next: list[int] = field(default_factory=list)  # statuses for the next requests, one each (429, 500...)
+    fail_path: str = ""  # ...of those whose path starts with this
     delay: float = 0.0  # seconds to wait before answering each request (a slow link)
     lfs: dict[str, bytes] = field(default_factory=dict)  # sha256 -> content uploaded through LFS
     uploads: list[str] = field(default_factory=list)  # sha256 of every LFS upload (PUT), in order
@@ -140,7 +141,7 @@ class FakeHub:
                 parts = url.path.strip("/").split("/")
                 if hub.delay:
                     time.sleep(hub.delay)
-                if hub.fail_next:
+                if hub.fail_next and url.path.startswith(hub.fail_path):
                     status = hub.fail_next.pop(0)
                     return self._send(status, {"error": f"injected {status}"})
                 if method == "PUT" and parts[0] == "lfs-upload":

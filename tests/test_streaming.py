@@ -171,3 +171,25 @@ def test_what_a_stream_cannot_do_is_refused(tmp_path: Path, hub: FakeHub, args: 
     proc = fp8fix("convert", "org/src", *args, env=env_for(tmp_path, hub))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert hub.requests == []
+
+
+@pytest.mark.parametrize("where", ["/org/src/resolve/", "/api/models/me/dst/"])
+def test_rate_limits_and_server_errors_are_retried(tmp_path: Path, hub: FakeHub, where: str) -> None:
+    """A 429 and two 5xx on the source's file reads, or on the destination's pull request and commits, are
+    waited out; the conversion lands as if none happened."""
+    served(tmp_path, hub)
+    env = env_for(tmp_path, hub)
+    hub.fail_next, hub.fail_path = [429, 503, 500], where
+    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "-q", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert hub.fail_next == [] and hub.tree("me/dst") == local_reference(tmp_path, env)
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_a_refusal_is_one_line_and_exit_4(tmp_path: Path, hub: FakeHub, status: int) -> None:
+    served(tmp_path, hub)
+    hub.fail_with = status
+    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "-q", env=env_for(tmp_path, hub))
+    assert proc.returncode == 4, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("Error: org/src") and TOKEN not in line, line

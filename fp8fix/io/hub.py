@@ -109,9 +109,13 @@ def hub_errors(repo_id: str, revision: str | None = None, action: str = "read") 
 #: HF_HUB_DOWNLOAD_TIMEOUT when it is set, as huggingface_hub's own downloads do.
 CONNECT_SECONDS = 10.0
 WRITE_FACTOR = 6
-#: Tries of a read-only Hub call that timed out or lost its connection, with RETRY_WAIT seconds doubling between.
-TRIES = 3
+#: Tries of a read-only Hub call that timed out, lost its connection, or met a rate limit or a server error
+#: (RETRY_STATUSES), with RETRY_WAIT seconds doubling between (or the Retry-After the Hub asks for, up to
+#: MAX_RETRY_WAIT).
+TRIES = 4
 RETRY_WAIT = 1.0
+MAX_RETRY_WAIT = 60.0
+RETRY_STATUSES = {429, 500, 502, 503, 504}
 
 
 def bounded_session(write: bool = False) -> None:
@@ -145,19 +149,33 @@ def _network_failure(error: BaseException) -> bool:
 
 
 def retried(call: Any, *args: Any, **kwargs: Any) -> Any:
-    """`call(*args, **kwargs)`, a read-only Hub call, tried up to TRIES times while it times out or loses
-    its connection (the Hub's blips); the last failure is raised. Commits are never retried: a rerun of
-    a push resumes it instead."""
+    """`call(*args, **kwargs)`, a Hub call that is safe to repeat, tried up to TRIES times while it times
+    out, loses its connection or is answered 429 / 5xx (the Hub's blips and rate limits); the last failure
+    is raised. `push`'s commits are not retried (a rerun resumes the push); a streamed conversion's are,
+    each one adding the same files to its own pull request."""
     import time
 
     for attempt in range(TRIES):
         try:
             return call(*args, **kwargs)
         except Exception as e:
-            if attempt == TRIES - 1 or not _network_failure(e):
+            wait = _retry_wait(e, attempt)
+            if attempt == TRIES - 1 or wait is None:
                 raise
-            time.sleep(RETRY_WAIT * 2**attempt)
+            time.sleep(wait)
     raise AssertionError("unreachable")
+
+
+def _retry_wait(error: BaseException, attempt: int) -> float | None:
+    """Seconds to wait before trying again after `error`, or None when trying again cannot help."""
+    if _network_failure(error):
+        return RETRY_WAIT * 2.0**attempt
+    response = getattr(error, "response", None)
+    if getattr(response, "status_code", None) not in RETRY_STATUSES:
+        return None
+    asked = str(getattr(response, "headers", {}).get("Retry-After", ""))
+    wait = float(asked) if asked.isdigit() else RETRY_WAIT * 2.0**attempt
+    return min(wait, MAX_RETRY_WAIT)
 
 
 def resolve_source(
