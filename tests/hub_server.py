@@ -16,6 +16,7 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -81,6 +82,9 @@ class FakeHub:
     fail_next: list[int] = field(default_factory=list)  # statuses for the next requests, one each (429, 500...)
     fail_path: str = ""  # ...of those whose path starts with this
     delay: float = 0.0  # seconds to wait before answering each request (a slow link)
+    #: Called with (method, path, Range header) before each request is answered; True drops the request
+    #: unanswered (the kill tests stop the client there).
+    hook: Callable[[str, str, str], bool] | None = None
     lfs: dict[str, bytes] = field(default_factory=dict)  # sha256 -> content uploaded through LFS
     uploads: list[str] = field(default_factory=list)  # sha256 of every LFS upload (PUT), in order
     reads: list[tuple[str, str]] = field(default_factory=list)  # (repo/path, Range header or "") of each file GET
@@ -141,6 +145,9 @@ class FakeHub:
                 parts = url.path.strip("/").split("/")
                 if hub.delay:
                     time.sleep(hub.delay)
+                if hub.hook is not None and hub.hook(method, url.path, self.headers.get("Range", "")):
+                    self.close_connection = True
+                    return
                 if hub.fail_next and url.path.startswith(hub.fail_path):
                     status = hub.fail_next.pop(0)
                     return self._send(status, {"error": f"injected {status}"})

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -193,3 +195,52 @@ def test_a_refusal_is_one_line_and_exit_4(tmp_path: Path, hub: FakeHub, status: 
     assert proc.returncode == 4, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("Error: org/src") and TOKEN not in line, line
+
+
+def _kill_points() -> dict[str, Callable[[FakeHub, str, str, str], bool]]:
+    """Where the kill tests stop the streamed conversion: (hub, method, path, Range) -> this request is it."""
+
+    def shard(method: str, path: str) -> bool:
+        return method == "GET" and path.startswith("/org/src/resolve/") and path.endswith(".safetensors")
+
+    return {
+        "header reads": lambda hub, method, path, ranged: shard(method, path) and bool(ranged),
+        "first download": lambda hub, method, path, ranged: shard(method, path) and not ranged,
+        "an upload": lambda hub, method, path, ranged: method == "PUT",
+        "between shards": lambda hub, method, path, ranged: len(hub.commits) == 1 and shard(method, path),
+        "before the final commit": lambda hub, method, path, ranged: len(hub.commits) == 3 and "/commit/" in path,
+    }
+
+
+@pytest.mark.parametrize("point", sorted(_kill_points()))
+def test_killed_anywhere_a_rerun_finishes(tmp_path: Path, hub: FakeHub, point: str) -> None:
+    """SIGKILL at five points (the test Hub kills the client as the request arrives, leaving it unanswered):
+    the same command run again finishes, uploads no shard more than once more than needed, and main never
+    holds an index naming a missing file (main changes only by the final merge)."""
+    served(tmp_path, hub)
+    env = env_for(tmp_path, hub)
+    is_point = _kill_points()[point]
+    args = [sys.executable, "-m", "fp8fix", "convert", "org/src", "--push-to-hub", "me/dst", "-q"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed: list[str] = []
+
+    def hook(method: str, path: str, ranged: str) -> bool:
+        if killed or not is_point(hub, method, path, ranged):
+            return False
+        os.kill(proc.pid, signal.SIGKILL)
+        killed.append(f"{method} {path}")
+        return True
+
+    hub.hook = hook
+    proc.communicate(timeout=120)
+    hub.hook = None
+    assert killed and proc.returncode == -signal.SIGKILL, (point, proc.returncode)
+    assert "config.json" not in hub.tree("me/dst"), "main shows a half checkpoint"
+    again = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "-q", env=env)
+    assert again.returncode == 0, again.stderr
+    main = hub.tree("me/dst")
+    assert main == local_reference(tmp_path, env)
+    counts = {sha: hub.uploads.count(sha) for sha in hub.uploads}
+    assert max(counts.values()) <= 2 and len(counts) == 3, counts
+    index = json.loads(main["model.safetensors.index.json"])
+    assert set(index["weight_map"].values()) <= set(main)
