@@ -20,7 +20,10 @@ import hashlib
 import json
 import shutil
 import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -113,46 +116,34 @@ def _stream(
     result.warnings += ckpt.warnings
     sizes = {source / name: size for name, size in remote.files.items()}
     needs = [(shard, sorted(shard_inputs(shard))) for shard in plan.shards]
-    bound = _bound(max_disk, needs, sizes)
+    base = _disk_bytes(work)  # held throughout: the stand-ins (headers, scales) and the small files
+    bound = _bound(max_disk, needs, sizes, base)
     streamed = StreamResult(result, max_disk=bound)
     name = remote.repo_id + (f"@{options.revision}" if options.revision else "")
     fingerprint = _fingerprint(remote, options, plan)
     title = f"{commit_message or commit_title(name, options.describe(plan))} [fp8fix {fingerprint}]"
     hub = _PullRequest(dest, title, fingerprint, remote.token, private)
     stats = WriteStats()
-    local: dict[Path, int] = {}  # source shards on disk, with their sizes
-    last_use = {path: i for i, (_, inputs) in enumerate(needs) for path in inputs}
+    todo = []
+    for i, (shard, inputs) in enumerate(needs):
+        record = hub.records.get(shard.name)
+        if record is None:
+            todo.append((i, shard, inputs))
+        else:
+            stats.merge(_stats_from_json(record["stats"]))
+            streamed.skipped.append(shard.name)
     out = work / "output"
     out.mkdir()
     with progress_bar(plan.total_bytes, "fp8fix convert", options.quiet) as bar:
-        for i, (shard, inputs) in enumerate(needs):
-            record = hub.records.get(shard.name)
-            if record is not None:
-                stats.merge(_stats_from_json(record["stats"]))
-                streamed.skipped.append(shard.name)
-                bar.update(shard.nbytes)
-                continue
-            size = shard_file_bytes(shard)
-            missing = [p for p in inputs if p not in local]
-            usage = sum(local.values()) + sum(sizes[p] for p in missing) + size
-            for path in sorted(local, key=lambda p: last_use[p], reverse=True):  # read latest: released first
-                if usage <= bound:
-                    break
-                if path not in inputs:
-                    path.unlink(missing_ok=True)
-                    usage -= local.pop(path)
-            for path in missing:
-                fetch(remote, source, path.relative_to(source).as_posix(), headers)
-                local[path] = sizes[path]
-            streamed.peak_disk = max(streamed.peak_disk, sum(local.values()) + size)
-            shard_stats = write_shard(plan, shard, out / shard.name, bar)
+        bar.update(sum(shard.nbytes for shard, _ in needs if shard.name in hub.records))
+        loop = _ShardLoop(todo, sizes, bound, lambda name: fetch(remote, source, name, headers), source)
+        loop.base = base
+        for shard, path in loop.run(out):
+            shard_stats = write_shard(plan, shard, path, bar)
             stats.merge(shard_stats)
-            hub.commit_shard(shard, out / shard.name, shard_stats)
-            (out / shard.name).unlink()
+            loop.upload(shard.name, path, partial(hub.commit_shard, shard, path, shard_stats))
             streamed.converted.append(shard.name)
-            for path in [p for p in local if last_use[p] <= i]:
-                path.unlink(missing_ok=True)
-                local.pop(path)
+        streamed.peak_disk = loop.peak
     record_stats(plan, stats)
     final = work / "final"
     final.mkdir()
@@ -162,6 +153,130 @@ def _stream(
     return streamed
 
 
+class _ShardLoop:
+    """Output shards one after another, with the next one's source shards downloading while this one is
+    written and the last one uploading: whatever the disk bound allows, the three overlap.
+
+    The working folder's bytes are counted here, in the one thread that decides: source shards from the
+    moment their download starts, an output shard from the moment it is about to be written until its
+    upload is collected. A download starts only when it fits beside all that; when the next shard's
+    inputs do not fit, the loop waits for the upload, then releases source shards kept for later ones
+    (the latest needed first): the bound holds at every moment, whatever finishes first."""
+
+    def __init__(
+        self,
+        todo: list[tuple[int, OutputShard, list[Path]]],
+        sizes: dict[Path, int],
+        bound: int,
+        download: Callable[[str], None],
+        source: Path,
+    ) -> None:
+        self.todo, self.sizes, self.bound, self.download, self.source = todo, sizes, bound, download, source
+        self.last_use = {path: i for i, _, inputs in todo for path in inputs}
+        self.sources: dict[Path, int] = {}  # source shards on disk or downloading
+        self.outputs: dict[str, int] = {}  # output shards being written or uploaded
+        self.prefetch: dict[int, Background] = {}
+        self.uploading: tuple[str, Background] | None = None
+        self.base = 0  # bytes the working folder holds throughout
+        self.peak = 0
+
+    def run(self, out: Path) -> Iterator[tuple[OutputShard, Path]]:
+        """(shard, where to write it) once its source shards are on disk; the caller writes it, then
+        calls `upload`."""
+        for k, (i, shard, inputs) in enumerate(self.todo):
+            size = shard_file_bytes(shard)
+            if k not in self.prefetch:
+                self._make_room(inputs, size)
+                self._start(k)
+            self.prefetch.pop(k).result()
+            self.outputs[shard.name] = size
+            self._note()
+            self._prefetch(k + 1)
+            yield shard, out / shard.name
+            for path in [p for p in self.sources if self.last_use[p] <= i]:
+                path.unlink(missing_ok=True)
+                del self.sources[path]
+            self._prefetch(k + 1)
+        self._collect_upload()
+
+    def upload(self, name: str, path: Path, commit: Callable[[], None]) -> None:
+        """Upload the shard just written (`commit`, then delete it) in the background, once the previous
+        one is up."""
+        self._collect_upload()
+
+        def send() -> None:
+            commit()
+            path.unlink()
+
+        self.uploading = (name, Background(send))
+
+    def _collect_upload(self) -> None:
+        if self.uploading is not None:
+            name, task = self.uploading
+            task.result()
+            del self.outputs[name]
+            self.uploading = None
+
+    def _fits(self, inputs: list[Path], extra: int) -> bool:
+        new = sum(self.sizes[p] for p in inputs if p not in self.sources)
+        return self._used() + new + extra <= self.bound
+
+    def _make_room(self, inputs: list[Path], size: int) -> None:
+        if not self._fits(inputs, size):
+            self._collect_upload()
+        for path in sorted(self.sources, key=lambda p: self.last_use[p], reverse=True):
+            if self._fits(inputs, size):
+                return
+            if path not in inputs:
+                path.unlink(missing_ok=True)
+                del self.sources[path]
+
+    def _prefetch(self, k: int) -> None:
+        if k < len(self.todo) and k not in self.prefetch and self._fits(self.todo[k][2], 0):
+            self._start(k)
+
+    def _start(self, k: int) -> None:
+        missing = [p for p in self.todo[k][2] if p not in self.sources]
+        for path in missing:
+            self.sources[path] = self.sizes[path]
+        self._note()
+        names = [p.relative_to(self.source).as_posix() for p in missing]
+        self.prefetch[k] = Background(lambda: [self.download(name) for name in names])
+
+    def _used(self) -> int:
+        return self.base + sum(self.sources.values()) + sum(self.outputs.values())
+
+    def _note(self) -> None:
+        self.peak = max(self.peak, self._used())
+
+
+def _disk_bytes(folder: Path) -> int:
+    """Bytes the files under `folder` take on disk (a sparse stand-in: what it holds)."""
+    return sum(p.stat().st_blocks * 512 for p in folder.rglob("*") if p.is_file())
+
+
+class Background:
+    """`work()` in a daemon thread (an interrupted run does not wait for a download to end); `result()`
+    waits for it and raises what it raised."""
+
+    def __init__(self, work: Callable[[], object]) -> None:
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as e:  # handed to result(), in the thread that decides
+                self._error = e
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 def _scales(model: CheckpointModel) -> list[TensorInfo]:
     """Every weight's scale and input scale, and the KV-cache scales: all a plan reads of the data."""
     found = {s.name: s for w in model.weights.values() for s in (w.scale, w.input_scale) if s is not None}
@@ -169,18 +284,19 @@ def _scales(model: CheckpointModel) -> list[TensorInfo]:
     return list(found.values())
 
 
-def _bound(max_disk: int | None, needs: list[tuple[OutputShard, list[Path]]], sizes: dict[Path, int]) -> int:
+def _bound(max_disk: int | None, needs: list[tuple[OutputShard, list[Path]]], sizes: dict[Path, int], base: int) -> int:
     """The disk bound: `max_disk`, or DEFAULT_SHARDS_ON_DISK times the largest source shard (at least what
-    one output shard needs); a bound some output shard cannot be written under is refused here, before
-    anything is downloaded."""
-    need = {shard.name: shard_file_bytes(shard) + sum(sizes[p] for p in inputs) for shard, inputs in needs}
+    one output shard needs); a bound some output shard cannot be written under (the source shards it reads,
+    itself, and the `base` bytes held throughout) is refused here, before any shard is downloaded."""
+    need = {shard.name: base + shard_file_bytes(shard) + sum(sizes[p] for p in inputs) for shard, inputs in needs}
     largest = max(need, key=lambda name: need[name])
     if max_disk is None:
         return max(DEFAULT_SHARDS_ON_DISK * max(sizes.values(), default=0), need[largest])
     if need[largest] > max_disk:
         raise UsageError(
             f"--max-disk {max_disk}: output shard {largest} needs {need[largest]} bytes on disk at once (the source "
-            f"shards it reads and itself); give --max-disk {need[largest]} or more"
+            f"shards it reads, itself, and the headers and small files held throughout); give --max-disk "
+            f"{need[largest]} or more"
         )
     return max_disk
 

@@ -113,8 +113,9 @@ def test_disk_stays_under_the_bound(tmp_path: Path, hub: FakeHub) -> None:
     report = json.loads(proc.stdout)
     assert report["streamed"]["max_disk"] == bound and report["streamed"]["peak_disk"] <= bound
     assert max(samples) > 0, "the sampler saw nothing"
-    # what the disk holds besides the planned bytes: the source stand-ins' headers and scales, a few KiB each
-    assert max(samples) <= bound + 64 * 1024 * len(shards), (max(samples), bound)
+    # the bound counts the stand-ins (headers, scales) and small files too; what the file system rounds up,
+    # a block per file in flight, is the only slack
+    assert max(samples) <= bound + 16 * 4096, (max(samples), bound)
     assert hub.tree("me/dst")["config.json"]
 
 
@@ -207,7 +208,7 @@ def _kill_points() -> dict[str, Callable[[FakeHub, str, str, str], bool]]:
         "header reads": lambda hub, method, path, ranged: shard(method, path) and bool(ranged),
         "first download": lambda hub, method, path, ranged: shard(method, path) and not ranged,
         "an upload": lambda hub, method, path, ranged: method == "PUT",
-        "between shards": lambda hub, method, path, ranged: len(hub.commits) == 1 and shard(method, path),
+        "between shards": lambda hub, method, path, ranged: len(hub.commits) == 1 and "/commit/" in path,
         "before the final commit": lambda hub, method, path, ranged: len(hub.commits) == 3 and "/commit/" in path,
     }
 

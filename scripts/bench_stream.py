@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Hub-to-Hub streaming against huggingface_hub moving the same bytes (issue 26).
+
+    python scripts/bench_stream.py                          # 8 shards of 64 MiB, 3 rounds
+    python scripts/bench_stream.py --shards 16 --shard-mib 128 --rounds 5 --max-disk-shards 4
+
+A block-FP8 checkpoint (real headers, real e4m3fn codes, F32 128x128 scale grids) is served by the
+test Hub (tests/hub_server.py) on 127.0.0.1, in this process. Each round, in turn:
+- stream: `fp8fix convert org/src --push-to-hub me/dst --max-disk N` in a subprocess (default
+  options: the same codes written as compressed-tensors), its wall time, peak RSS, and the peak
+  disk of its working folder (sampled every 2 ms: st_blocks, so sparse stand-ins count as what
+  they hold);
+- baseline: huggingface_hub alone in a subprocess: every shard downloaded (hf_hub_download into a
+  folder) and the same bytes uploaded (upload_folder) to another repo: the transfer floor.
+The table gives medians and the ratio stream / baseline (issue 26's goal: <= 1.15).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE))
+
+from tests.hub_server import FakeHub  # noqa: E402
+
+BLOCK = 128
+RSS_WRAPPER = """
+import resource, subprocess, sys
+code = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+sys.exit(code)
+"""
+BASELINE = """
+import sys, tempfile
+from pathlib import Path
+from huggingface_hub import HfApi, hf_hub_download
+api = HfApi()
+files = [e.path for e in api.list_repo_tree("org/src", recursive=True)]
+with tempfile.TemporaryDirectory(dir=sys.argv[1]) as folder:
+    for name in files:
+        hf_hub_download("org/src", name, local_dir=folder)
+    api.create_repo(sys.argv[2], exist_ok=True)
+    api.upload_folder(repo_id=sys.argv[2], folder_path=folder, ignore_patterns=[".cache/*"])
+"""
+
+
+def checkpoint(root: Path, shards: int, shard_mib: int) -> Path:
+    """`shards` files of about `shard_mib` MiB, each one layer's MLP (gate/up/down) in block FP8."""
+    root.mkdir(parents=True)
+    hidden = 2048
+    inter = max(BLOCK, (shard_mib * 2**20 // (3 * hidden)) // BLOCK * BLOCK)
+    weight_map = {}
+    rng = os.urandom  # codes: random bytes without the NaN codes 0x7F / 0xFF
+    for layer in range(shards):
+        name = f"model-{layer + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = []
+        for module, (rows, cols) in {
+            "gate_proj": (inter, hidden),
+            "up_proj": (inter, hidden),
+            "down_proj": (hidden, inter),
+        }.items():
+            prefix = f"model.layers.{layer}.mlp.{module}"
+            grid = (rows // BLOCK) * (cols // BLOCK)
+            tensors.append((f"{prefix}.weight", "F8_E4M3", [rows, cols], rows * cols))
+            tensors.append((f"{prefix}.weight_scale_inv", "F32", [rows // BLOCK, cols // BLOCK], grid * 4))
+        header, offset = {}, 0
+        for tname, dtype, shape, nbytes in tensors:
+            header[tname] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+            weight_map[tname] = name
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(root / name, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for _, dtype, _, nbytes in tensors:
+                if dtype == "F32":
+                    f.write(struct.pack("<f", 2.0**-8) * (nbytes // 4))
+                else:
+                    f.write(rng(nbytes).replace(b"\x7f", b"\x01").replace(b"\xff", b"\x81"))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": shards,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "vocab_size": 32000,
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [BLOCK, BLOCK],
+            "fmt": "e4m3",
+        },
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root
+
+
+def timed(command: list[str], env: dict[str, str], watch: Path) -> tuple[float, int, int]:
+    """(wall seconds, peak RSS bytes, peak bytes under `watch`) of `command`."""
+    peak = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            used = 0
+            for root, _, names in os.walk(watch):
+                for name in names:
+                    try:
+                        used += os.lstat(os.path.join(root, name)).st_blocks * 512
+                    except FileNotFoundError:
+                        pass
+            peak[0] = max(peak[0], used)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    # Through a small wrapper, whose children's peak RSS is theirs alone: a child forked from this process
+    # (which holds the test Hub's uploads) would report this process's pages as its own.
+    wrapped = [sys.executable, "-c", RSS_WRAPPER, *command]
+    proc = subprocess.run(wrapped, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{command[:4]} failed:\n{proc.stderr[-2000:]}")
+    return wall, int(proc.stdout.split()[-1]) * 1024, peak[0]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--shard-mib", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-disk-shards", type=float, default=3.0, help="--max-disk in largest source shards")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        src = checkpoint(work / "src", args.shards, args.shard_mib)
+        largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
+        total = sum(p.stat().st_size for p in src.iterdir())
+        hub = FakeHub().start()
+        hub.files["org/src"] = src
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+        env.update(
+            HF_ENDPOINT=hub.url,
+            HF_TOKEN="hf_bench",
+            HF_HUB_DISABLE_XET="1",
+            HF_HOME=str(work / "home"),
+            HF_HUB_DISABLE_PROGRESS_BARS="1",
+        )
+        (work / "tmp").mkdir()
+        env["TMPDIR"] = str(work / "tmp")
+        rows: dict[str, list[tuple[float, int, int]]] = {"stream": [], "baseline": []}
+        for r in range(args.rounds):
+            hub.lfs.clear()
+            hub.trees.clear()
+            hub.pull_requests.clear()
+            order = ["stream", "baseline"] if r % 2 == 0 else ["baseline", "stream"]
+            for kind in order:
+                if kind == "stream":
+                    command = [
+                        sys.executable,
+                        "-m",
+                        "fp8fix",
+                        "convert",
+                        "org/src",
+                        "--push-to-hub",
+                        f"me/dst{r}",
+                        "-q",
+                        "--max-disk",
+                        str(int(args.max_disk_shards * largest)),
+                    ]
+                else:
+                    command = [sys.executable, "-c", BASELINE, str(work / "tmp"), f"me/base{r}"]
+                rows[kind].append(timed(command, env, work / "tmp"))
+        hub.stop()
+    print(
+        f"{args.shards} shards, {total / 2**20:.0f} MiB; --max-disk {args.max_disk_shards:g} x largest shard "
+        f"({args.max_disk_shards * largest / 2**20:.0f} MiB); medians of {args.rounds} rounds, alternating"
+    )
+    print(f"{'':10} {'wall s':>8} {'peak RSS MB':>12} {'peak disk MB':>13}")
+    med = {}
+    for kind, values in rows.items():
+        med[kind] = [statistics.median(v[i] for v in values) for i in range(3)]
+        w, rss, disk = med[kind]
+        print(f"{kind:10} {w:8.2f} {rss / 1e6:12.0f} {disk / 1e6:13.0f}")
+    print(f"ratio stream / baseline (wall): {med['stream'][0] / med['baseline'][0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
