@@ -14,6 +14,8 @@ import base64
 import hashlib
 import json
 import re
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -29,12 +31,18 @@ def git_blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def _entry(name: str, data: bytes) -> dict[str, Any]:
-    """A tree entry as the Hub lists it: LFS files with their sha256."""
+def _entry(name: str, data: bytes | Path) -> dict[str, Any]:
+    """A tree entry as the Hub lists it: LFS files (stored on disk, as `Path`) with their sha256."""
+    if isinstance(data, Path):
+        return {**_served_entry(data), "path": name}
     entry: dict[str, Any] = {"type": "file", "path": name, "size": len(data), "oid": git_blob_id(data)}
     if name.endswith(".safetensors"):
         entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
     return entry
+
+
+def _sha256_of(data: bytes | Path) -> str:
+    return str(_served_entry(data)["lfs"]["oid"]) if isinstance(data, Path) else hashlib.sha256(data).hexdigest()
 
 
 _SERVED: dict[tuple[Path, int, int], dict[str, Any]] = {}
@@ -51,7 +59,7 @@ def _served_entry(path: Path) -> dict[str, Any]:
                 blob.update(chunk)
                 sha.update(chunk)
         entry: dict[str, Any] = {"type": "file", "path": path.name, "size": stat.st_size, "oid": blob.hexdigest()}
-        if path.name.endswith(".safetensors"):
+        if path.name.endswith(".safetensors") or path.parent.name == "lfs-store":
             entry["lfs"] = {"oid": sha.hexdigest(), "size": stat.st_size, "pointerSize": 134}
         _SERVED[key] = entry
     return _SERVED[key]
@@ -64,7 +72,7 @@ class Commit:
     summary: str
     description: str
     create_pr: bool
-    files: dict[str, bytes]
+    files: dict[str, bytes | Path]  # an LFS file of 64 MiB or more as its file in the store
 
 
 @dataclass
@@ -77,7 +85,7 @@ class FakeHub:
     fail_with: int | str | None = None  # answer every request with this status, or "gated"
     authorization: list[str] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)  # repo id -> folder served by /{repo}/resolve/...
-    trees: dict[tuple[str, str], dict[str, bytes]] = field(default_factory=dict)  # (repo, revision) -> committed
+    trees: dict[tuple[str, str], dict[str, bytes | Path]] = field(default_factory=dict)  # (repo, revision) -> files
     fail_commit_after: int | None = None  # answer HTTP 500 to commits once this many have landed
     fail_next: list[int] = field(default_factory=list)  # statuses for the next requests, one each (429, 500...)
     fail_path: str = ""  # ...of those whose path starts with this
@@ -85,7 +93,8 @@ class FakeHub:
     #: Called with (method, path, Range header) before each request is answered; True drops the request
     #: unanswered (the kill tests stop the client there).
     hook: Callable[[str, str, str], bool] | None = None
-    lfs: dict[str, bytes] = field(default_factory=dict)  # sha256 -> content uploaded through LFS
+    lfs: dict[str, Path] = field(default_factory=dict)  # sha256 -> its file in `store`, uploaded through LFS
+    store: Path = Path()  # where LFS uploads go: a temporary folder of the server's
     uploads: list[str] = field(default_factory=list)  # sha256 of every LFS upload (PUT), in order
     reads: list[tuple[str, str]] = field(default_factory=list)  # (repo/path, Range header or "") of each file GET
     url: str = ""
@@ -141,7 +150,8 @@ class FakeHub:
                 hub.requests.append(f"{method} {url.path}")
                 if not url.path.startswith("/lfs-upload/"):  # presigned upload URLs carry no token
                     hub.authorization.append(self.headers.get("Authorization", ""))
-                body = self._body() if method in ("POST", "PUT") else b""
+                upload = method == "PUT" and url.path.startswith("/lfs-upload/")
+                body = self._body() if method in ("POST", "PUT") and not upload else b""
                 parts = url.path.strip("/").split("/")
                 if hub.delay:
                     time.sleep(hub.delay)
@@ -151,12 +161,8 @@ class FakeHub:
                 if hub.fail_next and url.path.startswith(hub.fail_path):
                     status = hub.fail_next.pop(0)
                     return self._send(status, {"error": f"injected {status}"})
-                if method == "PUT" and parts[0] == "lfs-upload":
-                    if hashlib.sha256(body).hexdigest() != parts[1]:
-                        return self._send(400, {"error": "content does not match its oid"})
-                    hub.lfs[parts[1]] = body
-                    hub.uploads.append(parts[1])
-                    return self._send(200, {})
+                if upload:
+                    return self._store(parts[1])
                 if len(parts) == 6 and parts[1].endswith(".git") and parts[2:] == ["info", "lfs", "objects", "batch"]:
                     return self._lfs_batch(json.loads(body))
                 if len(parts) > 4 and parts[2] == "resolve" and not hub.fail_with:
@@ -260,6 +266,10 @@ class FakeHub:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
+                self._send_file(method, path)
+
+            def _send_file(self, method: str, path: Path) -> None:
+                """`path`, or the Range asked for, streamed from disk in pieces."""
                 size = path.stat().st_size
                 status, first, last = 200, 0, size - 1
                 ranged = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
@@ -283,7 +293,9 @@ class FakeHub:
                             self.wfile.write(chunk)
                             left -= len(chunk)
 
-            def _send_bytes(self, method: str, data: bytes) -> None:
+            def _send_bytes(self, method: str, data: bytes | Path) -> None:
+                if isinstance(data, Path):  # an LFS object of the store
+                    return self._send_file(method, data)
                 ranged = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
                 status = 200
                 if ranged:
@@ -295,6 +307,27 @@ class FakeHub:
                 self.end_headers()
                 if method == "GET":
                     self.wfile.write(data)
+
+            def _store(self, oid: str) -> None:
+                """An LFS upload, streamed to a file of the store (checked against its oid), never held whole."""
+                left = int(self.headers.get("Content-Length") or 0)
+                part = hub.store / f"{oid}.{threading.get_ident()}.part"
+                digest = hashlib.sha256()
+                with open(part, "wb") as f:
+                    while left > 0:
+                        chunk = self.rfile.read(min(left, 1 << 20))
+                        if not chunk:
+                            break
+                        digest.update(chunk)
+                        f.write(chunk)
+                        left -= len(chunk)
+                if digest.hexdigest() != oid or left:
+                    part.unlink()
+                    return self._send(400, {"error": "content does not match its oid"})
+                part.replace(hub.store / oid)
+                hub.lfs[oid] = hub.store / oid
+                hub.uploads.append(oid)
+                self._send(200, {})
 
             def _lfs_batch(self, request: dict[str, Any]) -> None:
                 """Upload actions for the objects the store lacks; none for those it holds (not sent again)."""
@@ -312,7 +345,7 @@ class FakeHub:
                 if hub.fail_commit_after is not None and len(hub.commits) >= hub.fail_commit_after:
                     return self._send(500, {"error": "interrupted"})
                 header: dict[str, Any] = {}
-                files: dict[str, bytes] = {}
+                files: dict[str, bytes | Path] = {}
                 deleted: list[str] = []
                 for line in body.decode().splitlines():
                     item = json.loads(line)
@@ -337,7 +370,17 @@ class FakeHub:
                         del tree[name]
                 tree.update(files)
                 hub.commits.append(
-                    Commit(repo, revision, header.get("summary", ""), header.get("description", ""), create_pr, files)
+                    Commit(
+                        repo,
+                        revision,
+                        header.get("summary", ""),
+                        header.get("description", ""),
+                        create_pr,
+                        {
+                            k: v.read_bytes() if isinstance(v, Path) and v.stat().st_size < 1 << 26 else v
+                            for k, v in files.items()
+                        },
+                    )
                 )
                 oid = f"{len(hub.commits):040x}"
                 answer: dict[str, Any] = {"commitUrl": f"{hub.url}/{repo}/commit/{oid}", "commitOid": oid}
@@ -347,6 +390,8 @@ class FakeHub:
                     hub.repos.setdefault(repo, {})["sha"] = oid
                 self._send(200, answer)
 
+        self.store = Path(tempfile.mkdtemp(prefix="hub-")) / "lfs-store"
+        self.store.mkdir()
         server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{server.server_address[1]}"
         self._server = server
@@ -354,10 +399,21 @@ class FakeHub:
         return self
 
     def tree(self, repo: str, revision: str = "main") -> dict[str, bytes]:
-        """The files committed to `revision` of `repo` (a pull request's on top of main)."""
+        """The files committed to `revision` of `repo` (a pull request's on top of main), read whole."""
+        return {
+            name: data.read_bytes() if isinstance(data, Path) else data
+            for name, data in self._files(repo, revision).items()
+        }
+
+    def digests(self, repo: str, revision: str = "main") -> dict[str, str]:
+        """sha256 of each file of `tree`, hashed in pieces (for checkpoints of gigabytes)."""
+        return {name: _sha256_of(data) for name, data in self._files(repo, revision).items()}
+
+    def _files(self, repo: str, revision: str) -> dict[str, bytes | Path]:
         base = self.trees.get((repo, "main"), {})
         return {**base, **self.trees.get((repo, revision), {})} if revision != "main" else dict(base)
 
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        shutil.rmtree(self.store.parent, ignore_errors=True)

@@ -23,6 +23,8 @@ from tests.distributions import ROOT, build_distributions
 from tests.hub_server import FakeHub
 from tests.test_experts import build_llama4
 
+pytestmark = pytest.mark.heavy
+
 #: The core install's size on disk, pip and the venv's own files included.
 VENV_LIMIT = 200 * 1024**2
 
