@@ -151,6 +151,8 @@ def convert_to_hub(
     private: bool = False,
     create_pr: bool = False,
     commit_message: str | None = None,
+    part: tuple[int, int] | None = None,
+    finalize: bool = False,
     layout: Layout | None = None,
     to: Encoding | None = None,
     target: Target = "auto",
@@ -166,12 +168,22 @@ def convert_to_hub(
     """Convert the Hub repo `source` into the Hub repo `dest`, shard by shard, in at most `max_disk`
     bytes of disk (default: three of the largest source shard): `fp8fix convert SOURCE --push-to-hub
     DEST` with no OUTPUT. Lands on `dest`'s main in one merge (a pull request with `create_pr`); a
-    rerun after an interruption continues from the output shards already uploaded."""
+    rerun after an interruption continues from the output shards already uploaded. `part=(K, N)`: only the
+    K-th of N shares of the output shards, for N machines; then one call with `finalize=True` (or one with
+    neither) makes the final commit."""
     from fp8fix.io.hub import is_repo_id
     from fp8fix.streaming import stream_convert
 
     if max_disk is not None and (not isinstance(max_disk, int) or max_disk < 1):
         raise ValueError(f"max_disk must be a positive number of bytes, not {max_disk!r}")
+    if part is not None and not (
+        isinstance(part, tuple) and len(part) == 2 and all(isinstance(x, int) for x in part) and 1 <= part[0] <= part[1]
+    ):
+        raise ValueError(f"part must be (K, N) with 1 <= K <= N, not {part!r}")
+    if part is not None and finalize:
+        raise ValueError(
+            "part and finalize: a part converts its share, finalize makes the final commit; one or the other"
+        )
     with api_errors(), _hub_progress(progress, source):
         base = _conversion(layout, to, target, output_format, tp, tp_bf16)
         if not is_repo_id(source):
@@ -190,6 +202,8 @@ def convert_to_hub(
             private=private,
             create_pr=create_pr,
             commit_message=commit_message,
+            part=part,
+            finalize=finalize,
         )
 
 

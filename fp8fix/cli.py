@@ -184,8 +184,9 @@ def jobs_option(help_text: str) -> Callable[[F], F]:
 if TYPE_CHECKING:
     IntParam = click.ParamType[int]  # generic in click >= 8.2's typing; a plain class at run time before
     SizesParam = click.ParamType[tuple[int, ...]]
+    PairParam = click.ParamType[tuple[int, int]]
 else:
-    IntParam = SizesParam = click.ParamType
+    IntParam = SizesParam = PairParam = click.ParamType
 
 
 class SizeList(SizesParam):
@@ -203,6 +204,20 @@ class SizeList(SizesParam):
         if any(n < 1 for n in sizes):
             self.fail(f"{value!r} is not a list of sizes such as 4,8", param, ctx)
         return sizes
+
+
+class PartOfN(PairParam):
+    """K/N: the K-th of N parts, 1 <= K <= N."""
+
+    name = "K/N"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, int]:
+        if isinstance(value, tuple):
+            return value
+        m = re.fullmatch(r"\s*(\d{1,6})\s*/\s*(\d{1,6})\s*", str(value))
+        if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+            self.fail(f"{value!r:.40} is not K/N with 1 <= K <= N, such as 2/4", param, ctx)
+        return int(m.group(1)), int(m.group(2))
 
 
 class ByteSize(IntParam):
@@ -338,6 +353,18 @@ or unsupported checkpoint, 4 Hub error (the conversion record is printed first).
     type=ByteSize(),
     help="Streaming (no OUTPUT): bytes of disk the work may hold at once [default: 3 of the largest source shard].",
 )
+@click.option(
+    "--part",
+    type=PartOfN(),
+    metavar="K/N",
+    help="Streaming: convert and upload only the K-th of N shares of the output shards (N machines, one each); "
+    "then run once with --finalize.",
+)
+@click.option(
+    "--finalize",
+    is_flag=True,
+    help="Streaming: after every --part K/N ran, check all output shards are there and make the final commit.",
+)
 @push_options
 @output_options("Also list every module and every tensor written anew.")
 @reports_errors
@@ -347,6 +374,8 @@ def convert(
     registry: Registry | None,
     push_to_hub: str | None,
     max_disk: int | None,
+    part: tuple[int, int] | None,
+    finalize: bool,
     as_json: bool,
     quiet: bool,
     verbose: bool,
@@ -367,8 +396,9 @@ def convert(
     from fp8fix import api
     from fp8fix.errors import HubError
 
-    if output is None or max_disk is not None:
-        push = {"private": private, "create_pr": create_pr, "commit_message": commit_message, "max_disk": max_disk}
+    if output is None or max_disk is not None or part is not None or finalize:
+        push: dict[str, Any] = {"private": private, "create_pr": create_pr, "commit_message": commit_message}
+        push |= {"max_disk": max_disk, "part": part, "finalize": finalize}
         _stream(source, output, push_to_hub, push, as_json, quiet, verbose, commit_size, registry, options)
         return
 
@@ -423,7 +453,8 @@ def _stream(
     from fp8fix.errors import UsageError
 
     if output is not None:
-        raise UsageError("--max-disk bounds a streamed conversion, which has no OUTPUT: drop OUTPUT or --max-disk")
+        given = "--max-disk" if push["max_disk"] is not None else "--part" if push["part"] else "--finalize"
+        raise UsageError(f"{given} applies to a streamed conversion, which has no OUTPUT: drop OUTPUT or {given}")
     if not push_to_hub:
         raise UsageError(
             "OUTPUT is missing: give an OUTPUT folder, or, for a Hub repo SOURCE, --push-to-hub REPO_ID to convert "
@@ -456,10 +487,15 @@ def _stream(
         f"streamed: {len(streamed.converted)} output shards converted and uploaded, {len(streamed.skipped)} already "
         f"on the Hub; at most {streamed.peak_disk} bytes on disk (--max-disk {streamed.max_disk})"
     )
+    if streamed.part is not None:
+        summary += (
+            f"\npart {streamed.part[0]}/{streamed.part[1]} done; once every part is: the same command with --finalize"
+        )
     if as_json:
         payload = result.to_json()
         payload["pushed"] = streamed.url
         payload["streamed"] = {
+            "part": list(streamed.part) if streamed.part else None,
             "converted": streamed.converted,
             "skipped": streamed.skipped,
             "peak_disk": streamed.peak_disk,

@@ -46,6 +46,11 @@ from fp8fix.report.model_card import commit_title
 
 #: Where the records of committed shards live on the pull request until the last commit removes them.
 RECORDS = ".fp8fix-stream"
+#: The pull request's description: what it is while the conversion runs.
+PR_DESCRIPTION = (
+    "Converted by fp8fix, shard by shard: each output shard is committed here as it is made; the index, "
+    "config.json and model card come last, and the pull request is then merged (or left for review)."
+)
 #: The default disk bound: this many times the largest source shard (or what one output shard needs).
 DEFAULT_SHARDS_ON_DISK = 3
 
@@ -59,6 +64,7 @@ class StreamResult:
     converted: list[str] = field(default_factory=list)  # output shards written and uploaded by this run
     skipped: list[str] = field(default_factory=list)  # output shards the pull request already held
     max_disk: int = 0  # the bound the working folder was held under
+    part: tuple[int, int] | None = None  # (K, N) of --part K/N: no final commit
     peak_disk: int = 0  # the most bytes it held (source shards downloaded, the output shard being written)
 
 
@@ -73,12 +79,20 @@ def stream_convert(
     private: bool = False,
     create_pr: bool = False,
     commit_message: str | None = None,
+    part: tuple[int, int] | None = None,
+    finalize: bool = False,
 ) -> StreamResult:
-    """Convert the Hub repo `repo_id` into the Hub repo `dest` shard by shard (see the module docstring)."""
+    """Convert the Hub repo `repo_id` into the Hub repo `dest` shard by shard (see the module docstring).
+
+    With `part` (K, N): only the K-th of N shares of the output shards (balanced by bytes, the same in
+    every part), no final commit. `finalize`: nothing converted; every output shard must be on the pull
+    request already, and the final commit is made."""
     remote = open_remote(repo_id, options.revision, token)
     work = Path(tempfile.mkdtemp(prefix="fp8fix-stream-"))
     try:
-        return _stream(remote, dest, options, registry, work, max_disk, private, create_pr, commit_message)
+        return _stream(
+            remote, dest, options, registry, work, max_disk, private, create_pr, commit_message, part, finalize
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -93,6 +107,8 @@ def _stream(
     private: bool,
     create_pr: bool,
     commit_message: str | None,
+    part: tuple[int, int] | None,
+    finalize: bool,
 ) -> StreamResult:
     source = work / "source"
     source.mkdir()
@@ -132,6 +148,15 @@ def _stream(
         else:
             stats.merge(_stats_from_json(record["stats"]))
             streamed.skipped.append(shard.name)
+    owners = parts_of(plan.shards, part[1]) if part else {}
+    if part is not None:
+        todo = [t for t in todo if owners[t[1].name] == part[0]]
+    if finalize and todo:
+        raise UsageError(
+            f"--finalize: {len(todo)} output shards are not on the pull request yet ({todo[0][1].name}...): run every "
+            "--part K/N (again), or the command without --part or --finalize, which converts what is missing"
+        )
+    streamed.part = part
     out = work / "output"
     out.mkdir()
     with progress_bar(plan.total_bytes, "fp8fix convert", options.quiet) as bar:
@@ -144,6 +169,10 @@ def _stream(
             loop.upload(shard.name, path, partial(hub.commit_shard, shard, path, shard_stats))
             streamed.converted.append(shard.name)
         streamed.peak_disk = loop.peak
+    if part is not None:  # another run makes the final commit (`--finalize`)
+        hub.open()
+        streamed.url = hub.url
+        return streamed
     record_stats(plan, stats)
     final = work / "final"
     final.mkdir()
@@ -277,6 +306,18 @@ class Background:
             raise self._error
 
 
+def parts_of(shards: list[OutputShard], n: int) -> dict[str, int]:
+    """Which of N parts (1..N) writes each output shard: largest first, each to the part with the fewest
+    bytes so far (the lowest-numbered on a tie). The plan fixes the shards, so every part computes the same."""
+    loads = [0] * n
+    owner: dict[str, int] = {}
+    for shard in sorted(shards, key=lambda s: (-s.nbytes, s.name)):
+        k = min(range(n), key=lambda k: (loads[k], k))
+        owner[shard.name] = k + 1
+        loads[k] += shard.nbytes
+    return owner
+
+
 def _scales(model: CheckpointModel) -> list[TensorInfo]:
     """Every weight's scale and input scale, and the KV-cache scales: all a plan reads of the data."""
     found = {s.name: s for w in model.weights.values() for s in (w.scale, w.input_scale) if s is not None}
@@ -328,15 +369,39 @@ class _PullRequest:
         with hub_errors(dest, action="write"):
             bounded_session(write=True)
             retried(self.api.create_repo, dest, private=private or None, exist_ok=True)
-            discussions = retried(
-                lambda: list(
-                    self.api.get_repo_discussions(dest, discussion_type="pull_request", discussion_status="open")
-                )
-            )
-            pr = next((d for d in discussions if d.title == title), None)
+            pr = self._find()
             if pr is not None:
                 self.num, self.url = pr.num, str(pr.url)
                 self.records = self._read_records()
+
+    def _find(self) -> Any:
+        """The open pull request of this plan: the lowest-numbered one of its title (parts that opened one at
+        the same moment all settle on it), or None."""
+        discussions = retried(
+            lambda: list(
+                self.api.get_repo_discussions(self.dest, discussion_type="pull_request", discussion_status="open")
+            )
+        )
+        mine = [d for d in discussions if d.title == self.title and d.status == "open"]
+        return min(mine, key=lambda d: d.num, default=None)
+
+    def open(self) -> None:
+        """Open the pull request unless it is open: one with no commits, then the lowest-numbered of its
+        title is the one (another part may have opened one meanwhile: the extra one is closed)."""
+        if self.num is not None:
+            return
+        with hub_errors(self.dest, action="write"):
+            created = retried(self.api.create_pull_request, self.dest, self.title, description=PR_DESCRIPTION)
+            pr = self._find()
+            self.num, self.url = pr.num, str(pr.url)
+            if created.num != pr.num:
+                retried(
+                    self.api.change_discussion_status,
+                    self.dest,
+                    created.num,
+                    "closed",
+                    comment=f"Duplicate of #{pr.num}",
+                )
 
     @property
     def ref(self) -> str | None:
@@ -378,12 +443,9 @@ class _PullRequest:
         self._commit(operations, shard.name)
 
     def _commit(self, operations: list[Any], message: str) -> None:
+        self.open()
         with hub_errors(self.dest, action="write"):
-            if self.num is None:
-                info = retried(self.api.create_commit, self.dest, operations, commit_message=self.title, create_pr=True)
-                self.num, self.url = info.pr_num, str(info.pr_url)
-            else:
-                retried(self.api.create_commit, self.dest, operations, commit_message=message, revision=self.ref)
+            retried(self.api.create_commit, self.dest, operations, commit_message=message, revision=self.ref)
 
     def finish(self, folder: Path, merge: bool) -> str:
         """Index, config files, copies and card in one commit that removes the records; then merged."""

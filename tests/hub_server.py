@@ -199,6 +199,19 @@ class FakeHub:
                         revision = unquote(rest[1]) if len(rest) > 1 else "main"
                         content = {**hub.trees.get((repo, "main"), {}), **hub.trees.get((repo, revision), {})}
                         return self._send(200, [_entry(name, data) for name, data in sorted(content.items())])
+                    if rest[0] == "discussions" and len(rest) == 3 and rest[2] == "status" and method == "POST":
+                        pr = next(
+                            p for p in hub.pull_requests if p["repo"] == repo and p["entry"]["num"] == int(rest[1])
+                        )
+                        pr["entry"]["status"] = json.loads(body)["status"]
+                        event = {
+                            "id": f"status-{rest[1]}",
+                            "type": "status-change",
+                            "createdAt": "2026-11-29T00:00:00.000Z",
+                            "author": {"name": "me"},
+                            "data": {"status": pr["entry"]["status"]},
+                        }
+                        return self._send(200, {"newStatus": event})
                     if rest[0] == "discussions" and len(rest) == 3 and rest[2] == "merge" and method == "POST":
                         pr = next(
                             p for p in hub.pull_requests if p["repo"] == repo and p["entry"]["num"] == int(rest[1])
@@ -219,7 +232,12 @@ class FakeHub:
                         details = {"events": [], "changes": {"base": "refs/heads/main"}, "filesWithConflicts": []}
                         return self._send(200, {**pr["entry"], **details})
                     if rest[0] == "discussions":
-                        prs = [p for p in hub.pull_requests if p["repo"] == repo]
+                        wanted = re.search(r"status=(\w+)", url.query or "")
+                        prs = [
+                            p
+                            for p in hub.pull_requests
+                            if p["repo"] == repo and (not wanted or wanted.group(1) in ("all", p["entry"]["status"]))
+                        ]
                         return self._send(
                             200,
                             {

@@ -155,6 +155,8 @@ CLI_ONLY = {
     "commit_message",
     "commit_size",
     "max_disk",  # a streamed conversion's: `convert_to_hub` (test below)
+    "part",
+    "finalize",
 }
 #: The CLI's `--arch-file` arrives as a Registry (validated by click); the API takes either; the API's
 #: `progress` is the CLI's default (on unless -q or --json).

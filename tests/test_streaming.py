@@ -266,7 +266,9 @@ def test_create_pr_leaves_main_alone(tmp_path: Path, hub: FakeHub) -> None:
         (["--push-to-hub", "me/dst", "--verify"], "--verify checks OUTPUT"),
         (["--push-to-hub", "me/dst", "--dry-run"], "--dry-run applies to a conversion into OUTPUT"),
         (["--push-to-hub", "me/dst", "--commit-size", "1GB"], "--commit-size applies"),
-        (["out", "--push-to-hub", "me/dst", "--max-disk", "1GB"], "--max-disk bounds a streamed conversion"),
+        (["out", "--push-to-hub", "me/dst", "--max-disk", "1GB"], "--max-disk applies to a streamed conversion"),
+        (["out", "--push-to-hub", "me/dst", "--part", "1/2"], "--part applies to a streamed conversion"),
+        (["--push-to-hub", "me/dst", "--part", "3/2"], "is not K/N"),
     ],
 )
 def test_what_a_stream_cannot_do_is_refused(tmp_path: Path, hub: FakeHub, args: list[str], message: str) -> None:
@@ -345,3 +347,63 @@ def test_killed_anywhere_a_rerun_finishes(tmp_path: Path, hub: FakeHub, point: s
     assert max(counts.values()) <= 2 and len(counts) == 3, counts
     index = json.loads(main["model.safetensors.index.json"])
     assert set(index["weight_map"].values()) <= set(main)
+
+
+def _shard_bytes(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in folder.glob("*.safetensors")}
+
+
+def test_parts_share_the_shards_by_bytes_and_finalize_lands_one_checkpoint(tmp_path: Path, hub: FakeHub) -> None:
+    """Four parts at the same time, each its share of six output shards (a part run twice is harmless);
+    --finalize refuses while a share is missing, then makes the final commit: the result is a single
+    run's, byte for byte, in one merge."""
+    served(tmp_path, hub, files=6, hidden=128, intermediate=512, layers=6)
+    env = env_for(tmp_path, hub)
+    early = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "--finalize", "-q", env=env)
+    assert early.returncode == 2 and "--finalize: 6 output shards are not on the pull request yet" in early.stderr
+    base = [sys.executable, "-m", "fp8fix", "convert", "org/src", "--push-to-hub", "me/dst", "--json"]
+    procs = [
+        subprocess.Popen(
+            [*base, "--part", f"{k}/4"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for k in range(1, 5)
+    ]
+    shares = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        shares.append(json.loads(out)["streamed"]["converted"])
+    assert sorted(sum(shares, [])) == sorted(hub.tree("me/dst", "refs/pr/1").keys() & _shard_names(6))
+    assert all(shares) and len(hub.uploads) == len(set(hub.uploads)) == 6
+    again = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "--part", "2/4", "--json", env=env)
+    assert again.returncode == 0 and json.loads(again.stdout)["streamed"]["converted"] == []
+    assert [p["entry"]["status"] for p in hub.pull_requests].count("open") == 1  # parts settled on one
+    assert hub.merges == [] and not hub.tree("me/dst")
+    done = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "--finalize", "-q", env=env)
+    assert done.returncode == 0, done.stderr
+    assert hub.tree("me/dst") == local_reference(tmp_path, env)
+    assert len(hub.merges) == 1 and len(hub.uploads) == 6
+
+
+def _shard_names(files: int) -> set[str]:
+    return {f"model-{i:05d}-of-{files:05d}.safetensors" for i in range(1, files + 1)}
+
+
+def test_parts_balance_bytes(tmp_path: Path) -> None:
+    """Largest first, each to the lightest part: a share is never more than the largest shard over another."""
+    from fp8fix.plan.pieces import Fill as FillPiece
+    from fp8fix.plan.pieces import OutputShard, OutputTensor
+    from fp8fix.streaming import parts_of
+
+    sizes = [7, 3, 9, 1, 4, 4, 8, 2]
+    shards = [
+        OutputShard(f"s{i}", {}, [OutputTensor("t", "U8", (n,), [FillPiece(b"\0", n)], "t")])
+        for i, n in enumerate(sizes)
+    ]
+    for n in (1, 2, 3, 4, 8, 10):
+        owner = parts_of(shards, n)
+        loads = [
+            sum(size for s, size in zip(shards, sizes, strict=True) if owner[s.name] == k) for k in range(1, n + 1)
+        ]
+        assert sum(loads) == sum(sizes) and max(loads) - min(loads) <= max(sizes)
+        assert owner == parts_of(list(reversed(shards)), n)  # the plan's order does not matter
