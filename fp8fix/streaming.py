@@ -418,9 +418,13 @@ class _PullRequest:
         for path in files:
             if not path.startswith(RECORDS + "/") or files[path].size > 1 << 20:
                 continue
-            record = json.loads(repo.read_range(path, 0, files[path].size))
-            shard = files.get(record.get("shard", ""))
-            lfs = getattr(shard, "lfs", None)
+            try:
+                record = json.loads(repo.read_range(path, 0, files[path].size))
+                shard = files.get(record["shard"])
+                lfs = getattr(shard, "lfs", None)
+                _stats_from_json(record["stats"])  # readable, or the shard is made again
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # not a record this version wrote: its shard is made again
             if record.get("fingerprint") == self.fingerprint and lfs is not None and lfs.sha256 == record["sha256"]:
                 records[record["shard"]] = record
         return records

@@ -407,3 +407,31 @@ def test_parts_balance_bytes(tmp_path: Path) -> None:
         ]
         assert sum(loads) == sum(sizes) and max(loads) - min(loads) <= max(sizes)
         assert owner == parts_of(list(reversed(shards)), n)  # the plan's order does not matter
+
+
+@pytest.mark.parametrize("change", ["grown", "rewritten"])
+def test_a_source_shard_that_changed_since_planning_is_refused(tmp_path: Path, hub: FakeHub, change: str) -> None:
+    """The served shard changes between planning and its download (longer than listed, or another header of
+    the same size): one line, exit 4, nothing merged; the download stops at the listed size."""
+    folder = served(tmp_path, hub)
+    env = env_for(tmp_path, hub)
+    changed: list[str] = []
+
+    def hook(method: str, path: str, ranged: str) -> bool:
+        if not changed and method == "GET" and path.endswith(".safetensors") and not ranged:
+            shard = folder / path.rsplit("/", 1)[1]
+            data = bytearray(shard.read_bytes())
+            if change == "grown":
+                data += b"\0" * (8 << 20)
+            else:
+                data[9] ^= 0x01  # one header byte, the same size
+            shard.write_bytes(bytes(data))
+            changed.append(shard.name)
+        return False
+
+    hub.hook = hook
+    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "-q", env=env)
+    assert proc.returncode == 4, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert changed and changed[0] in line and ("the repo lists" in line or "not the file planned from" in line), line
+    assert hub.merges == [] and not hub.tree("me/dst")
