@@ -26,6 +26,9 @@ import pytest
 from tests.builders import build, phi3
 from tests.hub_server import FakeHub
 
+#: Minutes of subprocesses against the test Hub: CI runs them once, in its first pass.
+pytestmark = pytest.mark.heavy
+
 TOKEN = "hf_streaming_test_token"
 
 
@@ -193,7 +196,6 @@ def sparse_block_checkpoint(root: Path, shards: int, shard_mib: int) -> Path:
     return root
 
 
-@pytest.mark.heavy
 def test_two_gigabytes_stream_in_three_shards_of_disk(tmp_path: Path, hub: FakeHub) -> None:
     """Issue 26's scale test: over 2 GiB in 8 shards, Hub to Hub with --max-disk at 3 shards. The working
     folder never holds more; what lands is what a local conversion of the same files writes."""
@@ -435,3 +437,84 @@ def test_a_source_shard_that_changed_since_planning_is_refused(tmp_path: Path, h
     (line,) = proc.stderr.strip().splitlines()
     assert changed and changed[0] in line and ("the repo lists" in line or "not the file planned from" in line), line
     assert hub.merges == [] and not hub.tree("me/dst")
+
+
+RECIPES = Path(__file__).resolve().parent.parent / "examples" / "hub-to-hub"
+
+
+def _finalized_like_one_run(tmp_path: Path, hub: FakeHub, env: dict[str, str]) -> None:
+    assert hub.tree("me/dst") == local_reference(tmp_path, env)
+    assert len(hub.merges) == 1 and len(hub.uploads) == len(set(hub.uploads))
+
+
+def test_the_github_actions_recipe_runs(tmp_path: Path, hub: FakeHub) -> None:
+    """examples/hub-to-hub/github-actions.yml is a valid workflow whose matrix matches its --part N, and its
+    fp8fix commands, with the inputs filled in, convert and finalize against the test Hub."""
+    import shlex
+
+    import yaml
+
+    workflow = yaml.safe_load((RECIPES / "github-actions.yml").read_text())
+    jobs = workflow["jobs"]
+    assert jobs["finalize"]["needs"] == "convert" and workflow[True]["workflow_dispatch"]["inputs"].keys() == {
+        "source",
+        "dest",
+    }
+    parts = jobs["convert"]["strategy"]["matrix"]["part"]
+    served(tmp_path, hub)
+    env = env_for(tmp_path, hub)
+
+    def commands(job: str, part: int | None = None) -> list[list[str]]:
+        found = []
+        for step in jobs[job]["steps"]:
+            run = step.get("run", "")
+            if run.startswith("fp8fix "):
+                assert step["env"]["HF_TOKEN"] == "${{ secrets.HF_TOKEN }}"
+                text = run.replace("${{ inputs.source }}", "org/src").replace("${{ inputs.dest }}", "me/dst")
+                found.append(shlex.split(text.replace("${{ matrix.part }}", str(part))))
+        assert found, job
+        return found
+
+    for part in parts:
+        for argv in commands("convert", part):
+            assert f"{part}/{len(parts)}" in argv
+            proc = subprocess.run([sys.executable, "-m", *argv, "-q"], env=env, capture_output=True, text=True)
+            assert proc.returncode == 0, proc.stderr
+    for argv in commands("finalize"):
+        assert subprocess.run([sys.executable, "-m", *argv, "-q"], env=env).returncode == 0
+    _finalized_like_one_run(tmp_path, hub, env)
+
+
+def test_the_slurm_recipe_runs(tmp_path: Path, hub: FakeHub) -> None:
+    """examples/hub-to-hub/slurm.sh, run as each task of its --array would run it, then finalized."""
+    script = (RECIPES / "slurm.sh").read_text()
+    first, last = map(int, script.split("#SBATCH --array=")[1].split()[0].split("-"))
+    served(tmp_path, hub)
+    env = env_for(tmp_path, hub)
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "fp8fix").write_text(f'#!/bin/sh\nexec {sys.executable} -m fp8fix "$@" -q\n')
+    (shim / "fp8fix").chmod(0o755)
+    for task in range(first, last + 1):
+        task_env = {**env, "SLURM_ARRAY_TASK_ID": str(task), "PATH": f"{shim}:{env['PATH']}"}
+        proc = subprocess.run(
+            ["bash", RECIPES / "slurm.sh", "org/src", "me/dst"], env=task_env, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr
+    finalize = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "--finalize", "-q", env=env)
+    assert finalize.returncode == 0, finalize.stderr
+    _finalized_like_one_run(tmp_path, hub, env)
+
+
+def test_the_ray_recipe_runs_without_ray(tmp_path: Path, hub: FakeHub) -> None:
+    """examples/hub-to-hub/ray_parts.py's task and finalize functions, called as Ray would call them."""
+    served(tmp_path, hub)
+    env = env_for(tmp_path, hub)
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import ray_parts as r; "
+        "[r.convert_part('org/src', 'me/dst', k, 3) for k in (1, 2, 3)]; print(r.finalize('org/src', 'me/dst'))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(RECIPES)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"{hub.url}/me/dst"
+    _finalized_like_one_run(tmp_path, hub, env)
