@@ -243,18 +243,39 @@ def verify(
     output: PathArg,
     *,
     jobs: int = 1,
+    max_disk: int | None = None,
     revision: str | None = None,
     token: str | None = None,
     arch_files: Sequence[PathArg] = (),
     registry: Registry | None = None,
     progress: bool = False,
 ) -> VerifyReport:
-    """Check that `output` is a faithful conversion of `source`; `report.ok`, `report.problems`."""
+    """Check that `output` is a faithful conversion of `source`; `report.ok`, `report.problems`.
+
+    `output` may be a Hub repo id: then both are read shard by shard, in at most `max_disk` bytes of
+    downloaded shards (default: three of the largest), nothing in the Hub cache."""
+    from fp8fix.io.hub import is_repo_id
     from fp8fix.verification import verify as run_verify
 
     _count("jobs", jobs)
+    if max_disk is not None and (not isinstance(max_disk, int) or max_disk < 1):
+        raise ValueError(f"max_disk must be a positive number of bytes, not {max_disk!r}")
     with api_errors(), _hub_progress(progress, source):
         reg = _registry(registry, arch_files)
+        if isinstance(output, str) and is_repo_id(output):
+            from fp8fix.verification.remote import verify_remote
+
+            return verify_remote(
+                str(source),
+                output,
+                revision=revision,
+                token=token,
+                max_disk=max_disk,
+                registry=reg,
+                quiet=not progress,
+            )
+        if max_disk is not None:
+            raise UsageError("--max-disk bounds the verify of a Hub repo OUTPUT; this OUTPUT is a local folder")
         folder = _source(source, revision, token)[0]
         return run_verify(folder, Path(output), quiet=not progress, registry=reg, jobs=jobs)
 

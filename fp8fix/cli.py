@@ -605,6 +605,7 @@ VERIFY_EPILOG = """\b
 Examples:
   fp8fix verify ./Phi-3-mini-fp8 ./Phi-3-mini-fp8-fixed
   fp8fix verify org/model-FP8 ./model-mi300 --json > verify.json
+  fp8fix verify org/model-FP8 me/model-FP8-fixed --max-disk 30GB   # both on the Hub, shard by shard
 
 \b
 Exit codes: 0 faithful, 1 mismatch (the tensors are named), 2 usage error,
@@ -614,12 +615,17 @@ Exit codes: 0 faithful, 1 mismatch (the tensors are named), 2 usage error,
 
 @main.command("verify", epilog=VERIFY_EPILOG)
 @source_options
-@click.argument("output", type=click.Path(path_type=Path))
+@click.argument("output")
 @jobs_option("Processes checking tensors in parallel. The report is identical whatever the number.")
+@click.option(
+    "--max-disk",
+    type=ByteSize(),
+    help="OUTPUT a Hub repo: bytes of downloaded shards held at once [default: 3 of the largest].",
+)
 @output_options("Also list every weight found exact.")
 @reports_errors
 def verify_command(
-    source: str, output: Path, registry: Registry | None, as_json: bool, quiet: bool, verbose: bool, **options: Any
+    source: str, output: str, registry: Registry | None, as_json: bool, quiet: bool, verbose: bool, **options: Any
 ) -> None:
     """Prove OUTPUT a faithful conversion of SOURCE, tensor by tensor.
 

@@ -518,3 +518,35 @@ def test_the_ray_recipe_runs_without_ray(tmp_path: Path, hub: FakeHub) -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"{hub.url}/me/dst"
     _finalized_like_one_run(tmp_path, hub, env)
+
+
+def test_verify_of_two_repos_streams_and_catches_a_changed_code(tmp_path: Path, hub: FakeHub) -> None:
+    """`verify ORG/SRC ORG/DST`: shard by shard under --max-disk (two shards, the least it takes),
+    nothing in the Hub cache; faithful after a streamed convert, and one code changed on the Hub is found."""
+    folder = served(tmp_path, hub, files=4, hidden=256, intermediate=1024, layers=4)
+    env = env_for(tmp_path, hub)
+    assert fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "-q", "--to", "e4m3fnuz", env=env).returncode == 0
+    largest = max(p.stat().st_size for p in folder.glob("*.safetensors"))
+    out_largest = max(len(d) for n, d in hub.tree("me/dst").items() if n.endswith(".safetensors"))
+    bound = 2 * max(largest, out_largest)
+    with disk_sampler(tmp_path / "tmp") as samples:
+        good = fp8fix("verify", "org/src", "me/dst", "--max-disk", str(bound), "--json", env=env)
+    assert good.returncode == 0, good.stderr + good.stdout
+    report = json.loads(good.stdout)
+    assert report["ok"] and report["source"] == "org/src" and report["output"] == "me/dst"
+    stand_ins = 64 * 1024 * 8  # headers and small floats of the 8 stand-ins, rounded up
+    assert 0 < max(samples) <= bound + stand_ins + SLACK, (max(samples), bound)
+    assert not list((tmp_path / "hf-home").rglob("*.safetensors")), "the Hub cache was used"
+    # one code of one pushed shard changed on the Hub
+    name = sorted(n for n in hub.tree("me/dst") if n.endswith(".safetensors"))[0]
+    stored = hub.trees[("me/dst", "main")][name]
+    data = bytearray(stored.read_bytes() if isinstance(stored, Path) else stored)
+    header_len = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + header_len])
+    weight = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F8_E4M3FNUZ")
+    data[8 + header_len + header[weight]["data_offsets"][0]] ^= 0x01
+    hub.trees[("me/dst", "main")][name] = bytes(data)
+    bad = fp8fix("verify", "org/src", "me/dst", "--max-disk", str(bound), env=env)
+    assert bad.returncode == 1 and weight.rsplit(".", 1)[0] in bad.stdout + bad.stderr, bad.stdout + bad.stderr
+    small = fp8fix("verify", "org/src", "me/dst", "--max-disk", "1000", env=env)
+    assert small.returncode == 2 and "verify reads two shards at once" in small.stderr

@@ -24,7 +24,8 @@ from typing import Any
 
 from fp8fix.errors import HubError, InvalidCheckpoint, UsageError
 from fp8fix.io.hub import ALLOW_PATTERNS, bounded_session, hub_errors, retried
-from fp8fix.io.safetensors_file import MAX_HEADER_BYTES, TensorInfo
+from fp8fix.io.safetensors_file import MAX_HEADER_BYTES, TensorInfo, read_header
+from fp8fix.io.source_files import SourceFiles
 
 #: The largest scale tensor fetched for planning (a block grid of a 2^20 x 2^20 weight is 256 KiB).
 SMALL_TENSOR = 1 << 20
@@ -192,3 +193,93 @@ def _inside(folder: Path, name: str) -> Path:
     if name.startswith("/") or normal.startswith("..") or normal != name or "\\" in name or "\0" in name:
         raise InvalidCheckpoint(f"the repo lists a file named {name!r}, which is not a plain relative path")
     return folder / normal
+
+
+def fill_small_floats(remote: RemoteRepo, folder: Path) -> None:
+    """Every float tensor of at most SMALL_TENSOR bytes of every stand-in (scales, input scales, norms):
+    what verify reads by value without streaming, for a repo it knows nothing else about."""
+    floats = ("F64", "F32", "F16", "BF16")
+    tensors = [
+        t
+        for name in remote.files
+        if name.endswith(".safetensors")
+        for t in read_header(folder / name).tensors.values()
+        if t.dtype in floats and 0 < t.nbytes <= SMALL_TENSOR
+    ]
+    fill_values(remote, folder, tensors)
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """A shard's stand-in: the repo it is read from, its name there, the folder it is under, its header."""
+
+    remote: RemoteRepo
+    name: str
+    folder: Path
+    header: bytes
+
+
+class LazyShards(SourceFiles):
+    """SourceFiles over stand-ins: a shard is downloaded whole the first time it is read, and when the next
+    one would take the files past `bound` bytes, the least recently read goes back to its stand-in (its
+    descriptor closed, so its disk is freed). Reads of the small tensors a stand-in holds need no download."""
+
+    def __init__(self, stand_ins: dict[Path, StandIn], bound: int) -> None:
+        super().__init__()
+        self.stand_ins, self.bound = stand_ins, bound
+        self.full: dict[Path, int] = {}  # downloaded shards, least recently read first, with their sizes
+        self.held: dict[Path, list[tuple[int, int]]] = {}  # what each downloaded shard's stand-in held
+        self.downloads = 0
+        self.peak = 0
+
+    def fd(self, path: Path) -> int:
+        if path in self.stand_ins:
+            if path not in self.full:
+                self._download(path)
+            self.full[path] = self.full.pop(path)  # the most recently read
+        return super().fd(path)
+
+    def _download(self, path: Path) -> None:
+        shard = self.stand_ins[path]
+        size = shard.remote.files[shard.name]
+        while self.full and sum(self.full.values()) + size > self.bound:
+            self._restore(next(iter(self.full)))
+        ranges = _held_ranges(path)
+        self.close(path)
+        fetch(shard.remote, shard.folder, shard.name, {shard.name: shard.header})
+        self.full[path] = size
+        self.held[path] = ranges
+        self.downloads += 1
+        self.peak = max(self.peak, sum(self.full.values()))
+
+    def _restore(self, path: Path) -> None:
+        """Put the stand-in back in place of the downloaded shard."""
+        shard = self.stand_ins[path]
+        self.close(path)
+        part = path.with_name(path.name + ".stand-in")
+        with open(path, "rb") as full, open(part, "wb") as f:
+            f.write(shard.header)
+            f.truncate(shard.remote.files[shard.name])
+            for start, end in self.held.pop(path):
+                full.seek(start)
+                f.seek(start)
+                f.write(full.read(end - start))
+        os.replace(part, path)
+        del self.full[path]
+
+
+def _held_ranges(path: Path) -> list[tuple[int, int]]:
+    """The byte ranges a stand-in holds besides its header (the small tensors written in): its data regions."""
+    ranges = []
+    with open(path, "rb") as f:
+        fd, size = f.fileno(), os.fstat(f.fileno()).st_size
+        offset = 0
+        while offset < size:
+            try:
+                start = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data after offset
+                break
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            ranges.append((start, end))
+            offset = end
+    return ranges

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
 
@@ -36,7 +35,6 @@ class SourceFiles:
     """Read-only descriptors of source files, opened once each and closed together (a context manager)."""
 
     def __init__(self) -> None:
-        self._stack = ExitStack()
         self._fds: dict[Path, int] = {}
 
     def __enter__(self) -> SourceFiles:
@@ -45,15 +43,19 @@ class SourceFiles:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        self._stack.close()
-        self._fds.clear()
+        for path in list(self._fds):
+            self.close(path)
 
     def fd(self, path: Path) -> int:
         if path not in self._fds:
-            fd = os.open(path, os.O_RDONLY)
-            self._stack.callback(os.close, fd)
-            self._fds[path] = fd
+            self._fds[path] = os.open(path, os.O_RDONLY)
         return self._fds[path]
+
+    def close(self, path: Path) -> None:
+        """Close `path`'s descriptor, if open (a file about to be replaced frees its disk only then)."""
+        fd = self._fds.pop(path, None)
+        if fd is not None:
+            os.close(fd)
 
     def read(self, path: Path, start: int, end: int) -> bytes:
         return read_exactly(self.fd(path), path, start, end)

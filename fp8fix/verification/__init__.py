@@ -54,18 +54,26 @@ __all__ = ["VerifyReport", "WeightCheck", "verify"]
 
 
 def verify(
-    source: Path, output: Path, quiet: bool = False, registry: Registry | None = None, jobs: int = 1
+    source: Path,
+    output: Path,
+    quiet: bool = False,
+    registry: Registry | None = None,
+    jobs: int = 1,
+    files: SourceFiles | None = None,
 ) -> VerifyReport:
     """Check OUTPUT against SOURCE; the report's `problems` say what is wrong (empty: faithful).
 
     With `jobs` > 1 the tensors are checked in forked processes, in runs of consecutive
     tensors; their reports are merged in order, so the report is the same whatever `jobs`.
+    `files`: how the shards are read (a Hub repo's, downloaded as read: `verification.remote`);
+    then one process.
     """
     global _checks
     model = describe_checkpoint(open_checkpoint(source, "SOURCE"), registry or Registry.builtin())
     out = open_checkpoint(output, "OUTPUT")
     fmt = model.require_format()
-    with SourceFiles() as files:
+    jobs = 1 if files is not None else jobs
+    with files or SourceFiles() as files:
         ctx = VerifyContext(model, out, fmt, VerifyReport(str(source), str(output)), files)
         ctx.padded = padded_tensors(ctx)
         ctx.dequantized = dequantized_weights(ctx)
