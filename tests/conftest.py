@@ -156,6 +156,20 @@ def patch_bytes(folder: Path, tensor: str, patches: dict[int, int]) -> None:
     write_raw(path, header, bytes(buffer))
 
 
+def _wait_stopped(pid: int, limit: float = 10.0) -> None:
+    """Until `pid` has stopped: SIGSTOP is delivered asynchronously, and a state read before the stop lands
+    could be overtaken (seen under load: a conversion finished between the check and its stop)."""
+    deadline = time.monotonic() + limit
+    stat = Path(f"/proc/{pid}/stat")
+    if not stat.exists():  # no procfs (macOS): the stop lands before the next scheduling of the process
+        return
+    while time.monotonic() < deadline:
+        state = stat.read_text().rsplit(")", 1)[1].split()[0]
+        if state in ("T", "t", "Z", "X"):
+            return
+        time.sleep(0.0005)
+
+
 class stopped_while:  # noqa: N801 (used as a statement: `with stopped_while(...)`)
     """Stop `proc` (SIGSTOP) until `ready()` holds, then run the block with it stopped and continue it:
     what the block does happens at a known point of the run, never after it finished."""
@@ -168,6 +182,7 @@ class stopped_while:  # noqa: N801 (used as a statement: `with stopped_while(...
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, "the process ended before the point it was to be stopped at"
             os.kill(self.proc.pid, signal.SIGSTOP)
+            _wait_stopped(self.proc.pid)
             if self.ready():
                 return
             os.kill(self.proc.pid, signal.SIGCONT)
