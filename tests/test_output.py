@@ -81,6 +81,9 @@ def test_progress_lines_in_a_log_and_huggingface_hub_switch(tmp_path: Path) -> N
     assert proc.returncode == 0 and lines and lines[-1].endswith(" s") and "(100%)" in lines[-1], proc.stderr
     quiet = fp8fix("convert", EXAMPLE, tmp_path / "o2", FP8FIX_PROGRESS_SECONDS="0", HF_HUB_DISABLE_PROGRESS_BARS="1")
     assert quiet.returncode == 0 and "fp8fix convert: " not in quiet.stderr
+    checked = fp8fix("verify", EXAMPLE, tmp_path / "out", FP8FIX_PROGRESS_SECONDS="0")
+    lines = [line for line in checked.stderr.splitlines() if line.startswith("fp8fix verify: ")]
+    assert checked.returncode == 0 and lines and "(100%)" in lines[-1], checked.stderr
 
 
 def test_text_fits_80_columns_without_splitting_words(tmp_path: Path) -> None:

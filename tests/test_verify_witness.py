@@ -394,3 +394,32 @@ def test_verify_catches_a_padded_size_under_a_key_the_model_does_not_read(
     (line,) = [p for p in report["problems"] if "moe_intermediate_size" in p]
     assert "mlp.experts.0." in line and "384" in line and "512" in line
     assert not report["ok"]
+
+
+# Gaps a random sample of verify's mutants found (README "Mutation testing"): each test fails with its mutant.
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_the_activation_scheme_must_match_the_input_scales_output_holds(tmp_path: Path, static: bool) -> None:
+    """compressed-tensors OUTPUT: input activations static exactly when OUTPUT holds input scales; the problem
+    says which (`dynamic: OUTPUT holds no input scales`, word for word: a mutant changed its case)."""
+    src = build(tmp_path / "src", phi3(), static_input=static)
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "--format", "compressed-tensors").exit_code == 0
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"] = static
+    (out / "config.json").write_text(json.dumps(config))
+    result = run_cli("verify", src, out)
+    expected = "static: OUTPUT holds input scales" if static else "dynamic: OUTPUT holds no input scales"
+    assert result.exit_code == 1 and f"config.json: input activations must be {expected}" in result.output
+
+
+def test_legacy_names_of_an_unfused_module_are_verified_under_their_new_names(tmp_path: Path) -> None:
+    """AutoFP8's legacy `act_scale` of a fused module, unfused: OUTPUT holds q/k/v `input_scale`s, which
+    verify must map to the source's `act_scale` (a mutant kept the leading dot of the new name)."""
+    src = build(tmp_path / "src", phi3(), fmt="fp8-legacy")
+    out = tmp_path / "out"
+    result = run_cli("convert", src, out, "--format", "compressed-tensors", "--layout", "unfused", "--verify")
+    assert result.exit_code == 0, result.output
+    assert "model.layers.0.self_attn.q_proj.input_scale" in load_tensors(out)
+    assert run_cli("verify", src, out).exit_code == 0
