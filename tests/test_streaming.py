@@ -550,3 +550,39 @@ def test_verify_of_two_repos_streams_and_catches_a_changed_code(tmp_path: Path, 
     assert bad.returncode == 1 and weight.rsplit(".", 1)[0] in bad.stdout + bad.stderr, bad.stdout + bad.stderr
     small = fp8fix("verify", "org/src", "me/dst", "--max-disk", "1000", env=env)
     assert small.returncode == 2 and "verify reads two shards at once" in small.stderr
+
+
+def test_parts_one_after_another_one_killed_and_rerun(tmp_path: Path, hub: FakeHub) -> None:
+    """Three parts in turn, the second SIGKILLed as its first commit arrives and run again; then --finalize:
+    the result is a single run's, and no shard went up more than once more than needed."""
+    served(tmp_path, hub, files=6, hidden=128, intermediate=512, layers=6)
+    env = env_for(tmp_path, hub)
+    base = [sys.executable, "-m", "fp8fix", "convert", "org/src", "--push-to-hub", "me/dst", "-q"]
+    for k in (1, 2, 3):
+        if k == 2:
+            _kill_at_first_commit(hub, [*base, "--part", "2/3"], env)
+        proc = subprocess.run([*base, "--part", f"{k}/3"], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    done = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "--finalize", "-q", env=env)
+    assert done.returncode == 0, done.stderr
+    assert hub.tree("me/dst") == local_reference(tmp_path, env)
+    counts = {sha: hub.uploads.count(sha) for sha in hub.uploads}
+    assert len(counts) == 6 and max(counts.values()) <= 2, counts
+
+
+def _kill_at_first_commit(hub: FakeHub, args: list[str], env: dict[str, str]) -> None:
+    """Run `args`, SIGKILLed by the test Hub as its first commit arrives (left unanswered)."""
+    proc = subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True)
+    killed: list[str] = []
+
+    def hook(method: str, path: str, ranged: str) -> bool:
+        if killed or "/commit/" not in path:
+            return False
+        os.kill(proc.pid, signal.SIGKILL)
+        killed.append(path)
+        return True
+
+    hub.hook = hook
+    proc.communicate(timeout=120)
+    hub.hook = None
+    assert killed and proc.returncode == -signal.SIGKILL
