@@ -175,3 +175,41 @@ def test_dequantize_rows_reports_no_error_where_bf16_holds_every_value() -> None
     assert (stats.max_abs, stats.max_steps) == (0.0, 0.0)
     expected = torch.frombuffer(bytearray(codes), dtype=torch.float8_e4m3fn).double() * 0.25
     assert data == raw(expected.to(torch.bfloat16))
+
+
+# Gaps a random sample of numerics/' mutants found (README "Mutation testing"): each test fails with its mutant.
+
+
+def test_e8m0_scales_by_their_definition() -> None:
+    """OCP MX E8M0: a byte b is 2^(b - 127), 0xFF is NaN; it holds scales, not weights."""
+    import math
+
+    from fp8fix.numerics.dtypes import encode_floats, is_fp8
+
+    values = [2.0**e for e in (-127, -1, 0, 1, 127)]
+    codes = bytes([0, 126, 127, 128, 254])
+    assert encode_floats(values, "F8_E8M0") == codes
+    assert decode_floats(codes, "F8_E8M0") == values
+    assert math.isnan(decode_floats(b"\xff", "F8_E8M0")[0])
+    assert not is_fp8("F8_E8M0") and is_fp8("F8_E4M3") and is_fp8("F8_E4M3FNUZ")
+
+
+def test_scaling_a_scale_past_its_range_says_so() -> None:
+    from fp8fix.numerics.recodings import scale_exactly
+
+    assert scale_exactly(struct.pack("<f", 3.0), "F32", 2.0) == struct.pack("<f", 6.0)
+    with pytest.raises(ValueError, match=r"^a F32 scale times 0\.5 is not exactly representable$"):
+        scale_exactly(struct.pack("<f", 2.0**-149), "F32", 0.5)  # F32's smallest subnormal, halved
+    with pytest.raises(ValueError, match=r"^a F32 scale times 2\.0 is not exactly representable$"):
+        scale_exactly(struct.pack("<f", 3e38), "F32", 2.0)  # past F32's range (struct refuses to pack it)
+
+
+def test_the_worst_requantization_error_counts_the_first_code() -> None:
+    """The worst error among the codes held, wherever the worst one sits (a mutant skipped byte 0)."""
+    from fp8fix.numerics.requantize import requantize_map
+
+    table = requantize_map("F8_E4M3", 1.0, 3.0, "F8_E4M3")
+    worst = max(range(256), key=lambda c: table.abs_error[c] if c not in NAN_CODES["F8_E4M3"] else -1.0)
+    assert table.abs_error[worst] > 0 and table.abs_error[0] == 0.0
+    assert table.worst(bytes([worst]) + bytes(10)).max_abs == table.abs_error[worst]
+    assert table.worst(bytes(10)).max_abs == 0.0

@@ -86,8 +86,11 @@ def scale_exactly(data: bytes, dtype: str, factor: float) -> bytes:
     """Multiply float scales by a power of two; refuse if any result is not exact (overflow, lost subnormal bit)."""
     values = decode_floats(data, dtype)
     scaled = [v * factor for v in values]
-    out = encode_floats(scaled, dtype)
-    if decode_floats(out, dtype) != scaled or not all(math.isfinite(v) for v in scaled):
+    try:
+        out = encode_floats(scaled, dtype)
+    except OverflowError:  # struct refuses a value past F32's or F16's range
+        out = b""
+    if not out or decode_floats(out, dtype) != scaled or not all(math.isfinite(v) for v in scaled):
         raise ValueError(f"a {dtype} scale times {factor} is not exactly representable")
     return out
 
