@@ -423,3 +423,37 @@ def test_legacy_names_of_an_unfused_module_are_verified_under_their_new_names(tm
     assert result.exit_code == 0, result.output
     assert "model.layers.0.self_attn.q_proj.input_scale" in load_tensors(out)
     assert run_cli("verify", src, out).exit_code == 0
+
+
+def test_index_metadata_beyond_total_size_must_be_sources(tmp_path: Path) -> None:
+    """OUTPUT's index keeps SOURCE's metadata but for total_size: an entry SOURCE has and OUTPUT lost is
+    a problem (a mutant compared OUTPUT's metadata with nothing)."""
+    src = build(tmp_path / "src", phi3())
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["metadata"] = {**(index.get("metadata") or {}), "format": "pt"}
+    index_path.write_text(json.dumps(index))
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "--format", "keep").exit_code == 0
+    assert run_cli("verify", src, out).exit_code == 0
+    written = json.loads((out / "model.safetensors.index.json").read_text())
+    del written["metadata"]["format"]
+    (out / "model.safetensors.index.json").write_text(json.dumps(written))
+    result = run_cli("verify", src, out)
+    assert result.exit_code == 1 and "metadata differs from SOURCE's beyond total_size" in result.output
+
+
+def test_a_config_key_that_is_null_in_source_and_absent_in_output_is_a_difference(tmp_path: Path) -> None:
+    """`"rope_scaling": null` and no rope_scaling at all are different configs (a mutant took None for absent)."""
+    src = build(tmp_path / "src", phi3())
+    config = json.loads((src / "config.json").read_text())
+    config["rope_scaling"] = None
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "--format", "keep").exit_code == 0
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_scaling"] is None
+    del written["rope_scaling"]
+    (out / "config.json").write_text(json.dumps(written))
+    result = run_cli("verify", src, out)
+    assert result.exit_code == 1 and "rope_scaling is absent; expected None" in result.output
