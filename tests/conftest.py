@@ -157,8 +157,8 @@ def patch_bytes(folder: Path, tensor: str, patches: dict[int, int]) -> None:
 
 
 def _wait_stopped(pid: int, limit: float = 10.0) -> None:
-    """Until `pid` has stopped: SIGSTOP is delivered asynchronously, and a state read before the stop lands
-    could be overtaken (seen under load: a conversion finished between the check and its stop)."""
+    """Until `pid` has stopped: SIGSTOP is delivered asynchronously (a process in a long system call stops
+    when it returns), so a state read before the stop lands could be overtaken."""
     deadline = time.monotonic() + limit
     stat = Path(f"/proc/{pid}/stat")
     if not stat.exists():  # no procfs (macOS): the stop lands before the next scheduling of the process

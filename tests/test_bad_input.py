@@ -301,6 +301,9 @@ def test_interrupt_leaves_no_output(tmp_path: Path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        # a shell without job control starts background jobs with SIGINT ignored, and a process inherits
+        # that (Python then installs no KeyboardInterrupt handler): a suite run with `&` would see exit 0
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     with stopped_while(proc, lambda: writing(tmp_path, "out", 4)):  # stopped mid-write: no race to lose
         proc.send_signal(signal.SIGINT)
