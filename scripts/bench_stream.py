@@ -18,10 +18,8 @@ The table gives medians and the ratio stream / baseline (issue 26's goal: <= 1.1
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -32,9 +30,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
+from tests.builders import block_fp8_shards  # noqa: E402
 from tests.hub_server import FakeHub  # noqa: E402
 
-BLOCK = 128
 RSS_WRAPPER = """
 import resource, subprocess, sys
 code = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode
@@ -53,60 +51,6 @@ with tempfile.TemporaryDirectory(dir=sys.argv[1]) as folder:
     api.create_repo(sys.argv[2], exist_ok=True)
     api.upload_folder(repo_id=sys.argv[2], folder_path=folder, ignore_patterns=[".cache/*"])
 """
-
-
-def checkpoint(root: Path, shards: int, shard_mib: int) -> Path:
-    """`shards` files of about `shard_mib` MiB, each one layer's MLP (gate/up/down) in block FP8."""
-    root.mkdir(parents=True)
-    hidden = 2048
-    inter = max(BLOCK, (shard_mib * 2**20 // (3 * hidden)) // BLOCK * BLOCK)
-    weight_map = {}
-    rng = os.urandom  # codes: random bytes without the NaN codes 0x7F / 0xFF
-    for layer in range(shards):
-        name = f"model-{layer + 1:05d}-of-{shards:05d}.safetensors"
-        tensors = []
-        for module, (rows, cols) in {
-            "gate_proj": (inter, hidden),
-            "up_proj": (inter, hidden),
-            "down_proj": (hidden, inter),
-        }.items():
-            prefix = f"model.layers.{layer}.mlp.{module}"
-            grid = (rows // BLOCK) * (cols // BLOCK)
-            tensors.append((f"{prefix}.weight", "F8_E4M3", [rows, cols], rows * cols))
-            tensors.append((f"{prefix}.weight_scale_inv", "F32", [rows // BLOCK, cols // BLOCK], grid * 4))
-        header, offset = {}, 0
-        for tname, dtype, shape, nbytes in tensors:
-            header[tname] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-            weight_map[tname] = name
-        raw = json.dumps(header).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(root / name, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            for _, dtype, _, nbytes in tensors:
-                if dtype == "F32":
-                    f.write(struct.pack("<f", 2.0**-8) * (nbytes // 4))
-                else:
-                    f.write(rng(nbytes).replace(b"\x7f", b"\x01").replace(b"\xff", b"\x81"))
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": shards,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
-        "vocab_size": 32000,
-        "quantization_config": {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [BLOCK, BLOCK],
-            "fmt": "e4m3",
-        },
-    }
-    (root / "config.json").write_text(json.dumps(config))
-    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return root
 
 
 def timed(command: list[str], env: dict[str, str], watch: Path) -> tuple[float, int, int]:
@@ -150,7 +94,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        src = checkpoint(work / "src", args.shards, args.shard_mib)
+        src = block_fp8_shards(work / "src", args.shards, args.shard_mib, hidden=2048, random_codes=True)
         largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
         total = sum(p.stat().st_size for p in src.iterdir())
         hub = FakeHub().start()

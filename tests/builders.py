@@ -10,6 +10,8 @@ with `safetensors.safe_open`. Also used by `scripts/make_example.py` and
 from __future__ import annotations
 
 import json
+import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -608,3 +610,67 @@ def mlp_linears(prefix: str, intermediate: int, hidden: int) -> dict[str, tuple[
         f"{prefix}.up_proj": (intermediate, hidden),
         f"{prefix}.down_proj": (hidden, intermediate),
     }
+
+
+def block_fp8_shards(root: Path, shards: int, shard_mib: int, hidden: int = 1024, random_codes: bool = False) -> Path:
+    """A block-FP8 checkpoint of `shards` files of about `shard_mib` MiB, one layer's MLP each: real headers
+    and scale grids (2^-8); the codes a hole (zeros: FP8 0.0, so gigabytes take no disk until copied), or
+    random bytes but the NaN codes with `random_codes` (for timing)."""
+    root.mkdir(parents=True)
+    block = 128
+    inter = (shard_mib * 2**20 // (3 * hidden)) // block * block
+    weight_map: dict[str, str] = {}
+    for layer in range(shards):
+        name = f"model-{layer + 1:05d}-of-{shards:05d}.safetensors"
+        header: dict[str, dict[str, object]] = {}
+        offset = 0
+        for module, (rows, cols) in {
+            "gate_proj": (inter, hidden),
+            "up_proj": (inter, hidden),
+            "down_proj": (hidden, inter),
+        }.items():
+            prefix = f"model.layers.{layer}.mlp.{module}"
+            grid = [rows // block, cols // block]
+            header[f"{prefix}.weight"] = {
+                "dtype": "F8_E4M3",
+                "shape": [rows, cols],
+                "data_offsets": [offset, offset + rows * cols],
+            }
+            offset += rows * cols
+            header[f"{prefix}.weight_scale_inv"] = {
+                "dtype": "F32",
+                "shape": grid,
+                "data_offsets": [offset, offset + grid[0] * grid[1] * 4],
+            }
+            offset += grid[0] * grid[1] * 4
+        weight_map.update({t: name for t in header})
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(root / name, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(8 + len(raw) + offset)
+            for t in header.values():
+                begin, end = t["data_offsets"]  # type: ignore[misc]
+                f.seek(8 + len(raw) + begin)
+                if t["dtype"] == "F32":
+                    f.write(struct.pack("<f", 2.0**-8) * ((end - begin) // 4))
+                elif random_codes:
+                    f.write(os.urandom(end - begin).replace(b"\x7f", b"\x01").replace(b"\xff", b"\x81"))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": shards,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "vocab_size": 1024,
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [block, block],
+        },
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.builders import build, phi3
+from tests.builders import block_fp8_shards, build, phi3
 from tests.hub_server import FakeHub
 
 #: Minutes of subprocesses against the test Hub: CI runs them once, in its first pass.
@@ -135,71 +135,10 @@ def test_disk_stays_under_the_bound(tmp_path: Path, hub: FakeHub) -> None:
     assert hub.tree("me/dst")["config.json"]
 
 
-def sparse_block_checkpoint(root: Path, shards: int, shard_mib: int) -> Path:
-    """A block-FP8 checkpoint of `shards` files of about `shard_mib` MiB, one layer's MLP each: real headers
-    and scale grids (2^-8), the codes a hole (zeros: FP8 0.0), so gigabytes take no disk until copied."""
-    root.mkdir(parents=True)
-    hidden, block = 1024, 128
-    inter = (shard_mib * 2**20 // (3 * hidden)) // block * block
-    weight_map: dict[str, str] = {}
-    for layer in range(shards):
-        name = f"model-{layer + 1:05d}-of-{shards:05d}.safetensors"
-        header: dict[str, dict[str, object]] = {}
-        offset = 0
-        for module, (rows, cols) in {
-            "gate_proj": (inter, hidden),
-            "up_proj": (inter, hidden),
-            "down_proj": (hidden, inter),
-        }.items():
-            prefix = f"model.layers.{layer}.mlp.{module}"
-            grid = [rows // block, cols // block]
-            header[f"{prefix}.weight"] = {
-                "dtype": "F8_E4M3",
-                "shape": [rows, cols],
-                "data_offsets": [offset, offset + rows * cols],
-            }
-            offset += rows * cols
-            header[f"{prefix}.weight_scale_inv"] = {
-                "dtype": "F32",
-                "shape": grid,
-                "data_offsets": [offset, offset + grid[0] * grid[1] * 4],
-            }
-            offset += grid[0] * grid[1] * 4
-        weight_map.update({t: name for t in header})
-        raw = json.dumps(header).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(root / name, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            f.truncate(8 + len(raw) + offset)
-            for t in header.values():
-                if t["dtype"] == "F32":
-                    begin, end = t["data_offsets"]  # type: ignore[misc]
-                    f.seek(8 + len(raw) + begin)
-                    f.write(struct.pack("<f", 2.0**-8) * ((end - begin) // 4))
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": shards,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 8,
-        "vocab_size": 1024,
-        "quantization_config": {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [block, block],
-        },
-    }
-    (root / "config.json").write_text(json.dumps(config))
-    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return root
-
-
 def test_two_gigabytes_stream_in_three_shards_of_disk(tmp_path: Path, hub: FakeHub) -> None:
     """Issue 26's scale test: over 2 GiB in 8 shards, Hub to Hub with --max-disk at 3 shards. The working
     folder never holds more; what lands is what a local conversion of the same files writes."""
-    src = sparse_block_checkpoint(tmp_path / "served", shards=8, shard_mib=264)
+    src = block_fp8_shards(tmp_path / "served", shards=8, shard_mib=264)
     hub.files["org/src"] = src
     assert sum(p.stat().st_size for p in src.iterdir()) > 2 * 2**30
     bound = 3 * max(p.stat().st_size for p in src.glob("*.safetensors"))
