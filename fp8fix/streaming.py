@@ -172,7 +172,7 @@ def _plan_from_stand_ins(
     ckpt = open_checkpoint(source)
     ckpt.has_data = False  # headers only: which tensors are scales, before their values are there
     fill_values(remote, source, _scales(describe_checkpoint(ckpt, registry)))
-    ckpt = open_checkpoint(source)
+    ckpt.has_data = True  # the same headers, now with the scales' values on disk
     model = describe_checkpoint(ckpt, registry)
     if options.to == "e4m3fn" and any(w.tensor.dtype == E4M3FNUZ for w in model.module_weights()):
         raise UsageError(

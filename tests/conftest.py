@@ -10,7 +10,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from click.testing import CliRunner, Result
 from safetensors import safe_open
 
 from fp8fix.cli import main
+from tests.hub_server import FakeHub
 
 # A bug surfaces as its exception and traceback in tests, not as the CLI's one-line exit 70.
 os.environ.setdefault("FP8FIX_DEBUG", "1")
@@ -198,3 +199,11 @@ def writing(folder: Path, output: str, shards: int) -> bool:
     holds fewer than `shards` of them (so the final rename, whose signals are held, is still ahead)."""
     staging = [p for p in folder.iterdir() if p.name.startswith(f".{output}.fp8fix-") and "-old-" not in p.name]
     return bool(staging) and len(list(staging[0].glob("*.safetensors"))) < shards
+
+
+@pytest.fixture
+def fake_hub() -> Iterator[FakeHub]:
+    """The test Hub (tests/hub_server.py) on 127.0.0.1, stopped after the test."""
+    hub = FakeHub().start()
+    yield hub
+    hub.stop()

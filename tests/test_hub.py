@@ -118,13 +118,6 @@ def test_a_local_folder_wins_over_a_repo_id(tmp_path: Path, hub_cache: Path) -> 
     assert "model.layers.1.self_attn.q_proj.weight" not in load_tensors(tmp_path / "out")
 
 
-@pytest.fixture
-def fake_hub():
-    hub = FakeHub().start()
-    yield hub
-    hub.stop()
-
-
 def online_env(tmp_path: Path, hub: FakeHub) -> dict[str, str]:
     return base_env(tmp_path, HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_CACHE=str(tmp_path / "cache"))
 

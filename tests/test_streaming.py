@@ -33,10 +33,8 @@ TOKEN = "hf_streaming_test_token"
 
 
 @pytest.fixture
-def hub():
-    server = FakeHub().start()
-    yield server
-    server.stop()
+def hub(fake_hub: FakeHub) -> FakeHub:
+    return fake_hub
 
 
 def env_for(tmp_path: Path, hub: FakeHub) -> dict[str, str]:
@@ -525,3 +523,19 @@ def _kill_at_first_commit(hub: FakeHub, args: list[str], env: dict[str, str]) ->
     proc.communicate(timeout=120)
     hub.hook = None
     assert killed and proc.returncode == -signal.SIGKILL
+
+
+def test_a_header_length_past_the_shard_is_refused_before_any_download(tmp_path: Path, hub: FakeHub) -> None:
+    """A served shard whose first 8 bytes give a header of 2^40 bytes: one line, exit 3, nothing but the
+    8 bytes read from it, nothing pushed."""
+    folder = served(tmp_path, hub)
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[:8] = struct.pack("<Q", 2**40)
+    shard.write_bytes(bytes(data))
+    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "-q", env=env_for(tmp_path, hub))
+    assert proc.returncode == 3, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert shard.name in line and "header length 1099511627776" in line, line
+    assert [r for p, r in hub.reads if p.endswith(shard.name)] == ["bytes=0-7"]
+    assert "me/dst" not in hub.repos
