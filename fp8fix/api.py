@@ -174,12 +174,7 @@ def convert_to_hub(
     from fp8fix.io.hub import is_repo_id
     from fp8fix.streaming import stream_convert
 
-    if max_disk is not None and (not isinstance(max_disk, int) or max_disk < 1):
-        raise ValueError(f"max_disk must be a positive number of bytes, not {max_disk!r}")
-    if part is not None and not (
-        isinstance(part, tuple) and len(part) == 2 and all(isinstance(x, int) for x in part) and 1 <= part[0] <= part[1]
-    ):
-        raise ValueError(f"part must be (K, N) with 1 <= K <= N, not {part!r}")
+    _shares(max_disk, part)
     if part is not None and finalize:
         raise ValueError(
             "part and finalize: a part converts its share, finalize makes the final commit; one or the other"
@@ -244,6 +239,7 @@ def verify(
     *,
     jobs: int = 1,
     max_disk: int | None = None,
+    part: tuple[int, int] | None = None,
     revision: str | None = None,
     token: str | None = None,
     arch_files: Sequence[PathArg] = (),
@@ -253,13 +249,14 @@ def verify(
     """Check that `output` is a faithful conversion of `source`; `report.ok`, `report.problems`.
 
     `output` may be a Hub repo id: then both are read shard by shard, in at most `max_disk` bytes of
-    downloaded shards (default: three of the largest), nothing in the Hub cache."""
+    downloaded shards (default: three of the largest), nothing in the Hub cache. `part` (K, N): check
+    only the K-th of N shares of the tensors (about 1/N of the bytes each; index, config and card in
+    every part), for N machines that together check everything."""
     from fp8fix.io.hub import is_repo_id
     from fp8fix.verification import verify as run_verify
 
     _count("jobs", jobs)
-    if max_disk is not None and (not isinstance(max_disk, int) or max_disk < 1):
-        raise ValueError(f"max_disk must be a positive number of bytes, not {max_disk!r}")
+    _shares(max_disk, part)
     with api_errors(), _hub_progress(progress, source):
         reg = _registry(registry, arch_files)
         if isinstance(output, str) and is_repo_id(output):
@@ -271,13 +268,14 @@ def verify(
                 revision=revision,
                 token=token,
                 max_disk=max_disk,
+                part=part,
                 registry=reg,
                 quiet=not progress,
             )
         if max_disk is not None:
             raise UsageError("--max-disk bounds the verify of a Hub repo OUTPUT; this OUTPUT is a local folder")
         folder = _source(source, revision, token)[0]
-        return run_verify(folder, Path(output), quiet=not progress, registry=reg, jobs=jobs)
+        return run_verify(folder, Path(output), quiet=not progress, registry=reg, jobs=jobs, part=part)
 
 
 @dataclass(frozen=True)
@@ -408,6 +406,16 @@ def _choice(name: str, value: object, valid: Iterable[str], optional: bool = Tru
 
 #: What each count option counts, for its ValueError.
 _COUNTS = {"jobs": "a whole number of processes, at least 1", "tp": "a tensor-parallel size (a whole number >= 1)"}
+
+
+def _shares(max_disk: object, part: object) -> None:
+    """`max_disk` None or a positive int; `part` None or (K, N) with 1 <= K <= N."""
+    if max_disk is not None and (type(max_disk) is not int or max_disk < 1):
+        raise ValueError(f"max_disk must be a positive number of bytes, not {max_disk!r}")
+    if part is not None and not (
+        isinstance(part, tuple) and len(part) == 2 and all(type(x) is int for x in part) and 1 <= part[0] <= part[1]
+    ):
+        raise ValueError(f"part must be (K, N) with 1 <= K <= N, not {part!r}")
 
 
 def _count(name: str, value: object, alternative: str = "") -> None:

@@ -606,6 +606,7 @@ Examples:
   fp8fix verify ./Phi-3-mini-fp8 ./Phi-3-mini-fp8-fixed
   fp8fix verify org/model-FP8 ./model-mi300 --json > verify.json
   fp8fix verify org/model-FP8 me/model-FP8-fixed --max-disk 30GB   # both on the Hub, shard by shard
+  fp8fix verify org/model-FP8 me/model-FP8-fixed --part 2/4         # a quarter of the tensors, on one of 4 machines
 
 \b
 Exit codes: 0 faithful, 1 mismatch (the tensors are named), 2 usage error,
@@ -621,6 +622,12 @@ Exit codes: 0 faithful, 1 mismatch (the tensors are named), 2 usage error,
     "--max-disk",
     type=ByteSize(),
     help="OUTPUT a Hub repo: bytes of downloaded shards held at once [default: 3 of the largest].",
+)
+@click.option(
+    "--part",
+    type=PartOfN(),
+    help="Check only the K-th of N shares of the tensors (about 1/N of the bytes; index, config and card "
+    "in every part): N machines, one part each, together check every tensor once.",
 )
 @output_options("Also list every weight found exact.")
 @reports_errors

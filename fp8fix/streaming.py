@@ -129,7 +129,7 @@ def _stream(
         for shard, path in loop.run(out):
             shard_stats = write_shard(plan, shard, path, bar)
             stats.merge(shard_stats)
-            loop.upload(shard.name, path, partial(hub.commit_shard, shard, path, shard_stats))
+            loop.upload(shard.name, path, partial(hub.send_shard, shard, path, shard_stats), hub.commit_shard)
             streamed.converted.append(shard.name)
         streamed.peak_disk = loop.peak
     if part is not None:  # another run makes the final commit (`--finalize`)

@@ -3,6 +3,7 @@
 
     python scripts/bench_stream.py                          # 8 shards of 64 MiB, 3 rounds
     python scripts/bench_stream.py --shards 16 --shard-mib 128 --rounds 5 --max-disk-shards 4
+    python scripts/bench_stream.py --latency 0.05          # every request answered 50 ms late (a far Hub)
 
 A block-FP8 checkpoint (real headers, real e4m3fn codes, F32 128x128 scale grids) is served by the
 test Hub (tests/hub_server.py) on 127.0.0.1, in this process. Each round, in turn:
@@ -23,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
 from tests.builders import block_fp8_shards  # noqa: E402
+from tests.disk_sampler import disk_sampler  # noqa: E402
 from tests.hub_server import FakeHub  # noqa: E402
 
 RSS_WRAPPER = """
@@ -55,34 +56,16 @@ with tempfile.TemporaryDirectory(dir=sys.argv[1]) as folder:
 
 def timed(command: list[str], env: dict[str, str], watch: Path) -> tuple[float, int, int]:
     """(wall seconds, peak RSS bytes, peak bytes under `watch`) of `command`."""
-    peak = [0]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            used = 0
-            for root, _, names in os.walk(watch):
-                for name in names:
-                    try:
-                        used += os.lstat(os.path.join(root, name)).st_blocks * 512
-                    except FileNotFoundError:
-                        pass
-            peak[0] = max(peak[0], used)
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
     start = time.perf_counter()
     # Through a small wrapper, whose children's peak RSS is theirs alone: a child forked from this process
     # (which holds the test Hub's uploads) would report this process's pages as its own.
     wrapped = [sys.executable, "-c", RSS_WRAPPER, *command]
-    proc = subprocess.run(wrapped, env=env, capture_output=True, text=True)
+    with disk_sampler(watch) as samples:
+        proc = subprocess.run(wrapped, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    stop.set()
-    sampler.join()
     if proc.returncode != 0:
         raise SystemExit(f"{command[:4]} failed:\n{proc.stderr[-2000:]}")
-    return wall, int(proc.stdout.split()[-1]) * 1024, peak[0]
+    return wall, int(proc.stdout.split()[-1]) * 1024, max(samples)
 
 
 def main() -> int:
@@ -91,6 +74,9 @@ def main() -> int:
     parser.add_argument("--shard-mib", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-disk-shards", type=float, default=3.0, help="--max-disk in largest source shards")
+    parser.add_argument(
+        "--latency", type=float, default=0.0, help="seconds the test Hub waits before each answer (a far Hub)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -98,6 +84,7 @@ def main() -> int:
         largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
         total = sum(p.stat().st_size for p in src.iterdir())
         hub = FakeHub().start()
+        hub.delay = args.latency
         hub.files["org/src"] = src
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
         env.update(
@@ -135,7 +122,8 @@ def main() -> int:
         hub.stop()
     print(
         f"{args.shards} shards, {total / 2**20:.0f} MiB; --max-disk {args.max_disk_shards:g} x largest shard "
-        f"({args.max_disk_shards * largest / 2**20:.0f} MiB); medians of {args.rounds} rounds, alternating"
+        f"({args.max_disk_shards * largest / 2**20:.0f} MiB); {args.latency * 1000:g} ms per request; "
+        f"medians of {args.rounds} rounds, alternating"
     )
     print(f"{'':10} {'wall s':>8} {'peak RSS MB':>12} {'peak disk MB':>13}")
     med = {}

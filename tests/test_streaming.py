@@ -16,14 +16,13 @@ import signal
 import struct
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.builders import block_fp8_shards, build, phi3
+from tests.disk_sampler import disk_sampler
 from tests.hub_server import FakeHub
 
 #: Minutes of subprocesses against the test Hub: CI runs them once, in its first pass.
@@ -83,34 +82,6 @@ def test_hub_to_hub_lands_what_a_local_conversion_writes(tmp_path: Path, hub: Fa
     assert not any((tmp_path / "tmp").iterdir()), "the working folder was left behind"
     assert hub.tree("me/dst") == local_reference(tmp_path, env, *options)
     assert hub.merges == [("me/dst", 1)]  # one merge: main never held a part of it
-
-
-class disk_sampler:  # noqa: N801 (a statement: `with disk_sampler(folder) as samples:`)
-    """Bytes on disk under `folder` (st_blocks: a sparse file counts what it holds), every 2 ms."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder, self.samples, self.stop = folder, [0], threading.Event()
-        self.thread = threading.Thread(target=self._run)
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            used = 0
-            for root, _, names in os.walk(self.folder):
-                for name in names:
-                    try:
-                        used += os.lstat(os.path.join(root, name)).st_blocks * 512
-                    except FileNotFoundError:
-                        pass
-            self.samples.append(used)
-            time.sleep(0.002)
-
-    def __enter__(self) -> list[int]:
-        self.thread.start()
-        return self.samples
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 #: The bound counts the stand-ins (headers, scales) and the small files too; the only slack is the file
@@ -485,6 +456,16 @@ def test_verify_of_two_repos_streams_and_catches_a_changed_code(tmp_path: Path, 
     hub.trees[("me/dst", "main")][name] = bytes(data)
     bad = fp8fix("verify", "org/src", "me/dst", "--max-disk", str(bound), env=env)
     assert bad.returncode == 1 and weight.rsplit(".", 1)[0] in bad.stdout + bad.stderr, bad.stdout + bad.stderr
+    # in two parts: the one that holds the changed code fails, each downloads only some of the shards whole
+    parts, whole_reads = [], []
+    for k in (1, 2):
+        hub.reads.clear()
+        parts.append(fp8fix("verify", "org/src", "me/dst", "--part", f"{k}/2", "--json", env=env))
+        whole_reads.append({p for p, ranged in hub.reads if p.endswith(".safetensors") and not ranged})
+    assert sorted(p.returncode for p in parts) == [0, 1], [p.stderr for p in parts]
+    failed = json.loads(next(p.stdout for p in parts if p.returncode == 1))
+    assert any(weight.rsplit(".", 1)[0] in problem for problem in failed["problems"])
+    assert all(0 < len(reads) < 8 for reads in whole_reads), whole_reads
     small = fp8fix("verify", "org/src", "me/dst", "--max-disk", "1000", env=env)
     assert small.returncode == 2 and "verify reads two shards at once" in small.stderr
 

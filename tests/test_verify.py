@@ -193,3 +193,34 @@ def test_jobs_give_the_same_report(tmp_path: Path, damaged: bool) -> None:
     first = json.loads(reports[0].stdout)
     assert all(json.loads(r.stdout) == first for r in reports[1:])
     assert len(first["weights"]) == 16 and len(first["problems"]) == (3 if damaged else 0)
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_parts_check_every_tensor_once(tmp_path: Path, damaged: bool) -> None:
+    """verify --part K/N for K = 1..N: each weight checked by exactly one part, together the whole
+    verify; a changed code is found by the one part that holds it, the others pass."""
+    src = build(tmp_path / "src", phi3(layers=4), scale="shard", files=3)
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "--layout", "fused", "--to", "e4m3fnuz", "-q").exit_code == 0
+    broken = "model.layers.2.mlp.down_proj.weight"
+    if damaged:
+        flip(out, broken, 3)
+    whole = json.loads(run_process("verify", src, out, "--json").stdout)
+    for n in (1, 2, 3, 5):
+        parts = [run_process("verify", src, out, "--json", "--part", f"{k}/{n}") for k in range(1, n + 1)]
+        reports = [json.loads(p.stdout) for p in parts]
+        assert [r["part"] for r in reports] == [[k, n] for k in range(1, n + 1)]
+        checked = [w["tensor"] for r in reports for w in r["weights"]]
+        assert sorted(checked) == sorted(w["tensor"] for w in whole["weights"]), n
+        assert sum(r["identical_tensors"] for r in reports) == whole["identical_tensors"]
+        if n > 1:  # a share is about 1/N of the weights, not all of them in one part
+            assert max(len(r["weights"]) for r in reports) < len(whole["weights"])
+        failing = [p.returncode for p in parts].count(1)
+        assert failing == (1 if damaged else 0), n
+        assert all(p.returncode in (0, 1) for p in parts)
+        if damaged:
+            bad = next(r for r, p in zip(reports, parts, strict=True) if p.returncode == 1)
+            assert broken in " ".join(bad["problems"]) and broken in [w["tensor"] for w in bad["weights"]]
+    text = run_process("verify", src, out, "--part", "2/3")
+    assert "part 2/3:" in text.stdout
+    assert run_process("verify", src, out, "--part", "4/3").returncode == 2

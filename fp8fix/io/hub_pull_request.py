@@ -103,8 +103,9 @@ class StreamPullRequest:
                 records[record["shard"]] = record
         return records
 
-    def commit_shard(self, shard: OutputShard, path: Path, stats: WriteStats) -> None:
-        """The shard and its record, in one commit (the first opens the pull request)."""
+    def send_shard(self, shard: OutputShard, path: Path, stats: WriteStats) -> list[Any]:
+        """The shard's bytes to the Hub's LFS storage (the first opens the pull request); nothing is
+        committed yet, and the file may be deleted. Returns the commit's operations: the shard and its record."""
         from huggingface_hub import CommitOperationAdd
 
         record = {
@@ -118,7 +119,14 @@ class StreamPullRequest:
             CommitOperationAdd(path_in_repo=shard.name, path_or_fileobj=path),
             CommitOperationAdd(f"{RECORDS}/{shard.name}.json", json.dumps(record).encode()),
         ]
-        self._commit(operations, shard.name)
+        self.open()
+        with hub_errors(self.dest, action="write"):
+            retried(self.api.preupload_lfs_files, self.dest, operations, revision=self.ref)
+        return operations
+
+    def commit_shard(self, operations: list[Any]) -> None:
+        """One commit of what `send_shard` sent: the shard appears on the pull request with its record."""
+        self._commit(operations, operations[0].path_in_repo)
 
     def _commit(self, operations: list[Any], message: str) -> None:
         self.open()

@@ -60,13 +60,16 @@ def verify(
     registry: Registry | None = None,
     jobs: int = 1,
     files: SourceFiles | None = None,
+    part: tuple[int, int] | None = None,
 ) -> VerifyReport:
     """Check OUTPUT against SOURCE; the report's `problems` say what is wrong (empty: faithful).
 
     With `jobs` > 1 the tensors are checked in forked processes, in runs of consecutive
     tensors; their reports are merged in order, so the report is the same whatever `jobs`.
     `files`: how the shards are read (a Hub repo's, downloaded as read: `verification.remote`);
-    then one process.
+    then one process. `part` (K, N): only the K-th of N consecutive shares of SOURCE's tensors, of
+    about equal bytes, is checked (the checks of index, config and card in every part): N machines
+    each run one, and together they check every tensor once.
     """
     global _checks
     model = describe_checkpoint(open_checkpoint(source, "SOURCE"), registry or Registry.builtin())
@@ -78,7 +81,8 @@ def verify(
         ctx.padded = padded_tensors(ctx)
         ctx.dequantized = dequantized_weights(ctx)
         ctx.dropped = dropped_scales(ctx.dequantized)
-        checks = _TensorChecks(ctx, map_tensors(ctx))
+        checks = _TensorChecks(ctx, map_tensors(ctx), part)
+        ctx.report.part = list(part) if part else None
         with progress_bar(checks.total, "fp8fix verify", quiet) as bar:
             runs = checks.runs(RUNS_PER_JOB * jobs)
             workers = worker_count(jobs, len(runs))
@@ -88,12 +92,12 @@ def verify(
                     names = [
                         f"the checks of '{checks.items[a][0]}' and {b - a - 1} tensor(s) after it" for a, b in runs
                     ]
-                    for part in run_tasks(_check_run, runs, workers, bar, names):
-                        ctx.report.merge(part)
+                    for done in run_tasks(_check_run, runs, workers, bar, names):
+                        ctx.report.merge(done)
                 finally:
                     _checks = None
             else:
-                checks.check(0, len(checks.items), bar)
+                checks.check(*checks.share, bar)
         check_shapes(ctx, checks.mapping, converted_to_compressed_tensors(ctx))
         renames = module_renames(ctx, checks.mapping)
         check_repo(ctx, renames, padded_sizes(ctx), unquantized_modules(ctx.dequantized))
@@ -107,7 +111,9 @@ RUNS_PER_JOB = 4
 class _TensorChecks:
     """The value checks of every SOURCE tensor, in mapping order, split into runs for `--jobs`."""
 
-    def __init__(self, ctx: VerifyContext, mapping: dict[str, list[Target]]) -> None:
+    def __init__(
+        self, ctx: VerifyContext, mapping: dict[str, list[Target]], part: tuple[int, int] | None = None
+    ) -> None:
         self.ctx, self.mapping = ctx, mapping
         self.items = list(mapping.items())
         self.weights = {w.name: w for w in ctx.model.module_weights()}
@@ -116,18 +122,20 @@ class _TensorChecks:
         self.input_of = {fmt.input_scale_of(w): w for w in self.weights if fmt.input_scale_of(w) in ctx.src.tensors}
         # scales are checked through the weights' values, not streamed
         self.costs = [0 if n in self.scale_names or n in self.input_of else ctx.src.tensors[n].nbytes for n in mapping]
-        self.total = sum(self.costs)
+        self.share = share_of(self.costs, *part) if part else (0, len(self.items))
+        self.total = sum(self.costs[slice(*self.share)])
 
     def runs(self, count: int) -> list[tuple[int, int]]:
-        """[start, end) runs of consecutive tensors, about `count` of them, of about equal bytes."""
-        share, runs, start, size = max(1, self.total // max(count, 1)), [], 0, 0
-        for i, cost in enumerate(self.costs):
-            size += cost
+        """[start, end) runs of consecutive tensors of this share, about `count` of them, of about equal bytes."""
+        first, last = self.share
+        share, runs, start, size = max(1, self.total // max(count, 1)), [], first, 0
+        for i in range(first, last):
+            size += self.costs[i]
             if size >= share:
                 runs.append((start, i + 1))
                 start, size = i + 1, 0
-        if start < len(self.costs):
-            runs.append((start, len(self.costs)))
+        if start < last:
+            runs.append((start, last))
         return runs
 
     def check(self, start: int, end: int, bar: Progress) -> None:
@@ -150,6 +158,19 @@ class _TensorChecks:
             elif name not in self.scale_names:
                 check_bytes(ctx, name, targets)
             bar.update(cost)
+
+
+def share_of(costs: list[int], k: int, n: int) -> tuple[int, int]:
+    """The K-th of N consecutive [start, end) shares of `costs`: a tensor belongs to the share its first
+    byte falls in (bytes counted in order), so the N shares cover every tensor once, each about 1/N of
+    the bytes; free tensors (scales) go with the share of the bytes before them."""
+    total, before, bounds = sum(costs), 0, []
+    for cost in costs:
+        bounds.append(min(n - 1, before * n // total) if total else 0)
+        before += cost
+    start = next((i for i, b in enumerate(bounds) if b >= k - 1), len(costs))
+    end = next((i for i, b in enumerate(bounds) if b >= k), len(costs))
+    return start, end
 
 
 #: The checks a forked worker runs (set by the parent before forking).

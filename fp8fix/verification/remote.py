@@ -31,6 +31,7 @@ def verify_remote(
     revision: str | None = None,
     token: str | None = None,
     max_disk: int | None = None,
+    part: tuple[int, int] | None = None,
     registry: Registry | None = None,
     quiet: bool = False,
 ) -> VerifyReport:
@@ -55,7 +56,7 @@ def verify_remote(
         bound = max_disk if max_disk is not None else max(DEFAULT_SHARDS_ON_DISK * sizes[0], least)
         if bound < least:
             raise UsageError(f"--max-disk {bound}: verify reads two shards at once, {least} bytes; give that or more")
-        report = verify(src, out, quiet=quiet, registry=registry, files=LazyShards(stand_ins, bound))
+        report = verify(src, out, quiet=quiet, registry=registry, files=LazyShards(stand_ins, bound), part=part)
         report.source, report.output = source, output
         return report
     finally:

@@ -28,6 +28,8 @@ class VerifyReport:
     identical_tensors: int = 0
     scales_checked: int = 0
     problems: list[str] = field(default_factory=list)
+    #: [K, N] when only the K-th of N shares of the tensors was checked (`verify --part`).
+    part: list[int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -53,7 +55,8 @@ class VerifyReport:
         worst = max((w.max_error_steps for w in self.weights if w.kind == "requantized"), default=None)
         rounded = max((w.max_error_steps for w in self.weights if w.kind == "dequantized"), default=None)
         return (
-            f"{len(self.weights)} FP8 weights ({kinds['exact']} exact, {kinds['rounded']} with rounded codes, "
+            (f"part {self.part[0]}/{self.part[1]}: " if self.part else "")
+            + f"{len(self.weights)} FP8 weights ({kinds['exact']} exact, {kinds['rounded']} with rounded codes, "
             f"{kinds['requantized']} requantized"
             + (f", max {worst:.2f} fp8 steps" if worst is not None else "")
             + (f", {kinds['dequantized']} in BF16, max {rounded:.2f} BF16 steps" if rounded is not None else "")
