@@ -312,6 +312,8 @@ def push(
         raise ValueError(f"commit_size must be a positive number of bytes, not {commit_size!r}")
     path = Path(folder)
     with api_errors(), _hub_progress(progress, repo_id):
+        if not path.is_dir():
+            raise UsageError(f"FOLDER {path}: no such folder" if not path.exists() else f"FOLDER {path}: not a folder")
         if not (path / "config.json").is_file():
             raise InvalidCheckpoint(f"FOLDER {path}: not a checkpoint folder (no config.json)")
         message = commit_message or default_message(path)

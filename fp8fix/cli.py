@@ -5,11 +5,13 @@ checks the two against each other), and every decision lives in the library. Wha
 module owns is output: text wrapped to 80 columns, or `--json` (errors too, as JSON
 objects), `-q` (nothing but errors) and `-v` (each module and tensor). User mistakes
 become one line on stderr and their exit code, never a traceback; which error exits how
-is `errors.ERROR_TABLE`'s call. A closed pipe (`fp8fix inspect ... | head`) ends quietly.
+is `errors.ERROR_TABLE`'s call. A closed pipe (`fp8fix verify ... | head`) ends quietly, with the command's
+exit status (`exiting`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -17,7 +19,7 @@ import re
 import shutil
 import sys
 import textwrap
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from fp8fix import __version__
-from fp8fix.errors import DEBUG_VARIABLE, EXIT_BUG, EXIT_HUB, RegistryEntryError, bug_line, user_error
+from fp8fix.errors import DEBUG_VARIABLE, EXIT_BUG, EXIT_HUB, RegistryEntryError, UsageError, bug_line, user_error
 from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, SCHEMA_VERSION, TARGETS
 
 if TYPE_CHECKING:
@@ -89,6 +91,8 @@ def reports_errors(func: F) -> F:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            if kwargs.get("quiet") and kwargs.get("verbose"):
+                raise UsageError("-q and -v: -q prints nothing but errors, -v more detail; give one of them")
             return func(*args, **kwargs)
         except BrokenPipeError:
             quiet_exit()
@@ -99,19 +103,37 @@ def reports_errors(func: F) -> F:
                     raise
                 known = EXIT_BUG, bug_line(e)
             code, line = known
-            if kwargs.get("as_json"):
-                echo_json(error_json(code, line, e))
-            say(line, err=True)
-            sys.exit(code)
+            with exiting(code):
+                if kwargs.get("as_json"):
+                    echo_json(error_json(code, line, e))
+                say(line, err=True)
 
     return wrapper  # type: ignore[return-value]
 
 
-def quiet_exit() -> None:
-    """The reader of stdout went away (`| head`): stop without a word, as Unix tools do."""
+@contextlib.contextmanager
+def exiting(code: int) -> Iterator[None]:
+    """Print the outcome of a command that then exits with `code`: a reader that went away (`| head`) stops
+    the printing quietly, and the exit status is `code` still, so a failing verify or `inspect --strict`
+    cannot pass through a pipe as 0."""
+    try:
+        yield
+    except BrokenPipeError:
+        quiet_exit(code)
+    if code:
+        sys.exit(code)
+
+
+def quiet_exit(code: int = 0) -> None:
+    """The reader of stdout went away (`| head`): stop without a word, as Unix tools do, with the exit
+    status the command had come to (0 for a command whose output is all there is)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's own flush at exit cannot fail again
-    sys.exit(0)
+    for stream in (sys.stdout, sys.stderr):  # so the interpreter's own flush at exit cannot fail again
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):
+            pass
+    sys.exit(code)
 
 
 def _registry(ctx: click.Context, param: click.Parameter, paths: tuple[Path, ...]) -> Registry | None:
@@ -396,6 +418,10 @@ def convert(
     from fp8fix import api
     from fp8fix.errors import HubError
 
+    pushing = {"--private": private, "--create-pr": create_pr, "--commit-message": commit_message is not None}
+    given = [flag for flag, on in {**pushing, "--commit-size": commit_size is not None}.items() if on]
+    if given and not push_to_hub and output is not None:
+        raise UsageError(f"{', '.join(given)}: options of the push, which needs --push-to-hub REPO_ID")
     if output is None or max_disk is not None or part is not None or finalize:
         push: dict[str, Any] = {"private": private, "create_pr": create_pr, "commit_message": commit_message}
         push |= {"max_disk": max_disk, "part": part, "finalize": finalize}
@@ -426,9 +452,9 @@ def convert(
             if not as_json:
                 raise error from None
             # the conversion happened: its record goes out with the push's error, then the exit code
-            echo_json({**payload, "pushed": None, "push_error": error_json(EXIT_HUB, str(error), error)["error"]})
-            say(f"Error: {error}", err=True)
-            sys.exit(EXIT_HUB)
+            with exiting(EXIT_HUB):
+                echo_json({**payload, "pushed": None, "push_error": error_json(EXIT_HUB, str(error), error)["error"]})
+                say(f"Error: {error}", err=True)
         payload["pushed"] = pushed.url
         if not as_json and not quiet:
             say(f"pushed: {pushed.url}")
@@ -450,7 +476,6 @@ def _stream(
 ) -> None:
     """convert with no OUTPUT: Hub to Hub (`api.convert_to_hub`); the options that need OUTPUT are refused."""
     from fp8fix import api
-    from fp8fix.errors import UsageError
 
     if output is not None:
         given = "--max-disk" if push["max_disk"] is not None else "--part" if push["part"] else "--finalize"
@@ -593,12 +618,11 @@ def inspect(
     from fp8fix.report.inspect_report import report_lines
 
     report = api.inspect(source, registry=registry, progress=not (quiet or as_json), **options)
-    if as_json:
-        echo_json(report.to_json())
-    else:
-        echo_lines(report_lines(report, verbose), quiet)
-    if strict and report.fixable:
-        sys.exit(1)
+    with exiting(1 if strict and report.fixable else 0):
+        if as_json:
+            echo_json(report.to_json())
+        else:
+            echo_lines(report_lines(report, verbose), quiet)
 
 
 VERIFY_EPILOG = """\b
@@ -644,12 +668,11 @@ def verify_command(
     from fp8fix.report.verify_report import verify_lines
 
     report = api.verify(source, output, registry=registry, progress=not (quiet or as_json), **options)
-    if as_json:
-        echo_json(report.to_json())
-    else:
-        echo_lines(verify_lines(report, verbose), quiet and report.ok)
-    if not report.ok:
-        sys.exit(1)
+    with exiting(0 if report.ok else 1):
+        if as_json:
+            echo_json(report.to_json())
+        else:
+            echo_lines(verify_lines(report, verbose), quiet and report.ok)
 
 
 ARCHITECTURES_EPILOG = """\b

@@ -41,9 +41,13 @@ def run() -> None:
             code = main(prog_name="fp8fix", standalone_mode=False)
         except click.Abort as e:
             raise (e.__context__ if isinstance(e.__context__, KeyboardInterrupt) else KeyboardInterrupt()) from None
-        except click.ClickException as e:
-            e.show()
-            sys.exit(e.exit_code)
+        except click.ClickException as e:  # a usage error click found: under --json, a JSON error too
+            from fp8fix.cli import echo_json, error_json, exiting
+
+            with exiting(e.exit_code):
+                if "--json" in sys.argv[1:][: (sys.argv[1:] + ["--"]).index("--")]:
+                    echo_json(error_json(e.exit_code, e.format_message(), e))
+                e.show()
         sys.exit(code if isinstance(code, int) else 0)
     except BrokenPipeError:  # the reader of stdout went away (`| head`): end quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -57,6 +57,12 @@ class HubError(Fp8fixError):
     """The Hub could not be read or written: not found, no permission, gated, offline, network."""
 
 
+class RepoNotReached(HubError):
+    """No such repo on the Hub, or the Hub could not be asked (offline, network error): for a SOURCE that
+    could also be a local path (`examples/model` run from another folder), the message says that no
+    folder of that name exists either."""
+
+
 class OutputBusy(Fp8fixError):
     """Another fp8fix process is writing the same OUTPUT right now."""
 

@@ -185,7 +185,9 @@ def test_hub_failures_are_one_line_and_exit_4(
     assert (tmp_path / "out" / "config.json").exists(), "a failed push must leave OUTPUT intact"
     assert TOKEN not in proc.stderr
     read = fp8fix("inspect", "org/remote", env=env)
-    assert read.returncode == 4 and read.stderr.startswith("Error: org/remote")
+    # a repo id that names no folder: a repo not found says no folder of that name exists either
+    expected = "Error: SOURCE org/remote: no such folder" if failure == 404 else "Error: org/remote"
+    assert read.returncode == 4 and read.stderr.startswith(expected), read.stderr
 
 
 def test_network_error(tmp_path: Path) -> None:
@@ -194,8 +196,8 @@ def test_network_error(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     env = base_env(tmp_path, HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_TOKEN=TOKEN, HF_HUB_ETAG_TIMEOUT="2")
     proc = fp8fix("convert", "org/tiny", tmp_path / "out", env=env)
-    assert proc.returncode == 4 and proc.stderr.startswith("Error: org/tiny")
-    assert TOKEN not in proc.stderr
+    assert proc.returncode == 4 and proc.stderr.startswith("Error: SOURCE org/tiny: no such folder")
+    assert "network error reaching the Hub" in proc.stderr and TOKEN not in proc.stderr
 
 
 def test_push_refuses_a_folder_that_is_not_a_checkpoint(tmp_path: Path, fake_hub: FakeHub) -> None:

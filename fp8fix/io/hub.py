@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fp8fix.errors import Fp8fixError, HubError, UsageError
+from fp8fix.errors import Fp8fixError, HubError, RepoNotReached, UsageError
 from fp8fix.io.checkpoint import Checkpoint, checkpoint_from_headers
 from fp8fix.io.source_tree import SourceTree
 
@@ -66,8 +66,23 @@ def _scrub(text: str) -> str:
 
 
 @contextmanager
-def hub_errors(repo_id: str, revision: str | None = None, action: str = "read") -> Iterator[None]:
-    """Turn huggingface_hub's exceptions into one clear line (exit code 4)."""
+def hub_errors(
+    repo_id: str, revision: str | None = None, action: str = "read", role: str | None = None
+) -> Iterator[None]:
+    """Turn huggingface_hub's exceptions into one clear line (exit code 4). `role` (SOURCE): the repo id
+    is a command's argument, which names no local folder either; a repo not found or not reached says so."""
+    try:
+        with _hub_errors(repo_id, revision, action):
+            yield
+    except RepoNotReached as e:
+        if role is None or revision:  # with --revision, SOURCE is a Hub repo id (a folder takes none)
+            raise
+        why = str(e).split(": ", 1)[-1]  # without the repo id the message starts with
+        raise RepoNotReached(f"{role} {repo_id}: no such folder (here: {Path.cwd()}); as a Hub repo: {why}") from None
+
+
+@contextmanager
+def _hub_errors(repo_id: str, revision: str | None, action: str) -> Iterator[None]:
     from huggingface_hub import errors
 
     where = f"{repo_id}" + (f"@{revision}" if revision else "")
@@ -78,30 +93,41 @@ def hub_errors(repo_id: str, revision: str | None = None, action: str = "read") 
             f"{where}: the repo is gated: accept its terms on the Hub, then log in (hf auth login)"
         ) from None
     except errors.RepositoryNotFoundError:
-        raise HubError(
+        raise RepoNotReached(
             f"{where}: repo not found, or private and you are not logged in (hf auth login, or set HF_TOKEN)"
         ) from None
     except errors.RevisionNotFoundError:
         raise HubError(f"{where}: revision not found in the repo") from None
-    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled):
+    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled) as e:
+        cause = e.__cause__  # snapshot_download raises this for any failed call, the Hub's answer as its cause
+        if isinstance(cause, Exception) and not isinstance(cause, errors.OfflineModeIsEnabled):
+            with _hub_errors(repo_id, revision, action):
+                raise cause from None
         if action == "write":
-            raise HubError(f"{where}: cannot push: HF_HUB_OFFLINE is set (or the Hub is unreachable)") from None
-        raise HubError(
-            f"{where}: not in the local Hub cache, and the Hub is unreachable or HF_HUB_OFFLINE is set"
-        ) from None
+            raise HubError(f"{where}: cannot push: {_why_offline()}") from None
+        raise RepoNotReached(f"{where}: not in the local Hub cache, and {_why_offline()}") from None
     except errors.HfHubHTTPError as e:
         status = e.response.status_code if e.response is not None else None
         if status in (401, 403):
             raise HubError(f"{where}: no permission to {action} this repo (HTTP {status}); check your token") from None
         raise HubError(_scrub(f"{where}: the Hub answered HTTP {status}: {e}").splitlines()[0]) from None
     except OSError as e:  # ConnectionError, TimeoutError and the rest
-        raise HubError(_scrub(f"{where}: network error reaching the Hub: {e}").splitlines()[0]) from None
+        raise RepoNotReached(_scrub(f"{where}: network error reaching the Hub: {e}").splitlines()[0]) from None
     except Fp8fixError:
         raise
     except Exception as e:  # httpx errors do not derive from OSError; anything else is an answer we did not expect
         if type(e).__module__.startswith(("httpx", "httpcore")):
-            raise HubError(_scrub(f"{where}: network error reaching the Hub: {e}").splitlines()[0]) from None
+            raise RepoNotReached(_scrub(f"{where}: network error reaching the Hub: {e}").splitlines()[0]) from None
         raise HubError(_scrub(f"{where}: unexpected answer from the Hub ({type(e).__name__}: {e})")) from None
+
+
+def _why_offline() -> str:
+    """Why huggingface_hub did not reach the Hub: HF_HUB_OFFLINE, or (it is not set) the network."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    return "the Hub could not be reached (a network problem: HF_HUB_OFFLINE is not set)"
 
 
 #: Seconds to wait for the Hub to accept a connection, and for each answer to a read; a push waits
@@ -189,7 +215,7 @@ def resolve_source(
         return local_folder(source, role), None
     from huggingface_hub import snapshot_download
 
-    with hub_errors(source, revision):
+    with hub_errors(source, revision, role=role):
         bounded_session()
         snapshot = retried(snapshot_download, source, revision=revision, allow_patterns=ALLOW_PATTERNS, token=token)
     return Path(snapshot), source
@@ -334,7 +360,7 @@ def remote_headers(repo_id: str, revision: str | None, token: str | None = None)
 
     if constants.HF_HUB_OFFLINE:
         return None
-    with hub_errors(repo_id, revision):
+    with hub_errors(repo_id, revision, role="SOURCE"):
         bounded_session()
         folder = retried(snapshot_download, repo_id, revision=revision, allow_patterns=["*.json", "*.md"], token=token)
         meta = retried(HfApi(token=token).get_safetensors_metadata, repo_id, revision=revision)

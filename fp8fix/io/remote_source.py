@@ -100,13 +100,14 @@ class RemoteRepo:
         os.replace(part, dest)
 
 
-def open_remote(repo_id: str, revision: str | None, token: str | None = None) -> RemoteRepo:
-    """The repo at `revision` (its current commit), with every file's size, from the Hub's tree API."""
+def open_remote(repo_id: str, revision: str | None, token: str | None = None, role: str = "SOURCE") -> RemoteRepo:
+    """The repo at `revision` (its current commit), with every file's size, from the Hub's tree API;
+    `role`: the argument it is, for errors."""
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
 
     api = HfApi(token=token)
-    with hub_errors(repo_id, revision):
+    with hub_errors(repo_id, revision, role=role):
         bounded_session()
         commit = retried(api.repo_info, repo_id, revision=revision).sha
         entries = retried(lambda: list(api.list_repo_tree(repo_id, revision=commit, recursive=True)))

@@ -114,13 +114,13 @@ def check_output(source: Path, output: Path, overwrite: bool) -> None:
     """Refuse destinations that would touch the source or clobber something unasked."""
     src, out = source.resolve(), output.resolve()
     if out == src or out.is_relative_to(src):
-        raise OutputError(f"{output}: OUTPUT is inside SOURCE; fp8fix never writes into the source checkpoint")
+        raise OutputError(f"OUTPUT {output}: inside SOURCE; fp8fix never writes into the source checkpoint")
     if src.is_relative_to(out):
-        raise OutputError(f"{output}: OUTPUT contains SOURCE; choose another destination")
+        raise OutputError(f"OUTPUT {output}: contains SOURCE; choose another destination")
     if out.exists() and not out.is_dir():
-        raise OutputError(f"{output}: exists and is not a folder")
+        raise OutputError(f"OUTPUT {output}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OutputError(f"{output}: exists and is not empty; pass --overwrite to replace it")
+        raise OutputError(f"OUTPUT {output}: exists and is not empty; pass --overwrite to replace it")
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -41,7 +41,7 @@ def verify_remote(
         stand_ins: dict[Path, StandIn] = {}
 
         def stand_in(repo_id: str, at: str | None, folder: Path) -> Path:
-            remote = open_remote(repo_id, at, token)
+            remote = open_remote(repo_id, at, token, role=folder.name.upper())
             folder.mkdir()
             headers = mirror(remote, folder)
             fill_small_floats(remote, folder)
