@@ -61,3 +61,17 @@ def test_the_wheel_holds_the_package_its_data_and_license(dists: tuple[set[str],
     torch_requires = [r for r in requires if r.startswith("torch")]
     assert 'torch>=2.1; extra == "torch"' in torch_requires
     assert all("extra ==" in r for r in torch_requires), torch_requires
+
+
+def test_the_classifiers_claim_only_what_ci_runs_on(dists: tuple[set[str], set[str], str]) -> None:
+    """Operating systems and Python versions in the classifiers: the ones this suite runs on (issue 27:
+    macOS was listed while a Python without os.copy_file_range failed every conversion)."""
+    import platform
+    import sys
+
+    _, _, metadata = dists
+    classifiers = [line.split(": ", 1)[1] for line in metadata.splitlines() if line.startswith("Classifier:")]
+    systems = [c for c in classifiers if c.startswith("Operating System ::")]
+    versions = [c.rsplit(" :: ", 1)[1] for c in classifiers if c.startswith("Programming Language :: Python :: 3.")]
+    assert systems == ["Operating System :: POSIX :: Linux"] and platform.system() == "Linux"
+    assert versions == [f"{sys.version_info.major}.{sys.version_info.minor}"]

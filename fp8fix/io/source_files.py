@@ -79,7 +79,7 @@ class SourceFiles:
             view = memoryview(buffer)[:length]
             got = 0
             while got < length:
-                n = os.preadv(fd, [view[got:]], offset + got)
+                n = read_into(fd, view[got:], offset + got)
                 if n == 0:
                     raise source_changed(path, offset + got)
                 got += n
@@ -88,6 +88,20 @@ class SourceFiles:
     def contains(self, path: Path, start: int, end: int, codes: tuple[int, ...]) -> bool:
         """True when any byte in [start, end) of `path` is one of `codes`."""
         return any(window_contains(buffer, length, codes) for buffer, _, length in self.windows(path, start, end))
+
+
+def read_into(fd: int, view: memoryview, offset: int) -> int:
+    """Bytes of `fd` from `offset` into `view`, as many as one read gives: `os.preadv` where the platform
+    has it (no copy), `os.pread` and a copy where it does not (macOS before 11, some BSDs)."""
+    if PREADV is not None:
+        return int(PREADV(fd, [view], offset))
+    data = os.pread(fd, len(view), offset)
+    view[: len(data)] = data
+    return len(data)
+
+
+#: None where the platform lacks it (tests set it to None to take the other path).
+PREADV = getattr(os, "preadv", None)
 
 
 def read_exactly(fd: int, path: Path, start: int, end: int) -> bytes:

@@ -17,7 +17,7 @@ from pathlib import Path
 from fp8fix.errors import InvalidCheckpoint
 from fp8fix.io.progress import NoProgress, Progress, progress_bar
 from fp8fix.io.safetensors_file import TensorInfo, encode_header
-from fp8fix.io.source_files import SourceFiles, source_changed, window_contains
+from fp8fix.io.source_files import SourceFiles, read_into, source_changed, window_contains
 from fp8fix.io.workers import run_tasks, worker_count
 from fp8fix.numerics.dequantize import dequantize_rows
 from fp8fix.numerics.dtypes import NAN_CODES
@@ -45,6 +45,10 @@ PAGE = 4096
 PAGE_ALIGN_MIN = 1024 * 1024
 #: One buffer for unaligned copies: reused, so its pages are never faulted in again.
 _BUFFER = memoryview(bytearray(1024 * 1024))
+#: The kernel's copy, where the platform has it (Linux; not macOS, Windows or an old glibc): without it,
+#: or where it fails at run time with one of _NO_COPY_FILE_RANGE (across file systems, a file system or
+#: kernel without it), bytes are read and written through _BUFFER.
+COPY_FILE_RANGE = getattr(os, "copy_file_range", None)
 _NO_COPY_FILE_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
 
 
@@ -232,16 +236,18 @@ def _copy_range(src: int, path: Path, dst: int, start: int, end: int, aligned: b
     while offset < end:
         count = min(end - offset, 1 << 30)
         copied = 0
-        if aligned:
+        if aligned and COPY_FILE_RANGE is not None:
             try:
-                copied = os.copy_file_range(src, dst, count, offset)
+                copied = COPY_FILE_RANGE(src, dst, count, offset)
             except OSError as e:
                 if e.errno not in _NO_COPY_FILE_RANGE:
                     raise
                 aligned = False
+        else:
+            aligned = False
         if not aligned:
             view = _BUFFER[: min(count, len(_BUFFER))]
-            copied = _write_all(dst, view[: os.preadv(src, [view], offset)])
+            copied = _write_all(dst, view[: read_into(src, view, offset)])
         if copied == 0:
             raise source_changed(path, offset)
         offset += copied
