@@ -151,6 +151,7 @@ def convert_to_hub(
     private: bool = False,
     create_pr: bool = False,
     commit_message: str | None = None,
+    commit_description: str | None = None,
     part: tuple[int, int] | None = None,
     finalize: bool = False,
     layout: Layout | None = None,
@@ -197,6 +198,7 @@ def convert_to_hub(
             private=private,
             create_pr=create_pr,
             commit_message=commit_message,
+            commit_description=commit_description,
             part=part,
             finalize=finalize,
         )
@@ -296,7 +298,9 @@ def push(
     private: bool = False,
     create_pr: bool = False,
     commit_message: str | None = None,
+    commit_description: str | None = None,
     commit_size: int | None = None,
+    revision: str | None = None,
     token: str | None = None,
     progress: bool = False,
 ) -> PushResult:
@@ -304,6 +308,7 @@ def push(
 
     Large folders go out in several commits of at most `commit_size` bytes (default: 20 GiB); a
     rerun after an interruption skips what the Hub already has. With `create_pr`, one pull request.
+    `revision`: the branch to push to (made from main when missing), or the pull request's base.
     """
     from fp8fix.io.hub import COMMIT_BYTES, push_folder
     from fp8fix.report.model_card import commit_message as default_message
@@ -323,6 +328,8 @@ def push(
             private=private,
             create_pr=create_pr,
             commit_message=message,
+            commit_description=commit_description,
+            revision=revision,
             token=token,
             commit_bytes=commit_size or COMMIT_BYTES,
         )

@@ -269,6 +269,7 @@ def push_options(func: F) -> F:
             click.option("--private", is_flag=True, help="Create the Hub repo private (when it does not exist)."),
             click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to main."),
             click.option("--commit-message", help="Commit / PR title [default: what was converted and how]."),
+            click.option("--commit-description", help="Commit / PR description, below the title."),
             click.option(
                 "--commit-size",
                 type=ByteSize(),
@@ -404,6 +405,7 @@ def convert(
     private: bool,
     create_pr: bool,
     commit_message: str | None,
+    commit_description: str | None,
     commit_size: int | None,
     **options: Any,
 ) -> None:
@@ -419,11 +421,13 @@ def convert(
     from fp8fix.errors import HubError
 
     pushing = {"--private": private, "--create-pr": create_pr, "--commit-message": commit_message is not None}
+    pushing["--commit-description"] = commit_description is not None
     given = [flag for flag, on in {**pushing, "--commit-size": commit_size is not None}.items() if on]
     if given and not push_to_hub and output is not None:
         raise UsageError(f"{', '.join(given)}: options of the push, which needs --push-to-hub REPO_ID")
     if output is None or max_disk is not None or part is not None or finalize:
         push: dict[str, Any] = {"private": private, "create_pr": create_pr, "commit_message": commit_message}
+        push["commit_description"] = commit_description
         push |= {"max_disk": max_disk, "part": part, "finalize": finalize}
         _stream(source, output, push_to_hub, push, as_json, quiet, verbose, commit_size, registry, options)
         return
@@ -441,6 +445,7 @@ def convert(
                 private=private,
                 create_pr=create_pr,
                 commit_message=commit_message or result.commit_title,
+                commit_description=commit_description,
                 commit_size=commit_size,
                 token=options["token"],
                 progress=not (quiet or as_json),
@@ -542,6 +547,7 @@ Examples:
   fp8fix push me/Phi-3-mini-fp8-fixed ./Phi-3-mini-fp8-fixed
   fp8fix push org/model-FP8 ./out --create-pr      # propose the fix to the model's owner
   fp8fix push me/big-model ./big-model --commit-size 10GB   # smaller commits; a rerun resumes
+  fp8fix push me/model ./out --revision fp8-fixed           # to a branch (made from main if missing)
 
 \b
 REPO_ID comes first, as in `hf upload`. The old order (FOLDER REPO_ID) still works,
@@ -556,6 +562,11 @@ Exit codes: 0 pushed, 2 usage error, 3 FOLDER is not a checkpoint folder, 4 Hub 
 @click.argument("repo_id")
 @click.argument("folder", type=click.Path(path_type=Path))
 @push_options
+@click.option(
+    "--revision",
+    help="Branch to push to, made from main when it does not exist (as `hf upload --revision`); with "
+    "--create-pr, the branch the pull request is opened against.",
+)
 @token_option
 @output_options(None)
 @reports_errors

@@ -70,6 +70,7 @@ def stream_convert(
     private: bool = False,
     create_pr: bool = False,
     commit_message: str | None = None,
+    commit_description: str | None = None,
     part: tuple[int, int] | None = None,
     finalize: bool = False,
 ) -> StreamResult:
@@ -81,26 +82,34 @@ def stream_convert(
     remote = open_remote(repo_id, options.revision, token)
     work = Path(tempfile.mkdtemp(prefix="fp8fix-stream-"))
     try:
-        return _stream(
-            remote, dest, options, registry, work, max_disk, private, create_pr, commit_message, part, finalize
-        )
+        where = Destination(dest, private, create_pr, commit_message, commit_description)
+        return _stream(remote, where, options, registry, work, max_disk, part, finalize)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class Destination:
+    """The Hub repo a streamed conversion lands on, and how: as `push` takes them."""
+
+    repo_id: str
+    private: bool
+    create_pr: bool
+    commit_message: str | None
+    commit_description: str | None
+
+
 def _stream(
     remote: RemoteRepo,
-    dest: str,
+    where: Destination,
     options: ConvertOptions,
     registry: Registry,
     work: Path,
     max_disk: int | None,
-    private: bool,
-    create_pr: bool,
-    commit_message: str | None,
     part: tuple[int, int] | None,
     finalize: bool,
 ) -> StreamResult:
+    dest = where.repo_id
     source = work / "source"
     source.mkdir()
     headers = mirror(remote, source)
@@ -116,8 +125,8 @@ def _stream(
     streamed = StreamResult(result, max_disk=bound)
     name = remote.repo_id + (f"@{options.revision}" if options.revision else "")
     fingerprint = _fingerprint(remote, options, plan)
-    title = f"{commit_message or commit_title(name, options.describe(plan))} [fp8fix {fingerprint}]"
-    hub = StreamPullRequest(dest, title, fingerprint, remote.token, private)
+    title = f"{where.commit_message or commit_title(name, options.describe(plan))} [fp8fix {fingerprint}]"
+    hub = StreamPullRequest(dest, title, fingerprint, remote.token, where.private, where.commit_description)
     stats = WriteStats()
     todo = _shards_to_write(needs, hub.records, part, finalize, stats, streamed)
     out = work / "output"
@@ -140,7 +149,7 @@ def _stream(
     final = work / "final"
     final.mkdir()
     write_repo_files(ckpt, plan, final, options, result)
-    streamed.url = hub.finish(final, merge=not create_pr)
+    streamed.url = hub.finish(final, merge=not where.create_pr)
     result.written = True
     return streamed
 

@@ -81,6 +81,7 @@ class FakeHub:
     repos: dict[str, dict[str, Any]] = field(default_factory=dict)  # repo id -> {"private", "sha"}
     pull_requests: list[dict[str, Any]] = field(default_factory=list)
     merges: list[tuple[str, int]] = field(default_factory=list)  # (repo, pull request) merged
+    branches: list[tuple[str, str]] = field(default_factory=list)  # (repo, branch) created
     requests: list[str] = field(default_factory=list)
     fail_with: int | str | None = None  # answer every request with this status, or "gated"
     authorization: list[str] = field(default_factory=list)
@@ -99,7 +100,9 @@ class FakeHub:
     reads: list[tuple[str, str]] = field(default_factory=list)  # (repo/path, Range header or "") of each file GET
     url: str = ""
 
-    def open_pull_request(self, repo: str, title: str, description: str | None) -> dict[str, Any]:
+    def open_pull_request(
+        self, repo: str, title: str, description: str | None, base: str = "main"
+    ) -> dict[str, Any]:
         """A new open pull request on `repo`, as the discussions API lists it."""
         entry = {
             "num": len(self.pull_requests) + 1,
@@ -110,7 +113,7 @@ class FakeHub:
             "createdAt": "2026-11-29T00:00:00.000Z",
             "repo": {"name": repo, "type": "model"},
         }
-        self.pull_requests.append({"repo": repo, "entry": entry, "description": description})
+        self.pull_requests.append({"repo": repo, "entry": entry, "description": description, "base": base})
         return entry
 
     def start(self) -> FakeHub:
@@ -263,6 +266,13 @@ class FakeHub:
                                 "commitOid": hub.repos.get(repo, {}).get("sha"),
                             },
                         )
+                    if rest[0] == "branch" and method == "POST":  # create_branch: from main
+                        branch = unquote("/".join(rest[1:]))
+                        if (repo, branch) in hub.trees:
+                            return self._send(409, {"error": "Reference already exists"})
+                        hub.trees[(repo, branch)] = dict(hub.trees.get((repo, "main"), {}))
+                        hub.branches.append((repo, branch))
+                        return self._send(200, {})
                     if rest[0] == "commit":
                         create_pr = "create_pr=1" in (url.query or "")
                         return self._commit(repo, unquote("/".join(rest[1:])), body, create_pr)
@@ -379,7 +389,8 @@ class FakeHub:
                         files[item["value"]["path"]] = hub.lfs[item["value"]["oid"]]
                 pr_url = None
                 if open_pr:
-                    num = hub.open_pull_request(repo, header.get("summary", ""), header.get("description"))["num"]
+                    summary, description = header.get("summary", ""), header.get("description")
+                    num = hub.open_pull_request(repo, summary, description, base=revision)["num"]
                     revision, pr_url = f"refs/pr/{num}", f"{hub.url}/{repo}/discussions/{num}"
                 create_pr = revision.startswith("refs/pr/")
                 tree = hub.trees.setdefault((repo, revision), {})

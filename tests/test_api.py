@@ -153,6 +153,7 @@ CLI_ONLY = {
     "private",
     "create_pr",
     "commit_message",
+    "commit_description",
     "commit_size",
 }
 #: convert's options for a streamed conversion, which are `convert_to_hub`'s (test below).

@@ -200,6 +200,28 @@ def test_network_error(tmp_path: Path) -> None:
     assert "network error reaching the Hub" in proc.stderr and TOKEN not in proc.stderr
 
 
+def test_push_to_a_branch_with_a_description(tmp_path: Path, fake_hub: FakeHub) -> None:
+    """push --revision BRANCH: the branch is made (from main) and the commit lands there, main untouched;
+    --commit-description goes with the commit; a second push to the same branch finds it there."""
+    src = build(tmp_path / "src", phi3())
+    env = online_env(tmp_path, fake_hub)
+    assert fp8fix("convert", src, tmp_path / "out", "-q", env=env).returncode == 0
+    args = ["push", "org/tiny", tmp_path / "out", "--revision", "fp8-fixed", "--commit-description", "Why: scales"]
+    first = fp8fix(*args, env=env)
+    assert first.returncode == 0, first.stderr
+    (commit,) = fake_hub.commits
+    assert (commit.revision, commit.description, commit.create_pr) == ("fp8-fixed", "Why: scales", False)
+    assert fake_hub.branches == [("org/tiny", "fp8-fixed")]
+    assert set(fake_hub.tree("org/tiny", "fp8-fixed")) == {p.name for p in (tmp_path / "out").iterdir()}
+    assert fake_hub.tree("org/tiny") == {}
+    again = fp8fix(*args, env=env)
+    assert again.returncode == 0 and len(fake_hub.commits) == 1, again.stderr  # everything is there already
+    # --create-pr with --revision: the pull request is opened against that branch
+    pr = fp8fix("push", "org/other", tmp_path / "out", "--create-pr", "--revision", "dev", env=env)
+    assert pr.returncode == 0, pr.stderr
+    assert fake_hub.pull_requests[-1]["base"] == "dev" and fake_hub.commits[-1].revision == "refs/pr/1"
+
+
 def test_push_refuses_a_folder_that_is_not_a_checkpoint(tmp_path: Path, fake_hub: FakeHub) -> None:
     (tmp_path / "empty").mkdir()
     proc = fp8fix("push", "me/x", tmp_path / "empty", env=online_env(tmp_path, fake_hub))

@@ -162,10 +162,15 @@ def test_an_interrupted_stream_resumes_without_uploading_a_shard_twice(tmp_path:
 def test_create_pr_leaves_main_alone(tmp_path: Path, hub: FakeHub) -> None:
     served(tmp_path, hub)
     env = env_for(tmp_path, hub)
-    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "--create-pr", env=env)
+    proc = fp8fix(
+        "convert", "org/src", "--push-to-hub", "me/dst", "--create-pr", "--commit-description", "Why: MI300", env=env
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith(f"pushed: {hub.url}/me/dst/discussions/1")
     assert hub.merges == [] and not hub.tree("me/dst")
+    # the description: the pull request's (below what it is) and the final commit's
+    assert hub.pull_requests[0]["description"].endswith("\n\nWhy: MI300")
+    assert hub.commits[-1].description == "Why: MI300"
     assert set(hub.tree("me/dst", "refs/pr/1")) == set(local_reference(tmp_path, env))
 
 

@@ -262,6 +262,8 @@ def push_folder(
     private: bool = False,
     create_pr: bool = False,
     commit_message: str,
+    commit_description: str | None = None,
+    revision: str | None = None,
     token: str | None = None,
     commit_bytes: int = COMMIT_BYTES,
 ) -> str:
@@ -270,19 +272,24 @@ def push_folder(
     Files go out in commits of at most `commit_bytes` (config, index and card last), and files
     the Hub already holds with the same content are skipped: an interrupted push, run again,
     resumes where it stopped. With `create_pr`, an open pull request with the same title (which
-    names the parent commit) is continued instead of opening a second one.
+    names the parent commit) is continued instead of opening a second one. `revision`: the branch
+    the commits go to (made from main when missing, as `hf upload --revision` does), or, with
+    `create_pr`, the one the pull request is opened against.
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
     api = HfApi(token=token)
     message = commit_message
     local = {name: folder / name for name in pushed_files(folder)}  # refused before anything is sent
-    with hub_errors(repo_id, action="write"):
+    base = revision
+    with hub_errors(repo_id, base, action="write"):
         bounded_session(write=True)
         api.create_repo(repo_id, private=private or None, exist_ok=True)  # None: the owner's default
-        revision, url = None, ""
+        if base is not None and not base.startswith("refs/pr/"):
+            retried(api.create_branch, repo_id, branch=base, exist_ok=True)
+        revision, url = (None if create_pr else base), ""
         if create_pr:
-            parent = retried(api.repo_info, repo_id).sha
+            parent = retried(api.repo_info, repo_id, revision=base).sha
             message = f"{message} (parent {parent[:12]})" if parent else message
             discussions = retried(
                 lambda: list(
@@ -292,7 +299,7 @@ def push_folder(
             pr = next((pr for pr in discussions if pr.title == message), None)
             if pr is not None:  # continue it: its commits go to refs/pr/N
                 revision, url = pr.git_reference, str(pr.url)
-        present = _remote_files(api, repo_id, revision)
+        present = _remote_files(api, repo_id, revision or base)
         todo = [(name, path.stat().st_size) for name, path in local.items() if not _same(path, present.get(name))]
         batches = upload_batches(todo, commit_bytes)
         for i, batch in enumerate(batches):
@@ -301,8 +308,9 @@ def push_folder(
                 repo_id,
                 [CommitOperationAdd(path_in_repo=name, path_or_fileobj=local[name]) for name in batch],
                 commit_message=message if opens_pr or len(batches) == 1 else f"{message} ({i + 1}/{len(batches)})",
+                commit_description=commit_description,
                 create_pr=opens_pr,
-                revision=revision,
+                revision=base if opens_pr else revision,
             )
             if opens_pr:
                 revision, url = info.pr_revision, str(info.pr_url)

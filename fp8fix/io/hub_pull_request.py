@@ -32,10 +32,13 @@ class StreamPullRequest:
     """The pull request on `dest` a streamed conversion commits to: found by title or opened by the
     first commit; its shard records read once at the start."""
 
-    def __init__(self, dest: str, title: str, fingerprint: str, token: str | None, private: bool) -> None:
+    def __init__(
+        self, dest: str, title: str, fingerprint: str, token: str | None, private: bool, description: str | None = None
+    ) -> None:
         from huggingface_hub import HfApi
 
         self.dest, self.title, self.fingerprint, self.token = dest, title, fingerprint, token
+        self.description = description  # the user's, for the pull request and the final commit
         self.api = HfApi(token=token)
         self.num: int | None = None
         self.url = ""
@@ -65,7 +68,8 @@ class StreamPullRequest:
         if self.num is not None:
             return
         with hub_errors(self.dest, action="write"):
-            created = retried(self.api.create_pull_request, self.dest, self.title, description=PR_DESCRIPTION)
+            text = PR_DESCRIPTION + (f"\n\n{self.description}" if self.description else "")
+            created = retried(self.api.create_pull_request, self.dest, self.title, description=text)
             pr = self._find()
             self.num, self.url = pr.num, str(pr.url)
             if created.num != pr.num:
@@ -128,10 +132,17 @@ class StreamPullRequest:
         """One commit of what `send_shard` sent: the shard appears on the pull request with its record."""
         self._commit(operations, operations[0].path_in_repo)
 
-    def _commit(self, operations: list[Any], message: str) -> None:
+    def _commit(self, operations: list[Any], message: str, description: str | None = None) -> None:
         self.open()
         with hub_errors(self.dest, action="write"):
-            retried(self.api.create_commit, self.dest, operations, commit_message=message, revision=self.ref)
+            retried(
+                self.api.create_commit,
+                self.dest,
+                operations,
+                commit_message=message,
+                commit_description=description,
+                revision=self.ref,
+            )
 
     def finish(self, folder: Path, merge: bool) -> str:
         """Index, config files, copies and card in one commit that removes the records; then merged."""
@@ -140,7 +151,7 @@ class StreamPullRequest:
         files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
         operations: list[Any] = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=folder / f) for f in files]
         operations.append(CommitOperationDelete(path_in_repo=f"{RECORDS}/", is_folder=True))
-        self._commit(operations, "config, index and model card")
+        self._commit(operations, "config, index and model card", self.description)
         if merge:
             assert self.num is not None
             with hub_errors(self.dest, action="write"):
