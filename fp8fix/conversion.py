@@ -73,6 +73,7 @@ class ConvertResult:
     verification: VerifyReport | None = None
     commit_title: str = ""  # what was converted and how, for a Hub commit
     warnings: list[str] = field(default_factory=list)  # what the user should know but did not stop the conversion
+    processes: int = 1  # how many processes wrote the shards (`jobs` applies where the work is CPU-bound)
 
     def to_json(self) -> dict[str, Any]:
         """What `convert --json` prints (README "JSON output")."""
@@ -127,7 +128,9 @@ def _write(
 ) -> None:
     """Stream the plan into a staging folder, add index, config, copies and card, verify, rename into place."""
     with staging_folder(output) as staging:
-        record_stats(plan, write_plan(plan, staging, quiet=options.quiet, jobs=options.jobs))
+        stats = write_plan(plan, staging, quiet=options.quiet, jobs=options.jobs)
+        record_stats(plan, stats)
+        result.processes = stats.processes
         write_repo_files(ckpt, plan, staging, options, result)
         if options.verify:
             result.verification = verify(ckpt.root, staging, quiet=options.quiet, registry=registry, jobs=options.jobs)

@@ -100,9 +100,7 @@ class FakeHub:
     reads: list[tuple[str, str]] = field(default_factory=list)  # (repo/path, Range header or "") of each file GET
     url: str = ""
 
-    def open_pull_request(
-        self, repo: str, title: str, description: str | None, base: str = "main"
-    ) -> dict[str, Any]:
+    def open_pull_request(self, repo: str, title: str, description: str | None, base: str = "main") -> dict[str, Any]:
         """A new open pull request on `repo`, as the discussions API lists it."""
         entry = {
             "num": len(self.pull_requests) + 1,

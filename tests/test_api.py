@@ -200,3 +200,29 @@ def test_convert_to_hub_takes_the_cli_options_of_a_streamed_convert() -> None:
     api = set(pyinspect.signature(fp8fix.convert_to_hub).parameters) - API_ONLY
     needs_output = {"output", "verify", "dry_run", "overwrite", "jobs", "commit_size", "as_json", "quiet", "verbose"}
     assert api == (cli - needs_output - {"push_to_hub"}) | {"dest"}, api ^ ((cli - needs_output) | {"dest"})
+
+
+JOBS_AFTER_TORCH = """
+import sys
+import fp8fix
+src, out = sys.argv[1], sys.argv[2]
+before = fp8fix.convert(src, out + "-a", to="e4m3fnuz", jobs=2)
+import torch
+after = [fp8fix.convert(src, out + f"-{i}", to="e4m3fnuz", jobs=2) for i in "bc"]
+print(before.processes, [r.processes for r in after], after[0].to_json()["processes"])
+"""
+
+
+def test_jobs_after_torch_is_imported_says_it_ran_one_process(tmp_path: Path) -> None:
+    """convert(jobs=2) from Python: two processes; after `import torch`, one, a RuntimeWarning once per
+    calling line, and the result says how many ran (issue 27: it was silent)."""
+    src = build(tmp_path / "src", phi3(), files=2)
+    proc = subprocess.run(
+        [sys.executable, "-c", JOBS_AFTER_TORCH, str(src), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["2", "[1,", "1]", "1"]
+    assert proc.stderr.count("RuntimeWarning") == 1 and "torch is imported in this process" in proc.stderr

@@ -34,12 +34,26 @@ _TICK = 0.05
 _GRACE = 5.0
 
 
+#: Why a Python caller that imported torch gets one process (warned once per calling line).
+TORCH_ONE_PROCESS = (
+    "fp8fix: jobs={jobs} ran in one process: torch is imported in this process, and a process forked after "
+    "torch started its threads can hang in its first torch operation. Run fp8fix before importing torch, in "
+    "a process of its own (subprocess: `fp8fix convert ... --jobs N`), or pass jobs=1 to silence this."
+)
+
+
 def worker_count(jobs: int, tasks: int) -> int:
     """How many processes to use: `jobs`, capped at the task count; 1 where fork is unavailable, and
     in a process that has loaded torch (a Python caller's: the CLI has not at this point). A child
     forked after torch started its OpenMP threads hangs in its first parallel torch operation
-    (it did in this suite, in verify's float checks), so such a caller gets one process."""
-    if jobs < 2 or tasks < 2 or "torch" in sys.modules:
+    (it did in this suite, in verify's float checks), so such a caller gets one process, and a
+    RuntimeWarning saying so (Python shows it once per calling line)."""
+    if jobs < 2 or tasks < 2:
+        return 1
+    if "torch" in sys.modules:
+        import warnings
+
+        warnings.warn(TORCH_ONE_PROCESS.format(jobs=jobs), RuntimeWarning, stacklevel=2)
         return 1
     import multiprocessing  # here, not at the top: a conversion that runs in one process never needs it
 

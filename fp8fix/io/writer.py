@@ -59,6 +59,7 @@ class WriteStats:
     requantized: dict[str, RoundingStats] = field(default_factory=dict)
     inexact_codes: int = 0
     dequantized: dict[str, RoundingStats] = field(default_factory=dict)  # BF16 rounding, per source weight
+    processes: int = 1  # how many processes wrote the shards (`jobs`, as far as it applied)
 
     def merge(self, other: WriteStats) -> None:
         for name, error in other.requantized.items():
@@ -80,7 +81,7 @@ def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False, jobs: i
     """Write every shard of `plan` into `out_dir`, in up to `jobs` processes where the work is CPU-bound."""
     workers = worker_count(jobs, len(plan.shards)) if _cpu_bound(plan) else 1
     with progress_bar(plan.total_bytes, "fp8fix convert", quiet) as bar:
-        stats = WriteStats()
+        stats = WriteStats(processes=workers)
         if workers > 1:
             order = sorted(plan.shards, key=lambda s: -s.nbytes)  # biggest first: the last to start is small
             tasks = [(s, out_dir / s.name, plan.sources) for s in order]

@@ -261,5 +261,6 @@ def result_json(result: ConvertResult) -> dict[str, Any]:
         copied_files=result.copied_files,
         verification=result.verification.to_json() if result.verification else None,
         warnings=result.warnings,
+        processes=result.processes,
     )
     return payload
