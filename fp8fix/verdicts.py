@@ -32,7 +32,8 @@ TRANSFORMERS_MISSING = frozenset({"MiMoV2ForCausalLM"})
 
 #: What each fact means, for the README's table of rules (scripts/loader_tables.py).
 FACT_DESCRIPTIONS = {
-    "unusable_scales": "an FP8 weight without a usable scale",
+    "missing_scales": "an FP8 weight without a scale tensor",
+    "odd_scales": "an FP8 weight scale of a shape no convention fits (not per tensor, shard, row or block)",
     "per_shard_fused": "a fused module with one weight scale per shard",
     "one_scale_fused": "a fused module with one weight scale (or per-channel / block scales)",
     "chunked_fused": "a fused module pre-sharded in chunks, each with its own block grid (MiMo-V2.5)",
@@ -74,7 +75,8 @@ class Facts:
     """What the loaders' rules ask about a checkpoint."""
 
     architecture: str
-    unusable_scales: bool  # an FP8 weight without a scale, or one of no known shape
+    missing_scales: bool  # an FP8 weight with no scale tensor
+    odd_scales: bool  # a weight scale of no known shape
     per_shard_fused: bool  # a fused linear module with one weight scale per shard
     one_scale_fused: bool  # a fused linear module with a single (or per-channel / block) weight scale
     chunked_fused: bool  # a fused module stored in pre-sharded chunks with a block grid per chunk
@@ -154,7 +156,8 @@ def _derive_facts(model: CheckpointModel) -> Facts:
     at_tp_1 = _at_tp_1(model)
     return Facts(
         architecture=architecture,
-        unusable_scales=any(w.scale_kind is None for w in weights),
+        missing_scales=any(w.scale is None for w in weights),
+        odd_scales=any(w.scale is not None and w.scale_kind is None for w in weights),
         per_shard_fused=any(w.scale_kind == "shard" for w in fused),
         one_scale_fused=any(w.scale_kind in ("tensor", "channel", "block") for w in fused),
         chunked_fused=any(w.fused is not None and w.fused.spec.block_grid == "per-group" for w in fused),

@@ -272,3 +272,20 @@ def test_card_metadata_is_what_the_hub_reads(tmp_path: Path) -> None:
     assert written["widget"] == [{"text": "こんにちは"}] and written["model-index"][0]["name"] == "tiny"
     data = ModelCardData(license="mit", tags=["ü", "b"], base_model="org/x", zeta=1, alpha=[1, 2])
     assert metadata_yaml(data.to_dict()) == data.to_yaml()
+
+
+@pytest.mark.parametrize(
+    "fmt,options,expected",
+    [
+        # an AutoFP8 source written as compressed-tensors (the default): the card names what OUTPUT is
+        ("fp8", [], "compressed-tensors float-quantized (converted from AutoFP8 / vLLM fp8 (per-tensor))"),
+        ("fp8", ["--format", "keep"], "AutoFP8 / vLLM fp8 (per-tensor) (as the source)"),
+        ("compressed-tensors", [], "compressed-tensors float-quantized (as the source)"),
+    ],
+)
+def test_the_card_names_the_output_format(tmp_path: Path, fmt: str, options: list[str], expected: str) -> None:
+    src = build(tmp_path / "src", phi3(), fmt=fmt)
+    assert run_cli("convert", src, tmp_path / "out", "-q", *options).exit_code == 0
+    quant_method = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["quant_method"]
+    assert quant_method == ("fp8" if "keep" in options else "compressed-tensors")  # what the card must then say
+    assert f"- Format: {expected}\n" in (tmp_path / "out" / "README.md").read_text()

@@ -156,7 +156,15 @@ def test_missing_scale(tmp_path: Path) -> None:
     write_raw(path, header, data)
     report = inspect(src)
     assert next(f for f in report["findings"] if f["code"] == "missing-scale")["modules"] == [DOWN]
-    assert set(loads(report)) == {"fails"}
+    # measured with vLLM 0.32 and transformers (tests/loaders/test_damaged_scales.py): both compute with a
+    # wrong scale, silently; the older vLLMs are not run
+    verdicts = {row: v["verdict"] for row, v in report["loaders"].items()}
+    assert verdicts == {
+        "vLLM <= 0.5.0": "not-judged",
+        "vLLM 0.5.1 - 0.19": "not-judged",
+        "vLLM >= 0.20": "loads-wrong",
+        "transformers": "loads-wrong",
+    }
 
 
 def test_unsupported_formats_are_described_not_refused(tmp_path: Path) -> None:

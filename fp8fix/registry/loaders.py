@@ -4,8 +4,10 @@
 takes, per loader, the first rule whose condition holds; no rule: it loads. Every rule
 names its evidence: the loader's source (file and function, at the version named) or
 the real-loader test that shows it (tests/loaders/, run against vLLM 0.32's CPU build and
-transformers 5.24). The old vLLM rows come from the team's reference notes
-(../shared/reference/fp8-checkpoints.md, section 2a).
+transformers 5.24). The old vLLM rows cite the function of that release's source they read
+("from source, not run": no CPU build of those releases installs here). Evidence names only
+what a reader can open: a loader's source file and function, or a test in this repository
+(tests/test_registry.py checks every rule names one).
 """
 
 from __future__ import annotations
@@ -22,8 +24,20 @@ LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM, TRANSFORMERS)
 
 REAL_LOADER_TESTS = "tests/loaders/test_real_loaders.py"
 MIMO_LOADER_TEST = "tests/loaders/test_mimo_loader.py"
-REFERENCE = "shared/reference/fp8-checkpoints.md 2a"
+#: vLLM <= 0.5.0 loaded a fused-on-disk module's scale like its weight: one tensor, shape asserted equal.
+VLLM_050_LOADER = (
+    "vllm 0.5.0 model_executor/layers/linear.py QKVParallelLinear.weight_loader and "
+    "MergedColumnParallelLinear.weight_loader (no shard id: assert param_data.shape == loaded_weight.shape); "
+    "from source, not run"
+)
+#: vLLM 0.5.1 - 0.19 took one scale per fused-on-disk module and checked it was one.
+VLLM_051_LOADER = (
+    "vllm 0.5.1-0.6 model_executor/layers/linear.py adjust_scalar_to_fused_array (assert loaded_weight.shape[0] "
+    "== 1), quantization/utils/w8a8_utils.py requantize_with_max_scale (a last slot still at float32 min: "
+    "fused on disk, not requantized); from source, not run"
+)
 BREADTH_TESTS = "tests/loaders/test_breadth_loaders.py"
+DAMAGED_SCALE_TESTS = "tests/loaders/test_damaged_scales.py"
 TRANSFORMERS_DEQUANTIZE = (
     "transformers 5.24 integrations/finegrained_fp8.py Fp8Dequantize._dequantize_one (block_m = rows // "
     "scale_rows), quantizers/quantizer_finegrained_fp8.py (dequantize=True without a GPU)"
@@ -51,16 +65,26 @@ class Rule:
 
 #: In priority order per loader: the first rule that holds decides.
 RULES: tuple[Rule, ...] = (
-    # every loader: nothing recovers a weight without its scale
+    # the older vLLMs: a weight whose scale is missing or of no known shape, not run
     *(
         Rule(
             loader,
-            "unusable_scales",
-            "fails",
-            "FP8 weights without a usable scale",
-            "a weight cannot be dequantized without its scale",
+            condition,
+            "not-judged",
+            "an FP8 weight's scale is missing or of a shape no convention fits; vLLM >= 0.20 computes with "
+            "infinite weights for a missing one and refuses an odd one; these releases are not run: not judged",
+            evidence + "; " + DAMAGED_SCALE_TESTS + " (vLLM 0.32)",
         )
-        for loader in LOADERS
+        for loader, evidence in ((VLLM_LEGACY, VLLM_050_LOADER), (VLLM_OLD, VLLM_051_LOADER))
+        for condition in ("missing_scales", "odd_scales")
+    ),
+    Rule(
+        VLLM,
+        "odd_scales",
+        "fails",
+        "an FP8 weight scale of a shape its layer does not have (AssertionError or IndexError in the weight loader)",
+        "vllm 0.32 model_executor/parameter.py PerTensorScaleParameter._load_into_shard_id, BlockQuantScaleParameter; "
+        + DAMAGED_SCALE_TESTS,
     ),
     *(
         Rule(
@@ -83,7 +107,7 @@ RULES: tuple[Rule, ...] = (
             "loads-wrong",
             "reads a pre-sharded fused qkv_proj as one contiguous [Q | K | V]: wrong rows and block scales, "
             "nonsense output",
-            MIMO_FIXES,
+            "vllm 0.19 model_executor/models/mimo_v2.py load_weights (before " + MIMO_FIXES + "); from source, not run",
         )
         for loader in (VLLM_LEGACY, VLLM_OLD)
     ),
@@ -92,15 +116,16 @@ RULES: tuple[Rule, ...] = (
             loader,
             "block_scales",
             "not-judged",
-            "block-scaled FP8 (DeepSeek-V3 style) is newer than what fp8fix's notes on these releases cover, and "
+            "block-scaled FP8 (DeepSeek-V3 style) is newer than these releases' FP8 support as read here, and "
             "they are not run here: not judged",
-            REFERENCE + " (per-tensor checkpoints only)",
+            "vllm 0.5.x-0.19 model_executor/layers/quantization/fp8.py Fp8Config (weight_block_size arrived within "
+            "this range; the rows here are read for per-tensor checkpoints only); from source, not run",
         )
         for loader in (VLLM_LEGACY, VLLM_OLD)
     ),
-    Rule(VLLM_LEGACY, "per_shard_fused", "loads", "expects one scale per shard on fused modules", REFERENCE),
-    Rule(VLLM_LEGACY, "one_scale_fused", "fails", "shape mismatch: torch.Size([n]) vs torch.Size([])", REFERENCE),
-    Rule(VLLM_OLD, "per_shard_fused", "fails", "asserts a fused-on-disk module carries one scale", REFERENCE),
+    Rule(VLLM_LEGACY, "per_shard_fused", "loads", "expects one scale per shard on fused modules", VLLM_050_LOADER),
+    Rule(VLLM_LEGACY, "one_scale_fused", "fails", "shape mismatch: torch.Size([n]) vs torch.Size([])", VLLM_050_LOADER),
+    Rule(VLLM_OLD, "per_shard_fused", "fails", "asserts a fused-on-disk module carries one scale", VLLM_051_LOADER),
     Rule(
         VLLM,
         "vllm_removed_architecture",
@@ -175,6 +200,15 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         VLLM,
+        "missing_scales",
+        "loads-wrong",
+        "an FP8 weight has no scale: vLLM keeps the scale parameter's initial value (float32 min) and computes "
+        "with infinite weights, without an error",
+        "vllm 0.32 model_executor/layers/quantization/fp8.py Fp8LinearMethod.create_weights (scales start at "
+        "float32 min); " + DAMAGED_SCALE_TESTS,
+    ),
+    Rule(
+        VLLM,
         "packed_per_tensor",
         "loads",
         "packs q / k / v and gate / up into one layer and requantizes the shards whose per-tensor scales differ to "
@@ -186,7 +220,8 @@ RULES: tuple[Rule, ...] = (
         "transformers_missing_architecture",
         "fails",
         "has no model for {architecture} (only the repository's own code, trust_remote_code, loads it)",
-        "transformers 5.24 models/auto/configuration_auto.py (no mimo_v2 model type); " + MIMO_LOADER_TEST,
+        "transformers 5.24 models/auto/configuration_auto.py CONFIG_MAPPING_NAMES (no mimo_v2 model type); "
+        + MIMO_LOADER_TEST,
     ),
     Rule(
         TRANSFORMERS,
@@ -194,7 +229,7 @@ RULES: tuple[Rule, ...] = (
         "not-judged",
         "{architecture} loads only through the repository's own modeling code (trust_remote_code), which fp8fix "
         "does not run: not judged",
-        "transformers 5.24 models/auto/configuration_auto.py (no chatglm model type)",
+        "transformers 5.24 models/auto/configuration_auto.py CONFIG_MAPPING_NAMES (no chatglm model type)",
     ),
     Rule(
         TRANSFORMERS,
@@ -228,6 +263,22 @@ RULES: tuple[Rule, ...] = (
         "weight_scale: every weight is its raw FP8 code",
         "transformers 5.24 quantizers/auto.py ('fp8' -> FineGrainedFP8HfQuantizer), quantizer_finegrained_fp8.py "
         "(serialized names weight, weight_scale_inv, activation_scale); " + REAL_LOADER_TESTS,
+    ),
+    Rule(
+        TRANSFORMERS,
+        "odd_scales",
+        "fails",
+        "an FP8 weight scale of a shape its layer does not have (RuntimeError: size mismatch, or its weight "
+        "conversion fails)",
+        DAMAGED_SCALE_TESTS,
+    ),
+    Rule(
+        TRANSFORMERS,
+        "missing_scales",
+        "loads-wrong",
+        "an FP8 weight has no scale: it reports the key missing and computes with the layer's initial scale (1: raw "
+        "codes; a compressed-tensors layer: uninitialised memory)",
+        DAMAGED_SCALE_TESTS,
     ),
     Rule(
         TRANSFORMERS,
@@ -295,10 +346,10 @@ RULES: tuple[Rule, ...] = (
 )
 
 #: What stands behind a loader's verdict when no rule decides it (it loads): the real-loader suite for the
-#: loaders run here; the team's reference notes, not run, for the older vLLM releases.
+#: loaders run here; the release's loader source, not run, for the older vLLM releases.
 DEFAULT_EVIDENCE: dict[str, str] = {
-    VLLM_LEGACY: REFERENCE + " (notes, not run)",
-    VLLM_OLD: REFERENCE + " (notes, not run)",
+    VLLM_LEGACY: VLLM_050_LOADER,
+    VLLM_OLD: VLLM_051_LOADER,
     VLLM: REAL_LOADER_TESTS,
     TRANSFORMERS: REAL_LOADER_TESTS,
 }

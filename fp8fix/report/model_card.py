@@ -18,6 +18,7 @@ from fp8fix.errors import Fp8fixError
 from fp8fix.io.checkpoint import CARD
 from fp8fix.io.source_tree import read_regular
 from fp8fix.plan.pieces import ConversionPlan
+from fp8fix.registry.formats import COMPRESSED_TENSORS
 from fp8fix.report.convert_report import VLLM_FNUZ_NOTE, encoding_line, module_groups, padding_lines
 
 TAGS = ["fp8", "fp8fix"]
@@ -174,6 +175,13 @@ def metadata_yaml(metadata: dict[str, Any]) -> str:
     return str(yaml.dump(metadata, sort_keys=False, allow_unicode=True)).strip()
 
 
+def format_line(plan: ConversionPlan) -> str:
+    """The output's format, and the source's where the conversion changed it."""
+    if plan.output_format == "compressed-tensors" and plan.format.name != COMPRESSED_TENSORS.name:
+        return f"{COMPRESSED_TENSORS.label} (converted from {plan.format.label})"
+    return f"{plan.format.label} (as the source)"
+
+
 def conversion_section(
     plan: ConversionPlan, source_name: str, options: str, config_edits: list[str], verified: str | None = None
 ) -> str:
@@ -183,7 +191,7 @@ def conversion_section(
         CONVERTED.format(source=source_name, version=__version__, options=options),
         "",
         f"- Architecture: {plan.architecture}",
-        f"- Format: {plan.format.label}",
+        f"- Format: {format_line(plan)}",
         f"- Layout: **{plan.layout}**",
         "",
     ]
