@@ -19,12 +19,13 @@ from fp8fix.io.safetensors_file import read_values
 from fp8fix.io.source_files import SourceFiles
 from fp8fix.model import CheckpointModel, Fp8Weight, describe_checkpoint
 from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_DTYPES
-from fp8fix.parallel import tensor_parallel_report
+from fp8fix.parallel import heads_refusal, tensor_parallel_report
 from fp8fix.plan.targets import best, candidates, score
 from fp8fix.registry.architectures import Registry, unregistered_note
 from fp8fix.registry.formats import quantization_config
+from fp8fix.registry.parallel import HEADS_EVIDENCE
 from fp8fix.verdicts import facts_of, loader_verdicts, verdicts_json
-from fp8fix.vocab import SCHEMA_VERSION, InputScaleKind, ScaleReport
+from fp8fix.vocab import SCHEMA_VERSION, InputScaleKind, ScaleReport, Target
 
 #: float16's smallest normal: vLLM >= 0.20 requantizes through float16, which loses weights below it.
 FLOAT16_MIN_NORMAL = 2.0**-14
@@ -47,8 +48,14 @@ class Finding:
     code: str
     modules: list[str]
     reason: str
-    fix: str | None  # the `fp8fix convert` options that fix it; None when convert cannot
+    fix: str | None  # the `fp8fix convert` options that make this finding go away; None when convert cannot
     heuristic: bool = False
+    #: loaders that load this checkpoint correctly but would not load the fix's output correctly (the fix
+    #: for vLLM <= 0.5.0 is a layout current loaders refuse): the price of the fix, said with it
+    trade_off: list[str] = field(default_factory=list)
+    #: a problem for the loaders `convert`'s default target serves (vLLM >= 0.20, transformers); one that
+    #: only an older loader has is reported with its fix, but `--strict` does not fail on it
+    default_target: bool = True
 
 
 @dataclass
@@ -74,7 +81,8 @@ class Report:
 
     @property
     def fixable(self) -> list[Finding]:
-        return [f for f in self.findings if f.fix]
+        """Findings the default conversion's loaders have and convert fixes: what `--strict` fails on."""
+        return [f for f in self.findings if f.fix and f.default_target]
 
     def to_json(self) -> dict[str, Any]:
         """`asdict`, with the module table (one entry per FP8 weight: 50k in DeepSeek-V3) built flat:
@@ -132,10 +140,23 @@ def inspect_checkpoint(
     if tp:
         parallel = tensor_parallel_report(model, list(tp))
         if parallel is None:
-            report.notes.append("--tp: not block-scaled: per-tensor and per-channel scales split at any size")
+            report.notes += _unblocked_sizes(ckpt.config, tp)
         else:
             report.tensor_parallel = parallel.to_json()
     return report
+
+
+def _unblocked_sizes(config: dict[str, Any], sizes: Sequence[int]) -> list[str]:
+    """`--tp` of a checkpoint without block scales: its scales split at any size, but attention whose heads
+    do not split is refused (vLLM) whatever the scales."""
+    notes = []
+    for tp in sizes:
+        refusal = heads_refusal(config, tp)
+        if refusal is not None:
+            notes.append(f"--tp {tp}: vLLM refuses it: {refusal} ({HEADS_EVIDENCE})")
+        else:
+            notes.append(f"--tp {tp}: not block-scaled: per-tensor and per-channel scales split at any size")
+    return notes
 
 
 def _refusal(model: CheckpointModel) -> str | None:
@@ -181,11 +202,19 @@ def _linear_fused(m: ModuleInfo) -> bool:
 AddFinding = Callable[..., None]
 
 
-def _layout_fix(model: CheckpointModel) -> str | None:
-    """The options `convert` would choose (--target auto: layout, and format where it changes) when its
-    output loads correctly in more loaders than this checkpoint; None when nothing would improve. The
-    same choice convert makes, so inspecting its output finds nothing left to fix (`--strict` is a
-    fixpoint)."""
+@dataclass(frozen=True)
+class Fix:
+    """The `convert` options of a target's conversion, and the loaders it costs (`Finding.trade_off`)."""
+
+    options: str
+    trade_off: tuple[str, ...]
+
+
+def _layout_fix(model: CheckpointModel, target: Target) -> Fix | None:
+    """The options `convert --target TARGET` would choose (layout, and format where it changes) when its
+    output loads correctly in more of the target's loaders than this checkpoint; None when nothing would
+    improve. The same choice convert makes, so inspecting its output finds nothing left to fix (`--strict`
+    is a fixpoint for the default target)."""
     if model.format is None:
         return None
     try:
@@ -196,20 +225,26 @@ def _layout_fix(model: CheckpointModel) -> str | None:
         return None
     if not found:
         return None
-    chosen = best(found, "auto", spec.default_layout)
-    improves = score(chosen.plan.loaders, "auto") > score(loader_verdicts(model), "auto")
+    chosen = best(found, target, spec.default_layout)
+    now = loader_verdicts(model)
+    if score(chosen.plan.loaders, target) <= score(now, target):
+        return None
     written_as = f" --format {chosen.output_format}" if chosen.output_format != "keep" else ""
-    return f"--layout {chosen.layout}{written_as}" if improves else None
+    lost = tuple(name for name, v in now.items() if v.loads and not chosen.plan.loaders[name].loads)
+    return Fix(f"--layout {chosen.layout}{written_as}", lost)
 
 
 def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> list[Finding]:
     ckpt = model.checkpoint
-    found: dict[tuple[str, str, str | None, bool], list[str]] = defaultdict(list)
+    found: dict[tuple[str, str, str | Fix | None, bool, bool], list[str]] = defaultdict(list)
 
-    def add(code: str, module: str, reason: str, fix: str | None, heuristic: bool = False) -> None:
-        found[(code, reason, fix, heuristic)].append(module)
+    def add(
+        code: str, module: str, reason: str, fix: str | Fix | None, heuristic: bool = False, default: bool = True
+    ) -> None:
+        found[(code, reason, fix, heuristic, default)].append(module)
 
-    layout_fix = _layout_fix(model)
+    layout_fix = _layout_fix(model, "auto")
+    legacy_fix = _layout_fix(model, "vllm-legacy")
     raw_codes_in_transformers = facts_of(model).fp8_per_tensor
     # vLLM requantizes per-tensor and per-shard weight scales through float16; per-channel and block
     # scales it takes as they are (measured exact, issue 11)
@@ -221,8 +256,10 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
             add(
                 "single-scale-fused",
                 m.module,
-                "a fused module with one scale: vLLM <= 0.5.0 expects one scale per shard",
-                layout_fix,
+                "a fused module with one scale: vLLM <= 0.5.0 expects one scale per shard (vLLM >= 0.5.1 and "
+                "transformers take one)",
+                legacy_fix,
+                default=False,
             )
         if _linear_fused(m) and m.scale == "shard":
             add(
@@ -295,8 +332,16 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
     if scan:
         _scan_findings(model, add)
     return [
-        Finding(code, modules=ms, reason=reason, fix=fix, heuristic=heuristic)
-        for (code, reason, fix, heuristic), ms in found.items()
+        Finding(
+            code,
+            modules=ms,
+            reason=reason,
+            fix=fix.options if isinstance(fix, Fix) else fix,
+            heuristic=heuristic,
+            trade_off=list(fix.trade_off) if isinstance(fix, Fix) else [],
+            default_target=default,
+        )
+        for (code, reason, fix, heuristic, default), ms in found.items()
     ]
 
 

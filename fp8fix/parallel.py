@@ -113,7 +113,7 @@ def shares_at(model: CheckpointModel, tp: int) -> list[ModuleShare]:
 def _shares(model: CheckpointModel, block: tuple[int, int], tp: int) -> list[ModuleShare]:
     out = []
     config = model.checkpoint.config
-    heads = _heads_refusal(config, tp)
+    heads = heads_refusal(config, tp)
     weights = {w.module: w for w in model.module_weights() if not w.stacked and len(w.tensor.shape) == 2}
     packed = _packed_layers(weights, tp, heads is None)
     members = {shard for shards in packed.values() for shard in shards}
@@ -214,7 +214,7 @@ def _role_name(module: str) -> str:
     return role.name
 
 
-def _heads_refusal(config: dict[str, Any], tp: int) -> str | None:
+def heads_refusal(config: dict[str, Any], tp: int) -> str | None:
     """vLLM's refusal of attention whose heads do not split `tp` ways (None: they do, or config.json does
     not say how many there are)."""
     heads = _count(config, "num_attention_heads")

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.builders import block_fp8_checkpoint, mlp_linears
+from tests.builders import block_fp8_checkpoint, build, mlp_linears, phi3
 from tests.conftest import run_cli
 from tests.test_families import DEEPSEEK_R1_CONFIG
 
@@ -270,3 +270,17 @@ def test_packed_shards_not_whole_blocks_shift_the_next_ones_scales_at_tp_1(tmp_p
     assert "start (37) + length (37) exceeds dimension size (73)." in found["model.layers.0.mlp.gate_proj"]["message"]
     loaders = json.loads(run_cli("inspect", dense, "--json").output)["loaders"]
     assert loaders["vLLM >= 0.20"]["verdict"] == "fails"
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 3), (8, 8)])
+def test_inspect_tp_names_the_heads_refusal_without_block_scales(tmp_path: Path, heads: int, kv_heads: int) -> None:
+    """Per-tensor scales split at any size, but vLLM refuses attention whose heads do not split (issue 27:
+    `inspect --tp 3` said the scales split on a model with 4 heads and stopped there)."""
+    src = build(tmp_path / "src", phi3(hidden=heads * 16, heads=heads, kv_heads=kv_heads))
+    sizes = [1, 2, 3, 4, 8]
+    notes = json.loads(run_cli("inspect", src, "--tp", ",".join(map(str, sizes)), "--json").output)["notes"]
+    for tp in sizes:
+        # vLLM's rule, from its attention: heads % tp == 0, and kv heads split (or replicate) evenly
+        splits = heads % tp == 0 and (kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0)
+        (note,) = [n for n in notes if n.startswith(f"--tp {tp}:")]
+        assert ("vLLM refuses it" in note) == (not splits), note

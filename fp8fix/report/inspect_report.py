@@ -45,6 +45,10 @@ def report_lines(report: Report, verbose: bool = False) -> list[str]:
     )
     for f in report.findings:
         fix = f"fix: fp8fix convert SOURCE OUTPUT {f.fix}" if f.fix else "convert cannot fix this"
+        if f.fix and f.trade_off:
+            fix += f" (which {', '.join(f.trade_off)} would then not load correctly)"
+        if f.fix and not f.default_target:
+            fix += " (not a problem for --target auto's loaders: --strict passes)"
         guess = " [heuristic]" if f.heuristic else ""
         where = f"{len(f.modules)} module(s) {name_pattern(f.modules)}"
         lines.append(f"  {f.code}{guess}: {where}: {f.reason}; {fix}")
