@@ -181,7 +181,9 @@ class FakeHub:
                 if url.path == "/api/repos/create":
                     data = json.loads(body)
                     repo = f"{data['organization']}/{data['name']}" if data.get("organization") else data["name"]
-                    hub.repos.setdefault(repo, {"private": data.get("visibility") == "private", "sha": "0" * 40})
+                    # huggingface_hub >= 1.x sends visibility, 1.0 the older boolean `private`: the Hub takes both
+                    private = data.get("visibility") == "private" or data.get("private") is True
+                    hub.repos.setdefault(repo, {"private": private, "sha": "0" * 40})
                     return self._send(200, {"url": f"{hub.url}/{repo}", "name": repo})
                 if url.path == "/api/validate-yaml":  # the client checks a model card's metadata first
                     return self._send(200, {"errors": [], "warnings": []})

@@ -160,9 +160,7 @@ def bounded_session(write: bool = False) -> None:
         if all(v is None for v in (request.extensions.get("timeout") or {}).values()):
             request.extensions["timeout"] = bounds
 
-    session = get_session()
-    if not hasattr(session, "event_hooks"):  # huggingface_hub < 1.0 (requests): its own timeouts stand
-        return
+    session = get_session()  # httpx's client (huggingface_hub >= 1.0, the declared floor)
     hooks = {kind: list(found) for kind, found in session.event_hooks.items()}
     kept = [h for h in hooks.get("request", []) if getattr(h, "__name__", "") != fp8fix_timeouts.__name__]
     session.event_hooks = {**hooks, "request": [*kept, fp8fix_timeouts]}

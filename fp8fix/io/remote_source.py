@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp8fix.errors import HubError, InvalidCheckpoint, UsageError
+from fp8fix.errors import HubError, InvalidCheckpoint
 from fp8fix.io.hub import ALLOW_PATTERNS, bounded_session, hub_errors, retried
 from fp8fix.io.safetensors_file import MAX_HEADER_BYTES, TensorInfo, read_header
 from fp8fix.io.source_files import SourceFiles
@@ -50,9 +50,7 @@ class RemoteRepo:
         from huggingface_hub import get_session, hf_hub_url
         from huggingface_hub.utils import build_hf_headers, hf_raise_for_status  # type: ignore[attr-defined]
 
-        session = get_session()
-        if not hasattr(session, "build_request"):
-            raise UsageError("a streamed conversion needs huggingface_hub >= 1.0 (pip install -U huggingface_hub)")
+        session = get_session()  # httpx (huggingface_hub >= 1.0, the declared floor)
         url = hf_hub_url(self.repo_id, name, revision=self.commit)
         request = session.build_request("GET", url, headers={**build_hf_headers(token=self.token), **headers})
         response = session.send(request, stream=True, follow_redirects=True)
