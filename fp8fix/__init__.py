@@ -1,6 +1,6 @@
 """fp8fix: fix FP8 checkpoints that runtimes load wrongly or not at all.
 
-The Python API (README "Use from Python"): `convert`, `inspect`, `verify`, `push`, `architectures`
+The Python API (docs/python-api.md): `convert`, `inspect`, `verify`, `push`, `architectures`
 and `architecture_template`, their result types and the errors they raise. The names load on
 first use, so `import fp8fix` (and the CLI's start-up) stays cheap.
 """

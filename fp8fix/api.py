@@ -381,7 +381,7 @@ def architecture_template(name: str) -> dict[str, Any]:
         "architectures": [name],
         "notes": (
             "A starting point: make each fused module's suffix, shard order and row expressions say how "
-            f"{name} stores them (README 'Architectures'); drop a shard's 'unfused' where no runtime knows "
+            f"{name} stores them (docs/architectures.md); drop a shard's 'unfused' where no runtime knows "
             "per-shard names. Check with: fp8fix inspect SOURCE --arch-file THIS_FILE"
         ),
         "defaults": {"num_key_value_heads": "num_attention_heads", "head_dim": "hidden_size // num_attention_heads"},

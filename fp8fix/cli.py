@@ -73,7 +73,7 @@ def echo_json(payload: dict[str, Any]) -> None:
 
 
 def error_json(code: int, line: str, error: BaseException) -> dict[str, Any]:
-    """An error as `--json` prints it (README "JSON output")."""
+    """An error as `--json` prints it (docs/cli-output.md, "JSON output")."""
     message = line.removeprefix("Error: ")
     return {
         "schema_version": SCHEMA_VERSION,
@@ -186,7 +186,10 @@ def output_options(verbose: str | None) -> Callable[[F], F]:
             func
         )
         return click.option(
-            "--json", "as_json", is_flag=True, help='Print the result as JSON on stdout (README "JSON output").'
+            "--json",
+            "as_json",
+            is_flag=True,
+            help="Print the result as JSON on stdout (docs/cli-output.md).",
         )(func)
 
     return apply
@@ -433,7 +436,7 @@ def convert(
         return
 
     result = api.convert(source, output, registry=registry, progress=not (quiet or as_json), **options)
-    for warning in result.warnings:  # even with -q: each is something to act on (README "Use in CI")
+    for warning in result.warnings:  # even with -q: each is something to act on (docs/ci.md)
         say(f"warning: {warning}", err=True)
     payload = result.to_json() if as_json else {}
     echo_lines(() if as_json else _result_lines(result, verbose), quiet)

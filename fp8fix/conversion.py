@@ -76,7 +76,7 @@ class ConvertResult:
     processes: int = 1  # how many processes wrote the shards (`jobs` applies where the work is CPU-bound)
 
     def to_json(self) -> dict[str, Any]:
-        """What `convert --json` prints (README "JSON output")."""
+        """What `convert --json` prints (docs/cli-output.md, "JSON output")."""
         from fp8fix.report.convert_report import result_json
 
         return result_json(self)

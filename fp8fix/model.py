@@ -406,7 +406,7 @@ class _WeightReader:
             return UnsupportedCheckpoint(
                 f"{t.path.name}: tensor '{t.name}' {list(t.shape)} holds stacked MoE experts, which fp8fix knows "
                 f"for {', '.join(self.registry.with_experts())}; describe this architecture's experts in an "
-                "--arch-file entry (see README)"
+                "--arch-file entry (see docs/architectures.md)"
             )
         if not stacked and (not t.name.endswith(".weight") or len(t.shape) != 2):
             return UnsupportedCheckpoint(

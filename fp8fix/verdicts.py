@@ -30,7 +30,7 @@ REMOTE_CODE = frozenset({"ChatGLMModel", "ChatGLMForConditionalGeneration"})
 TRANSFORMERS_MISSING = frozenset({"MiMoV2ForCausalLM"})
 
 
-#: What each fact means, for the README's table of rules (scripts/loader_tables.py).
+#: What each fact means, for the table of rules in docs/loader-rules.md (scripts/loader_tables.py).
 FACT_DESCRIPTIONS = {
     "missing_scales": "an FP8 weight without a scale tensor",
     "odd_scales": "an FP8 weight scale of a shape no convention fits (not per tensor, shard, row or block)",

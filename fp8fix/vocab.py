@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-#: How a fused module's scales are written (README "Layouts").
+#: How a fused module's scales are written (docs/layouts.md).
 Layout = Literal["unfused", "per-shard", "fused", "channel"]
 LAYOUTS: tuple[Layout, ...] = get_args(Layout)
 
@@ -30,7 +30,7 @@ InputScaleKind = Literal["static", "static-per-shard", "dynamic"]
 #: What verify found for one FP8 weight.
 WeightVerdict = Literal["exact", "rounded", "requantized", "dequantized"]
 
-#: The version of the layout of every `--json` document (and `to_json()` in the Python API); README "JSON output".
+#: The version of the layout of every `--json` document (and `to_json()` in the Python API): docs/cli-output.md.
 SCHEMA_VERSION = 1
 
 #: `--to` names of the FP8 weight encodings.

@@ -12,7 +12,7 @@ is shuffled each round; the page cache is warm (the source was just written) and
     python scripts/bench_convert.py --size-gb 0.5 --repeats 3 --layout fused
     python scripts/bench_convert.py --baseline /tmp/fp8fix-main   # also time another checkout, same run
     python scripts/bench_convert.py --codes random --to e4m3fnuz --jobs 1 --baseline /tmp/fp8fix-main
-    python scripts/bench_convert.py --suite --size-gb 1.3 --repeats 3   # every row of the README's table
+    python scripts/bench_convert.py --suite --size-gb 1.3 --repeats 3   # every row of docs/benchmarks.md's table
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ HEADER = [
 
 
 def suite(args: argparse.Namespace, work: Path) -> None:
-    """Every row of the performance table (README, Benchmark), in one run."""
+    """Every row of the performance table (docs/benchmarks.md), in one run."""
     py = [sys.executable, "-m", "fp8fix"]
     envs: dict[str, dict[str, str]] = {}
 
@@ -313,7 +313,7 @@ def main() -> None:
     parser.add_argument(
         "--baseline", type=Path, help="another fp8fix checkout (a git worktree) to time beside this one"
     )
-    parser.add_argument("--suite", action="store_true", help="every row of the README's performance table")
+    parser.add_argument("--suite", action="store_true", help="every row of docs/benchmarks.md's performance table")
     parser.add_argument("--requant-gb", type=float, default=0.35, help="--suite: the requantizing checkpoint's size")
     parser.add_argument("--large-gb", type=float, default=4.0, help="--suite: the large checkpoint (0: skip)")
     parser.add_argument("--flat-gb", type=float, default=20.0, help="--suite: the sparse checkpoint (0: skip)")

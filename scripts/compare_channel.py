@@ -12,7 +12,7 @@ worst difference in fp8 steps at the module's largest shard scale (the grid requ
 puts it on). transformers computes in the model's bf16, so its weights are compared
 with the true values rounded to bf16.
 
-    python scripts/compare_channel.py            # README "Layouts": the comparison table
+    python scripts/compare_channel.py            # docs/layouts.md: the comparison table
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Render the README's loader table from the data in fp8fix/registry/loaders.py, with each row's evidence.
+"""Render docs/loader-rules.md's loader table from the data in fp8fix/registry/loaders.py, with each row's evidence.
 
-    python scripts/loader_tables.py           # rewrite the table between the README's markers
-    python scripts/loader_tables.py --check   # exit 1 when the README's table is not what the data says
+    python scripts/loader_tables.py           # rewrite the table between the page's markers
+    python scripts/loader_tables.py --check   # exit 1 when the page's table is not what the data says
 
 The table is never written by hand: a rule changes in `registry/loaders.py` (or the facts
-in `verdicts.py` it names), and this script carries it into the README; the test suite
+in `verdicts.py` it names), and this script carries it into docs/loader-rules.md; the test suite
 runs `--check`.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from fp8fix.registry.loaders import DEFAULT_EVIDENCE, LOADERS, LOADS_BECAUSE, RULES
 from fp8fix.verdicts import FACT_DESCRIPTIONS
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "loader-rules.md"
 START, END = "<!-- loader-rules:start (scripts/loader_tables.py) -->", "<!-- loader-rules:end -->"
 
 
@@ -48,11 +48,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
-    text = README.read_text(encoding="utf-8")
+    text = PAGE.read_text(encoding="utf-8")
     new = replaced(text)
     if args.check:
         sys.exit(0 if new == text else 1)
-    README.write_text(new, encoding="utf-8")
+    PAGE.write_text(new, encoding="utf-8")
 
 
 if __name__ == "__main__":

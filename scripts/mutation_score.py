@@ -4,7 +4,7 @@ Issue 25: three properties verify did not establish were found by changing its c
 test fail. This runs mutmut (`pip install mutmut==3.8.1`) over `fp8fix/numerics/` and/or
 `fp8fix/verification/` in a copy of the tracked tree (mutmut writes `mutants/` beside the code), with
 the tests that exercise them, and prints the score and every mutant that survived, to be justified
-(README "Mutation testing") or killed by a new test.
+(docs/development.md, "Mutation testing") or killed by a new test.
 
     python scripts/mutation_score.py numerics --recheck-timeouts   # an hour or more on 2 cores
     python scripts/mutation_score.py verification --max-children 2

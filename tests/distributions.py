@@ -15,9 +15,9 @@ BUILD = "import sys; from setuptools import build_meta as b; out = sys.argv[1]; 
 def build_distributions(out: Path, tree_copy: Path) -> tuple[Path, Path]:
     """(sdist, wheel) built into `out` from a copy of the tree in `tree_copy`: setuptools builds in
     ./build, whose stale files would otherwise reach the wheel."""
-    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", "mkdocs.yml"):
         shutil.copy(ROOT / name, tree_copy / name)
-    for folder in ("fp8fix", "tests", "examples", "scripts"):
+    for folder in ("fp8fix", "tests", "examples", "scripts", "docs"):
         shutil.copytree(ROOT / folder, tree_copy / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     proc = subprocess.run([sys.executable, "-c", BUILD, str(out)], cwd=tree_copy, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

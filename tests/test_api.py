@@ -1,5 +1,5 @@
-"""The Python API, through the public names only (`import fp8fix`; `fp8fix.convert(...)`), as README
-"Use from Python" shows it; and its agreement with the CLI's options."""
+"""The Python API, through the public names only (`import fp8fix`; `fp8fix.convert(...)`), as
+docs/python-api.md shows it; and its agreement with the CLI's options."""
 
 from __future__ import annotations
 

@@ -41,7 +41,10 @@ def tree(folder: str) -> set[str]:
 
 def test_the_sdist_holds_what_its_tests_need(dists: tuple[set[str], set[str], str]) -> None:
     sdist, _, _ = dists
-    needed = tree("tests") | tree("examples") | tree("scripts") | {"LICENSE", "README.md", "pyproject.toml"}
+    needed = (
+        tree("tests") | tree("examples") | tree("scripts") | tree("docs") | {"LICENSE", "README.md", "pyproject.toml"}
+    )
+    needed |= {"mkdocs.yml"}
     assert {"tests/builders.py", "tests/conftest.py", "tests/hub_server.py"} <= needed
     assert needed <= sdist, sorted(needed - sdist)[:10]
     assert tree("fp8fix") <= sdist

@@ -1,4 +1,4 @@
-"""The README's examples, run as they stand, in a fresh folder holding the shipped example: every fenced
+"""The README's and docs/' examples, run as they stand, in a fresh folder holding the shipped example: every fenced
 block that follows a `<!-- readme-test: bash|python -->` marker runs and exits 0; every `console` block
 after `<!-- readme-test: console [SETUP] -->` is output its `$ ` commands really print (issue 27: samples
 had drifted from the tool), compared line by line after the folder's path is taken out, a `...` line
@@ -22,12 +22,20 @@ BLOCK = re.compile(r"<!-- readme-test: (bash|python) -->\n```(?:bash|python)\n(.
 CONSOLE = re.compile(r"<!-- readme-test: console ?([\w-]*) -->\n```console\n(.*?)```", re.S)
 
 
+#: The README and the reference pages (docs/, built by MkDocs).
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def text() -> str:
+    return "\n".join(page.read_text() for page in PAGES)
+
+
 def blocks() -> list[tuple[str, str]]:
-    return BLOCK.findall((ROOT / "README.md").read_text())
+    return BLOCK.findall(text())
 
 
 def console_blocks() -> list[tuple[str, str]]:
-    return CONSOLE.findall((ROOT / "README.md").read_text())
+    return CONSOLE.findall(text())
 
 
 def _deepseek_r1_shaped(folder: Path) -> None:
@@ -85,8 +93,7 @@ def test_the_readme_has_its_tested_examples() -> None:
     kinds = [kind for kind, _ in blocks()]
     assert kinds.count("bash") >= 1 and kinds.count("python") >= 2
     # every console sample is compared with what its commands print
-    text = (ROOT / "README.md").read_text()
-    assert text.count("```console") == len(console_blocks()) >= 3
+    assert text().count("```console") == len(console_blocks()) >= 3
 
 
 @pytest.mark.parametrize("index", range(len(console_blocks())))
@@ -114,3 +121,17 @@ def test_a_readme_example_runs(tmp_path: Path, index: int) -> None:
     command = ["bash", "-c", code] if kind == "bash" else [sys.executable, "-c", code]
     proc = subprocess.run(command, cwd=tmp_path, env=readme_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"README {kind} example {index} failed:\n{code}\n{proc.stdout}\n{proc.stderr}"
+
+
+def test_the_readme_is_short_and_its_links_lead_somewhere() -> None:
+    """The README says what fp8fix fixes, the two commands, the common uses, and links to the reference
+    (issue 27: it was 994 lines); every page of docs/ is in MkDocs' nav, every README link exists."""
+    import yaml
+
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    assert links and all((ROOT / link).exists() for link in links if not link.startswith("http")), links
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    pages = {page for entry in nav for page in entry.values()}
+    assert pages == {p.name for p in (ROOT / "docs").glob("*.md")}

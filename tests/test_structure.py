@@ -1,4 +1,4 @@
-"""The error table and the module boundaries the code promises (README "Layout of the code")."""
+"""The error table and the module boundaries the code promises (docs/development.md "Layout of the code")."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from fp8fix.errors import (
 PACKAGE = Path(__file__).resolve().parent.parent / "fp8fix"
 
 
-# the codes of the README's exit-code table
+# the codes of the exit-code table (docs/cli-output.md)
 @pytest.mark.parametrize(
     "error,code",
     [
@@ -84,11 +84,11 @@ def test_commands_take_the_checkpoint_description_not_each_others_internals(comm
     assert not [m for m in verify_imports if m.split(".")[1] in ("inspection", "conversion", "plan", "verdicts")]
 
 
-def test_the_readme_loader_table_is_generated_from_the_rules() -> None:
-    """The README's table of loader rules is scripts/loader_tables.py's rendering of registry/loaders.py."""
+def test_the_loader_table_is_generated_from_the_rules() -> None:
+    """docs/loader-rules.md's table of loader rules is scripts/loader_tables.py's rendering of registry/loaders.py."""
     import subprocess
     import sys
 
     script = PACKAGE.parent / "scripts" / "loader_tables.py"
     proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
-    assert proc.returncode == 0, "README.md's loader table is stale: run python scripts/loader_tables.py"
+    assert proc.returncode == 0, "docs/loader-rules.md's table is stale: run python scripts/loader_tables.py"

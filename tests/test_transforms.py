@@ -177,7 +177,7 @@ def test_dequantize_rows_reports_no_error_where_bf16_holds_every_value() -> None
     assert data == raw(expected.to(torch.bfloat16))
 
 
-# Gaps a random sample of numerics/' mutants found (README "Mutation testing"): each test fails with its mutant.
+# Gaps a random sample of numerics/' mutants found (docs/development.md): each test fails with its mutant.
 
 
 def test_e8m0_scales_by_their_definition() -> None:

@@ -396,7 +396,7 @@ def test_verify_catches_a_padded_size_under_a_key_the_model_does_not_read(
     assert not report["ok"]
 
 
-# Gaps a random sample of verify's mutants found (README "Mutation testing"): each test fails with its mutant.
+# Gaps a random sample of verify's mutants found (docs/development.md): each test fails with its mutant.
 
 
 @pytest.mark.parametrize("static", [True, False])

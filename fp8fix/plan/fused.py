@@ -1,6 +1,6 @@
 """Planning one fused module (qkv_proj, gate_up_proj, ...) under each layout.
 
-The rules (see README "Layouts"):
+The rules (see docs/layouts.md):
 - unfused: the module becomes its per-shard modules; weights, biases and per-channel
   scales are row slices, single scales are repeated, per-shard scale vectors are
   split. Pure byte moves, exact. Block scales: each shard gets a standard block grid

@@ -39,7 +39,7 @@ class Loaded:
 
 
 #: The real-loader matrix: loader -> case -> (fp8fix's verdict, the loader's outcome, judged?), for the
-#: summary printed at the end of the run (README "Real-loader tests": agree / disagree / not judged).
+#: summary printed at the end of the run (docs/real-loaders.md: agree / disagree / not judged).
 MATRIX: dict[str, dict[str, tuple[str, str, bool]]] = {}
 
 

@@ -1,6 +1,6 @@
 """Load checkpoints with the real transformers (CPU) and dump what it ends up with.
 
-Run with the transformers venv's Python (see README "Real-loader tests"):
+Run with the transformers venv's Python (see docs/real-loaders.md):
 `python transformers_load.py OUT_DIR CHECKPOINT...`. For each checkpoint:
 `AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cpu")` as a
 user calls it, with no other argument (compressed-tensors checkpoints with the default

@@ -1,6 +1,6 @@
 """Load checkpoints with the real vLLM (CPU build) and dump what it ends up with.
 
-Run with the vLLM venv's Python (see README "Real-loader tests"), never imported by
+Run with the vLLM venv's Python (see docs/real-loaders.md), never imported by
 the test suite itself: `python vllm_load.py OUT_DIR CHECKPOINT...`. For each checkpoint
 it runs vLLM's own model loading, unmodified: the architecture's model class,
 `load_weights` with the parameter weight loaders, and `process_weights_after_loading`
