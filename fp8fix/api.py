@@ -173,7 +173,7 @@ def convert_to_hub(
     K-th of N shares of the output shards, for N machines; then one call with `finalize=True` (or one with
     neither) makes the final commit."""
     from fp8fix.io.hub import is_repo_id
-    from fp8fix.streaming import stream_convert
+    from fp8fix.streaming import Destination, stream_convert
 
     _shares(max_disk, part)
     if part is not None and finalize:
@@ -188,19 +188,10 @@ def convert_to_hub(
                 "give OUTPUT and --push-to-hub"
             )
         options = replace(base, quiet=not progress, source_repo=source, revision=revision)
+        where = Destination(dest, private, create_pr, commit_message, commit_description)
+        registry = _registry(registry, arch_files)
         return stream_convert(
-            source,
-            dest,
-            options,
-            _registry(registry, arch_files),
-            max_disk=max_disk,
-            token=token,
-            private=private,
-            create_pr=create_pr,
-            commit_message=commit_message,
-            commit_description=commit_description,
-            part=part,
-            finalize=finalize,
+            source, where, options, registry, max_disk=max_disk, token=token, part=part, finalize=finalize
         )
 
 

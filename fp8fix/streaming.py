@@ -59,35 +59,6 @@ class StreamResult:
     peak_disk: int = 0  # the most bytes it held (source shards downloaded, the output shard being written)
 
 
-def stream_convert(
-    repo_id: str,
-    dest: str,
-    options: ConvertOptions,
-    registry: Registry,
-    *,
-    max_disk: int | None = None,
-    token: str | None = None,
-    private: bool = False,
-    create_pr: bool = False,
-    commit_message: str | None = None,
-    commit_description: str | None = None,
-    part: tuple[int, int] | None = None,
-    finalize: bool = False,
-) -> StreamResult:
-    """Convert the Hub repo `repo_id` into the Hub repo `dest` shard by shard (see the module docstring).
-
-    With `part` (K, N): only the K-th of N shares of the output shards (balanced by bytes, the same in
-    every part), no final commit. `finalize`: nothing converted; every output shard must be on the pull
-    request already, and the final commit is made."""
-    remote = open_remote(repo_id, options.revision, token)
-    work = Path(tempfile.mkdtemp(prefix="fp8fix-stream-"))
-    try:
-        where = Destination(dest, private, create_pr, commit_message, commit_description)
-        return _stream(remote, where, options, registry, work, max_disk, part, finalize)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
 @dataclass(frozen=True)
 class Destination:
     """The Hub repo a streamed conversion lands on, and how: as `push` takes them."""
@@ -97,6 +68,31 @@ class Destination:
     create_pr: bool
     commit_message: str | None
     commit_description: str | None
+
+
+def stream_convert(
+    repo_id: str,
+    where: Destination,
+    options: ConvertOptions,
+    registry: Registry,
+    *,
+    max_disk: int | None = None,
+    token: str | None = None,
+    part: tuple[int, int] | None = None,
+    finalize: bool = False,
+) -> StreamResult:
+    """Convert the Hub repo `repo_id` into the Hub repo `where` says, shard by shard (see the module
+    docstring).
+
+    With `part` (K, N): only the K-th of N shares of the output shards (balanced by bytes, the same in
+    every part), no final commit. `finalize`: nothing converted; every output shard must be on the pull
+    request already, and the final commit is made."""
+    remote = open_remote(repo_id, options.revision, token)
+    work = Path(tempfile.mkdtemp(prefix="fp8fix-stream-"))
+    try:
+        return _stream(remote, where, options, registry, work, max_disk, part, finalize)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _stream(
