@@ -5,8 +5,8 @@ checks the two against each other), and every decision lives in the library. Wha
 module owns is output: text wrapped to 80 columns, or `--json` (errors too, as JSON
 objects), `-q` (nothing but errors) and `-v` (each module and tensor). User mistakes
 become one line on stderr and their exit code, never a traceback; which error exits how
-is `errors.ERROR_TABLE`'s call. A closed pipe (`fp8fix verify ... | head`) ends quietly, with the command's
-exit status (`exiting`).
+is `errors.ERROR_TABLE`'s call. A closed pipe (`fp8fix verify ... | head`) ends quietly,
+with the command's exit status (`exiting`).
 """
 
 from __future__ import annotations
@@ -423,9 +423,14 @@ def convert(
     from fp8fix import api
     from fp8fix.errors import HubError
 
-    pushing = {"--private": private, "--create-pr": create_pr, "--commit-message": commit_message is not None}
-    pushing["--commit-description"] = commit_description is not None
-    given = [flag for flag, on in {**pushing, "--commit-size": commit_size is not None}.items() if on]
+    push_flags = {
+        "--private": private,
+        "--create-pr": create_pr,
+        "--commit-message": commit_message is not None,
+        "--commit-description": commit_description is not None,
+        "--commit-size": commit_size is not None,
+    }
+    given = [flag for flag, on in push_flags.items() if on]
     if given and not push_to_hub and output is not None:
         raise UsageError(f"{', '.join(given)}: options of the push, which needs --push-to-hub REPO_ID")
     if output is None or max_disk is not None or part is not None or finalize:
