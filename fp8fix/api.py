@@ -255,6 +255,12 @@ def verify(
         if isinstance(output, str) and is_repo_id(output):
             from fp8fix.verification.remote import verify_remote
 
+            if jobs != 1:
+                raise UsageError(
+                    "--jobs applies to a local OUTPUT: a Hub repo OUTPUT is checked in one process, shard by shard "
+                    "as it downloads (for several machines: --part K/N)"
+                )
+
             return verify_remote(
                 str(source),
                 output,

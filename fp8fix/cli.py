@@ -195,6 +195,13 @@ def output_options(verbose: str | None) -> Callable[[F], F]:
     return apply
 
 
+def given_on_command_line(name: str) -> bool:
+    """Whether the option `name` of the running command was given, not left at its default."""
+    from click.core import ParameterSource
+
+    return click.get_current_context().get_parameter_source(name) is ParameterSource.COMMANDLINE
+
+
 def jobs_option(help_text: str) -> Callable[[F], F]:
     """--jobs for the commands whose work can run in several processes (convert, verify)."""
     return click.option(
@@ -502,6 +509,7 @@ def _stream(
         ("--dry-run", options["dry_run"]),
         ("--overwrite", options["overwrite"]),
         ("--commit-size", commit_size is not None),
+        ("--jobs", given_on_command_line("jobs")),  # a stream writes one shard at a time
     ]
     if options["verify"]:
         raise UsageError(
@@ -684,8 +692,11 @@ def verify_command(
     copied files as they should be. Streams with bounded memory.
     """
     from fp8fix import api
+    from fp8fix.io.hub import is_repo_id
     from fp8fix.report.verify_report import verify_lines
 
+    if is_repo_id(output) and not given_on_command_line("jobs"):
+        options["jobs"] = 1  # a Hub OUTPUT is checked in one process, as its shards download (api.verify)
     report = api.verify(source, output, registry=registry, progress=not (quiet or as_json), **options)
     with exiting(0 if report.ok else 1):
         if as_json:

@@ -150,3 +150,20 @@ def test_a_relative_source_from_elsewhere_says_no_such_folder(tmp_path: Path, of
     assert line.startswith("Error: SOURCE examples/phi3-tiny-fp8: no such folder") and "\n" not in line
     assert ("HF_HUB_OFFLINE is set" in line) == offline  # named only when it is set
     assert ("network error reaching the Hub" in line) == (not offline)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["verify", EXAMPLE, "me/dst", "--jobs", "2"], "--jobs applies to a local OUTPUT"),
+        (
+            ["convert", "org/src", "--push-to-hub", "me/dst", "--jobs", "2"],
+            "--jobs applies to a conversion into OUTPUT",
+        ),
+    ],
+)
+def test_jobs_where_one_process_runs_is_refused(args: list[str | Path], message: str) -> None:
+    """A Hub OUTPUT is verified, and a stream written, one shard at a time: --jobs given there did nothing
+    (issue 27, options without effect); refused before any Hub request (the Hub here is a closed port)."""
+    result = fp8fix(*args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
