@@ -210,28 +210,32 @@ class Fix:
     trade_off: tuple[str, ...]
 
 
-def _layout_fix(model: CheckpointModel, target: Target) -> Fix | None:
-    """The options `convert --target TARGET` would choose (layout, and format where it changes) when its
-    output loads correctly in more of the target's loaders than this checkpoint; None when nothing would
-    improve. The same choice convert makes, so inspecting its output finds nothing left to fix (`--strict`
-    is a fixpoint for the default target)."""
+def _layout_fixes(model: CheckpointModel, targets: tuple[Target, ...]) -> dict[Target, Fix | None]:
+    """Per target: the options `convert --target TARGET` would choose (layout, and format where it changes)
+    when its output loads correctly in more of the target's loaders than this checkpoint; None when nothing
+    would improve. The same choice convert makes, so inspecting its output finds nothing left to fix
+    (`--strict` is a fixpoint for the default target). The candidates are planned once for all targets."""
+    none: dict[Target, Fix | None] = dict.fromkeys(targets)
     if model.format is None:
-        return None
+        return none
     try:
         _, spec = model.require_architecture()
         model.require_convertible()
         found = candidates(model)
     except Fp8fixError:
-        return None
+        return none
     if not found:
-        return None
-    chosen = best(found, target, spec.default_layout)
+        return none
     now = loader_verdicts(model)
-    if score(chosen.plan.loaders, target) <= score(now, target):
-        return None
-    written_as = f" --format {chosen.output_format}" if chosen.output_format != "keep" else ""
-    lost = tuple(name for name, v in now.items() if v.loads and not chosen.plan.loaders[name].loads)
-    return Fix(f"--layout {chosen.layout}{written_as}", lost)
+    fixes = none
+    for target in targets:
+        chosen = best(found, target, spec.default_layout)
+        if score(chosen.plan.loaders, target) <= score(now, target):
+            continue
+        written_as = f" --format {chosen.output_format}" if chosen.output_format != "keep" else ""
+        lost = tuple(name for name, v in now.items() if v.loads and not chosen.plan.loaders[name].loads)
+        fixes[target] = Fix(f"--layout {chosen.layout}{written_as}", lost)
+    return fixes
 
 
 def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> list[Finding]:
@@ -243,8 +247,8 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
     ) -> None:
         found[(code, reason, fix, heuristic, default)].append(module)
 
-    layout_fix = _layout_fix(model, "auto")
-    legacy_fix = _layout_fix(model, "vllm-legacy")
+    fixes = _layout_fixes(model, ("auto", "vllm-legacy"))
+    layout_fix, legacy_fix = fixes["auto"], fixes["vllm-legacy"]
     raw_codes_in_transformers = facts_of(model).fp8_per_tensor
     # vLLM requantizes per-tensor and per-shard weight scales through float16; per-channel and block
     # scales it takes as they are (measured exact, issue 11)
