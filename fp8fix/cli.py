@@ -441,9 +441,15 @@ def convert(
     if given and not push_to_hub and output is not None:
         raise UsageError(f"{', '.join(given)}: options of the push, which needs --push-to-hub REPO_ID")
     if output is None or max_disk is not None or part is not None or finalize:
-        push: dict[str, Any] = {"private": private, "create_pr": create_pr, "commit_message": commit_message}
-        push["commit_description"] = commit_description
-        push |= {"max_disk": max_disk, "part": part, "finalize": finalize}
+        push: dict[str, Any] = {
+            "private": private,
+            "create_pr": create_pr,
+            "commit_message": commit_message,
+            "commit_description": commit_description,
+            "max_disk": max_disk,
+            "part": part,
+            "finalize": finalize,
+        }
         _stream(source, output, push_to_hub, push, as_json, quiet, verbose, commit_size, registry, options)
         return
 
