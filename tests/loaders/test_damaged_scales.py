@@ -31,7 +31,7 @@ FORMATS = [
     ("block-fp8", "block"),
     ("fp8-legacy", "tensor"),
 ]
-SHAPES = ("phi3", "llama")
+SHAPES = ("phi3", "llama", "glm")  # both fused; nothing fused; gate_up fused, served by vLLM's Transformers backend
 DAMAGES = ("missing", "odd")
 CASES = [(fmt, scale, shape, damage) for fmt, scale in FORMATS for shape in SHAPES for damage in DAMAGES]
 #: The damaged tensor: a plain (never fused) module's scale, in whichever shard holds it.
