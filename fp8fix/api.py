@@ -33,12 +33,13 @@ from fp8fix.errors import (  # the errors the API raises, public as fp8fix.<name
     VerificationFailed,
 )
 from fp8fix.vocab import (
-    ENCODING_NAMES,
     LAYOUTS,
     OUTPUT_FORMATS,
+    PRECISIONS,
     SCHEMA_VERSION,
     TARGETS,
-    Encoding,
+    TO_NAMES,
+    ConvertTo,
     Layout,
     OutputFormat,
     Target,
@@ -80,11 +81,12 @@ def convert(
     output: PathArg,
     *,
     layout: Layout | None = None,
-    to: Encoding | None = None,
+    to: ConvertTo | None = None,
     target: Target = "auto",
     output_format: OutputFormat | None = None,
     tp: int | None = None,
     tp_bf16: bool = False,
+    dequantize: Sequence[str] = (),
     verify: bool = False,
     dry_run: bool = False,
     overwrite: bool = False,
@@ -105,7 +107,7 @@ def convert(
 
     _count("jobs", jobs)
     with api_errors(), _hub_progress(progress, source):
-        base = _conversion(layout, to, target, output_format, tp, tp_bf16)
+        base = _conversion(layout, to, target, output_format, tp, tp_bf16, dequantize)
         reg = _registry(registry, arch_files)
         folder, repo_id = _source(source, revision, token)
         options = replace(
@@ -123,24 +125,51 @@ def convert(
 
 def _conversion(
     layout: Layout | None,
-    to: Encoding | None,
+    to: ConvertTo | None,
     target: Target,
     output_format: OutputFormat | None,
     tp: int | None,
     tp_bf16: bool,
+    dequantize: Sequence[str] = (),
 ) -> ConvertOptions:
     """What convert and convert_to_hub both take, checked before any work, as options."""
     from fp8fix.conversion import ConvertOptions
 
     _choice("layout", layout, LAYOUTS)
-    _choice("to", to, ENCODING_NAMES)
+    _choice("to", to, TO_NAMES)
     _choice("target", target, TARGETS, optional=False)
     _choice("output_format", output_format, OUTPUT_FORMATS)
     if tp is not None:
         _count("tp", tp, "or None")
     if tp_bf16 and tp is None:
         raise UsageError("--tp-bf16 needs --tp: it writes in BF16 the modules that padding for --tp cannot fix")
-    return ConvertOptions(layout=layout, to=to, target=target, output_format=output_format, tp=tp, tp_bf16=tp_bf16)
+    if isinstance(dequantize, str) or not all(isinstance(p, str) and p for p in dequantize):
+        raise UsageError("--dequantize takes module name patterns (a list of non-empty strings)")
+    if to in PRECISIONS:
+        given = [
+            flag
+            for flag, on in (
+                ("--layout", layout is not None),
+                ("--format", output_format is not None),
+                ("--tp-bf16", tp_bf16),
+                ("--dequantize", bool(dequantize)),
+            )
+            if on
+        ]
+        if given:
+            raise UsageError(
+                f"--to {to} writes the whole model unquantized, with no scales to lay out and no FP8 module to keep: "
+                f"drop {', '.join(given)}"
+            )
+    return ConvertOptions(
+        layout=layout,
+        to=to,
+        target=target,
+        output_format=output_format,
+        tp=tp,
+        tp_bf16=tp_bf16,
+        dequantize=tuple(dequantize),
+    )
 
 
 def convert_to_hub(
@@ -155,11 +184,12 @@ def convert_to_hub(
     part: tuple[int, int] | None = None,
     finalize: bool = False,
     layout: Layout | None = None,
-    to: Encoding | None = None,
+    to: ConvertTo | None = None,
     target: Target = "auto",
     output_format: OutputFormat | None = None,
     tp: int | None = None,
     tp_bf16: bool = False,
+    dequantize: Sequence[str] = (),
     revision: str | None = None,
     token: str | None = None,
     arch_files: Sequence[PathArg] = (),
@@ -181,7 +211,7 @@ def convert_to_hub(
             "part and finalize: a part converts its share, finalize makes the final commit; one or the other"
         )
     with api_errors(), _hub_progress(progress, source):
-        base = _conversion(layout, to, target, output_format, tp, tp_bf16)
+        base = _conversion(layout, to, target, output_format, tp, tp_bf16, dequantize)
         if not is_repo_id(source):
             raise UsageError(
                 f"SOURCE {source}: streaming to the Hub reads a Hub repo id (org/name); for a folder, "

@@ -28,7 +28,7 @@ import click
 
 from fp8fix import __version__
 from fp8fix.errors import DEBUG_VARIABLE, EXIT_BUG, EXIT_HUB, RegistryEntryError, UsageError, bug_line, user_error
-from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, SCHEMA_VERSION, TARGETS
+from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, PRECISIONS, SCHEMA_VERSION, TARGETS
 
 if TYPE_CHECKING:
     from fp8fix.registry.architectures import Registry
@@ -312,6 +312,8 @@ Examples:
   fp8fix convert ./model ./out --layout channel --dry-run
   fp8fix convert ./DeepSeek-R1 ./DeepSeek-R1-tp32 --tp 32 --verify   # whole 128-blocks per rank
   fp8fix convert ./model ./model-tp8 --tp 8 --tp-bf16   # attention not whole blocks per rank: BF16
+  fp8fix convert ./model ./model-bf16 --to bf16 --verify   # for GPUs without FP8 (A100, RTX 30xx)
+  fp8fix convert ./model ./out --dequantize 'model.layers.0.*' --dequantize '*.o_proj'
   fp8fix convert org/model-FP8 ./out --revision main --push-to-hub me/model-FP8-fixed --create-pr
 
 \b
@@ -354,8 +356,17 @@ or unsupported checkpoint, 4 Hub error (the conversion record is printed first).
 )
 @click.option(
     "--to",
-    type=click.Choice(sorted(ENCODING_NAMES, reverse=True)),
-    help="Change the FP8 encoding: e4m3fnuz for AMD MI300-class GPUs, e4m3fn (OCP) back.",
+    type=click.Choice([*sorted(ENCODING_NAMES, reverse=True), *PRECISIONS]),
+    help="Change the FP8 encoding: e4m3fnuz for AMD MI300-class GPUs, e4m3fn (OCP) back; or write the whole "
+    "model unquantized for GPUs without FP8: bf16 (or float16), each weight its code x scale rounded once.",
+)
+@click.option(
+    "--dequantize",
+    metavar="PATTERN",
+    multiple=True,
+    default=(),
+    help="Write the FP8 modules whose names match this shell-style pattern in BF16, listed as unquantized "
+    "(the rest stays FP8); repeatable, e.g. --dequantize '*.self_attn.*' --dequantize 'model.layers.0.*'.",
 )
 @click.option(
     "--tp",
@@ -530,7 +541,10 @@ def _stream(
         **push,
         registry=registry,
         progress=not (quiet or as_json),
-        **{k: options[k] for k in ("layout", "to", "target", "output_format", "tp", "tp_bf16", "revision", "token")},
+        **{
+            k: options[k]
+            for k in ("layout", "to", "target", "output_format", "tp", "tp_bf16", "dequantize", "revision", "token")
+        },
     )
     result = streamed.result
     for warning in result.warnings:

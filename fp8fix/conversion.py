@@ -32,13 +32,13 @@ from fp8fix.plan.planner import plan_for_target
 from fp8fix.registry.architectures import Registry
 from fp8fix.report.model_card import commit_title, write_card
 from fp8fix.verification import VerifyReport, verify
-from fp8fix.vocab import Encoding, Layout, OutputFormat, Target
+from fp8fix.vocab import ConvertTo, Layout, OutputFormat, Target
 
 
 @dataclass(frozen=True)
 class ConvertOptions:
     layout: Layout | None = None  # None: the layout `target`'s loaders take best
-    to: Encoding | None = None  # None keeps the encoding
+    to: ConvertTo | None = None  # None keeps the encoding; bf16 / float16: the whole model unquantized
     target: Target = "auto"
     output_format: OutputFormat | None = None  # None: what `target`'s loaders take best
     dry_run: bool = False
@@ -48,17 +48,19 @@ class ConvertOptions:
     jobs: int = 1  # processes writing shards where the work is CPU-bound (recoding, requantizing), and verifying
     tp: int | None = None  # pad MLP intermediates so every share is whole blocks at this tensor-parallel size
     tp_bf16: bool = False  # with tp: write attention modules that padding cannot fix in BF16 instead of refusing
+    dequantize: tuple[str, ...] = ()  # shell-style module patterns: those modules written in BF16, unquantized
     source_repo: str | None = None  # the Hub repo SOURCE came from, for the model card
     revision: str | None = None
 
     def describe(self, plan: ConversionPlan) -> str:
         """The options as a command line, for the model card."""
         return (
-            f"--layout {plan.layout}"
+            ("" if plan.unquantized else f"--layout {plan.layout}")
             + (f" --format {plan.output_format}" if plan.output_format != "keep" else "")
             + (f" --to {self.to}" if self.to else "")
             + (f" --tp {self.tp}" if self.tp else "")
             + (" --tp-bf16" if self.tp_bf16 else "")
+            + "".join(f" --dequantize '{p}'" for p in self.dequantize)
             + (" --verify" if self.verify else "")
         )
 
@@ -89,11 +91,18 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
     ckpt = open_checkpoint(source)
     model = describe_checkpoint(ckpt, registry)
     plan = plan_for_target(
-        model, options.layout, options.to, options.target, options.output_format, options.tp, options.tp_bf16
+        model,
+        options.layout,
+        options.to,
+        options.target,
+        options.output_format,
+        options.tp,
+        options.tp_bf16,
+        options.dequantize,
     )
     rewritten = plan.config_files
     edits = [edit for _, file_edits in rewritten.values() for edit in file_edits]
-    copies = ckpt.copied_files(rewritten)
+    copies = ckpt.copied_files([*rewritten, *plan.dropped_files])
     result = ConvertResult(plan, output, written=False, config_edits=edits, copied_files=copies)
     result.warnings += ckpt.warnings
     if options.dry_run:
@@ -197,7 +206,7 @@ def record_stats(plan: ConversionPlan, stats: WriteStats) -> None:
             module.max_error, module.max_error_steps = error.max_abs, error.max_steps
     if plan.encoding is not None:
         plan.encoding.inexact_codes = stats.inexact_codes
-    for bf16 in plan.padding.bf16 if plan.padding is not None else []:
+    for bf16 in [*plan.dequantized, *(plan.padding.bf16 if plan.padding is not None else [])]:
         rounding = stats.dequantized.get(bf16.weight)
         if rounding is not None:
             bf16.max_error, bf16.max_error_steps = rounding.max_abs, rounding.max_steps

@@ -112,7 +112,7 @@ def _stream(
     ckpt, plan = _plan_from_stand_ins(remote, source, options, registry)
     edits = [edit for _, file_edits in plan.config_files.values() for edit in file_edits]
     result = ConvertResult(plan, Path(dest), written=False, config_edits=edits)
-    result.copied_files = ckpt.copied_files(plan.config_files)
+    result.copied_files = ckpt.copied_files([*plan.config_files, *plan.dropped_files])
     result.warnings += ckpt.warnings
     sizes = {source / name: size for name, size in remote.files.items()}
     needs = [(shard, sorted(shard_inputs(shard))) for shard in plan.shards]
@@ -185,7 +185,14 @@ def _plan_from_stand_ins(
             "streamed conversion plans without: give an OUTPUT folder"
         )
     plan = plan_for_target(
-        model, options.layout, options.to, options.target, options.output_format, options.tp, options.tp_bf16
+        model,
+        options.layout,
+        options.to,
+        options.target,
+        options.output_format,
+        options.tp,
+        options.tp_bf16,
+        options.dequantize,
     )
     return ckpt, plan
 

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from fp8fix.model import CheckpointModel, Fp8Weight, ignore_linears, unquantized_linears
 from fp8fix.numerics.dtypes import E4M3FNUZ
 from fp8fix.registry.formats import LEGACY_RENAMES, quantization_config
-from fp8fix.registry.loaders import DEFAULT_EVIDENCE, LOADERS, LOADS_BECAUSE, RULES
+from fp8fix.registry.loaders import (
+    DEFAULT_EVIDENCE,
+    LOADERS,
+    LOADS_BECAUSE,
+    PLAIN_MODEL,
+    PLAIN_MODEL_RULES,
+    RULES,
+    UNQUANTIZED_EVIDENCE,
+)
 from fp8fix.registry.parallel import PACKED_SHARDS
 from fp8fix.vocab import Verdict
 
@@ -65,6 +73,7 @@ FACT_DESCRIPTIONS = {
     "scale grid divides (q of 192 rows: 96 per grid row)",
     "quark": "quant_method quark",
     "quark_without_layer_type_config": "a Quark config without layer_type_quant_config",
+    "unquantized": "no FP8 tensor and no quantization config: a plain (BF16 / F16) model",
     "targets_unquantized_linears": "a compressed-tensors config whose targets take a Linear module that holds no "
     "FP8 weight (lm_head not in `ignore`)",
 }
@@ -104,6 +113,7 @@ class Facts:
     block_grid_misread: bool = False  # block FP8: rows / grid rows (or columns) is not the block
     quark: bool = False
     quark_without_layer_type_config: bool = False
+    unquantized: bool = False  # no FP8 tensor, no quantization_config: a plain model (`convert --to bf16`)
 
     @property
     def layout(self) -> str:
@@ -149,8 +159,10 @@ def _derive_facts(model: CheckpointModel) -> Facts:
     unfused_suffixes = tuple(
         s.unfused for spec in (model.spec.fused_modules if model.spec else ()) for s in spec.shards if s.unfused
     )
-    unfused = not fused and bool(unfused_suffixes) and any(w.module.endswith(unfused_suffixes) for w in weights)
-    fmt = model.format
+    unquantized = not model.weights and quantization_config(model.checkpoint.config) is None
+    modules = unquantized_linears(model.checkpoint.tensors) if unquantized else [w.module for w in weights]
+    unfused = not model.fused and bool(unfused_suffixes) and any(m.endswith(unfused_suffixes) for m in modules)
+    fmt = None if unquantized else model.format  # a ModelOpt side file beside a plain config is not read
     fp8 = model.is_autofp8
     architecture = model.architecture or ""
     at_tp_1 = _at_tp_1(model)
@@ -189,6 +201,7 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         refused_at_tp_1="refuses" in at_tp_1,
         misaligned_block_shards="wrong-scales" in at_tp_1,
         **_transformers_block_reading(model),
+        unquantized=unquantized,
         targets_unquantized_linears=bool(
             ignore_linears(model.checkpoint.config, unquantized_linears(model.checkpoint.tensors))[1]
         ),
@@ -242,10 +255,13 @@ def loader_verdicts(model: CheckpointModel) -> dict[str, LoaderVerdict]:
     facts = facts_of(model)
     verdicts: dict[str, LoaderVerdict] = {}
     for loader in LOADERS:
-        rule = next((r for r in RULES if r.loader == loader and getattr(facts, r.condition)), None)
+        rules = [r for r in RULES if r.loader == loader and (not facts.unquantized or r.condition in PLAIN_MODEL_RULES)]
+        rule = next((r for r in rules if getattr(facts, r.condition)), None)
         if rule is not None:
             reason = rule.reason.format(architecture=facts.architecture)
             verdicts[loader] = LoaderVerdict(rule.verdict, reason, rule.evidence)
+        elif facts.unquantized:
+            verdicts[loader] = LoaderVerdict("loads", PLAIN_MODEL, UNQUANTIZED_EVIDENCE[loader])
         elif not facts.layout:
             verdicts[loader] = LoaderVerdict("loads", "no fused modules", DEFAULT_EVIDENCE[loader])
         elif facts.layout not in LOADS_BECAUSE[loader]:

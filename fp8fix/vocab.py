@@ -36,6 +36,12 @@ SCHEMA_VERSION = 1
 #: `--to` names of the FP8 weight encodings.
 Encoding = Literal["e4m3fn", "e4m3fnuz"]
 ENCODING_NAMES: tuple[Encoding, ...] = get_args(Encoding)
+#: `--to` names of the unquantized dtypes a whole model can be written in (GPUs without FP8).
+Precision = Literal["bf16", "float16"]
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+#: Everything `--to` takes: an FP8 encoding or an unquantized dtype.
+ConvertTo = Literal["e4m3fn", "e4m3fnuz", "bf16", "float16"]
+TO_NAMES: tuple[ConvertTo, ...] = get_args(ConvertTo)
 
 #: How a config list's entries match module names (see `registry.formats.NameList`).
 Grammar = Literal["exact", "exact-or-re", "transformers", "fnmatch"]

@@ -69,7 +69,7 @@ def test_options_are_validated_before_any_work(tmp_path: Path) -> None:
     src = build(tmp_path / "src", phi3())
     cases = [
         (dict(layout="bogus"), "layout must be one of 'unfused', 'per-shard', 'fused', 'channel' or None, not 'bogus'"),
-        (dict(to="e5m2"), "to must be one of 'e4m3fn', 'e4m3fnuz' or None"),
+        (dict(to="e5m2"), "to must be one of 'e4m3fn', 'e4m3fnuz', 'bf16', 'float16' or None"),
         (dict(target="sglang"), "target must be one of 'auto', 'vllm', 'vllm-legacy', 'transformers', not 'sglang'"),
         (dict(output_format="gguf"), "output_format must be one of 'keep', 'compressed-tensors' or None"),
         (dict(jobs=0), "jobs must be a whole number of processes, at least 1, not 0"),

@@ -248,14 +248,15 @@ def test_verify_jobs_check_experts_in_forked_processes(tmp_path: Path) -> None:
 
 
 def test_verify_names_stacked_experts_of_the_wrong_dtype(tmp_path: Path) -> None:
-    """Stacked experts OUTPUT holds in BF16: the problem names the tensor, both dtypes and shapes (a mutant
-    of verify raised it without a message)."""
+    """Stacked experts OUTPUT holds in F32 (not a dtype a weight is written unquantized in: BF16 ones are checked
+    by value, tests/test_unquantized.py): the problem names the tensor, both dtypes and shapes (a mutant of
+    verify raised it without a message)."""
     src = build_llama4(tmp_path / "src", "expert", layers=1)
     out = tmp_path / "out"
     assert run_cli("convert", src, out).exit_code == 0
     tensors = load_tensors(out)
-    tensors[GATE_UP] = tensors[GATE_UP].to(torch.bfloat16)
+    tensors[GATE_UP] = tensors[GATE_UP].to(torch.float32)
     save_file(tensors, str(out / "model.safetensors"), {"format": "pt"})
     result = run_cli("verify", src, out)
     shape = list(tensors[GATE_UP].shape)
-    assert result.exit_code == 1 and f"'{GATE_UP}' is BF16 {shape}, expected FP8 {shape}" in result.output
+    assert result.exit_code == 1 and f"'{GATE_UP}' is F32 {shape}, expected FP8 {shape}" in result.output

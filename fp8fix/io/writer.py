@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import errno
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fp8fix.errors import InvalidCheckpoint
+from fp8fix.io.checkpoint import first_invalid_scale
 from fp8fix.io.progress import NoProgress, Progress, progress_bar
 from fp8fix.io.safetensors_file import TensorInfo, encode_header
 from fp8fix.io.source_files import SourceFiles, read_into, source_changed, window_contains
 from fp8fix.io.workers import run_tasks, worker_count
 from fp8fix.numerics.dequantize import dequantize_rows
-from fp8fix.numerics.dtypes import NAN_CODES
+from fp8fix.numerics.dtypes import BITS, NAN_CODES, decode_floats
 from fp8fix.numerics.recodings import RECODINGS, inexact_codes, recode, scale_exactly
 from fp8fix.numerics.requantize import RoundingStats, requantize, requantize_map
 from fp8fix.plan.pieces import (
@@ -35,6 +36,7 @@ from fp8fix.plan.pieces import (
     Requantize,
     RequantizeBlocks,
     Rescale,
+    ScaleRef,
 )
 
 #: Recoded bytes pass through one buffer of this size: small enough to stay in the CPU cache,
@@ -351,16 +353,49 @@ def _requantize_blocks(sources: _Sources, out: int, piece: RequantizeBlocks, sou
 
 
 def _dequantize(sources: _Sources, out: int, piece: Dequantize, source: str) -> RoundingStats:
-    """One block row of codes written as BF16 (at most 128 rows: a few MB whatever the tensor's size)."""
-    codes = sources.read(piece.path, piece.start, piece.end)
-    if any(c in codes for c in NAN_CODES[piece.dtype]):
-        _refuse_codes(sources, piece, NAN_CODES[piece.dtype], source, "NaN codes")
-    try:
-        data, rounding = dequantize_rows(codes, piece.dtype, piece.row_bytes, piece.block_cols, piece.scales)
-    except ValueError as e:
-        raise InvalidCheckpoint(f"{piece.path.name}: weight '{source}': {e}; cannot write it in BF16") from e
-    _write_all(out, data)
-    return rounding
+    """Rows of codes written as BF16 / F16, window by window (a few MB whatever the tensor's size); the
+    scales read from the source as the rows need them."""
+    nan = NAN_CODES[piece.dtype]
+    cols = _scale_list(sources, piece.col_scales, source) if piece.col_scales else [1.0]
+    rows_per_window = max(1, RECODE_WINDOW // piece.row_bytes)
+    worst = RoundingStats()
+    for first in range(piece.start, piece.end, rows_per_window * piece.row_bytes):
+        codes = sources.read(piece.path, first, min(piece.end, first + rows_per_window * piece.row_bytes))
+        if any(c in codes for c in nan):
+            _refuse_codes(sources, piece, nan, source, "NaN codes")
+        rows = None
+        if piece.row_scales is not None:
+            row = (first - piece.start) // piece.row_bytes
+            ref = piece.row_scales
+            window = replace(ref, start=ref.start + row * _itemsize(ref), count=len(codes) // piece.row_bytes)
+            rows = _scale_list(sources, window, source)
+        try:
+            data, rounding = dequantize_rows(
+                codes, piece.dtype, piece.row_bytes, piece.block_cols, cols, rows, piece.out_dtype
+            )
+        except ValueError as e:
+            raise InvalidCheckpoint(
+                f"{piece.path.name}: weight '{source}': {e}; cannot write it in {piece.out_dtype}"
+            ) from e
+        worst.update(rounding)
+        _write_all(out, data)
+    return worst
+
+
+def _itemsize(ref: ScaleRef) -> int:
+    return BITS[ref.dtype] // 8
+
+
+def _scale_list(sources: _Sources, ref: ScaleRef, weight: str) -> list[float]:
+    """The scale values `ref` points at, each finite and positive, or a clear error naming the scale."""
+    values = decode_floats(sources.read(ref.path, ref.start, ref.start + ref.count * _itemsize(ref)), ref.dtype)
+    bad = first_invalid_scale(values)
+    if bad is not None:
+        raise InvalidCheckpoint(
+            f"{ref.path.name}: scale '{ref.name}' of weight '{weight}' holds {bad}; scales must be finite and "
+            "positive (fp8fix inspect lists every such scale)"
+        )
+    return values
 
 
 def _fill(out: int, piece: Fill) -> None:

@@ -1,11 +1,13 @@
-"""Dequantizing block-scaled FP8 codes to BF16: `convert --tp N --tp-bf16` for modules no padding can fix.
+"""Dequantizing FP8 codes to BF16 or F16: `convert --to bf16`, `--dequantize`, `--tp-bf16`.
 
-A code times its block scale is exact in float64 (4 significant bits times 24), so each
-output value is that product rounded once, to nearest even, to BF16's 8 significant bits:
-the only error is that one rounding, at most half a BF16 step (2^-8 of the value at most). A
-column block shares one scale, so each block's 256 possible values are worked out once
-(a table per block, vectorized over a block row's scales with numpy) and the codes are
-looked up. No torch: the values are bit patterns made with integer arithmetic.
+A code times its scale is exact in float64 (4 significant bits times at most 24, or times a
+row scale and a column scale, one of them 1), so each output value is that product rounded
+once, to nearest even, to the output's precision (BF16: 8 significant bits; F16: 11): the only
+error is that one rounding, at most half a step of the output at that value. Every row shares
+its column blocks' scales, so each (row scale, column scale) pair gets a 256-entry table,
+worked out once with numpy, and the codes are looked up. No torch: BF16 values are bit
+patterns made with integer arithmetic; F16 is numpy's float64 -> float16 conversion, which
+rounds once, to nearest even (npy_double_to_half).
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ from typing import Any
 from fp8fix.numerics.fp8 import e4m3_value
 from fp8fix.numerics.requantize import RoundingStats
 
-#: The dtype dequantized weights are written in.
+#: The dtype `--tp-bf16` and `--dequantize` write; with F16, what `--to` can write unquantized.
 BF16 = "BF16"
+F16 = "F16"
+#: `--to` names of the unquantized dtypes -> their safetensors dtype and config.json `torch_dtype`.
+UNQUANTIZED: dict[str, tuple[str, str]] = {"bf16": (BF16, "bfloat16"), "float16": (F16, "float16")}
 #: float64 keeps 52 fraction bits, BF16 7: the bits a rounding to BF16 drops.
 _DROPPED_BITS = 52 - 7
 #: The smallest normal BF16 (and float32) magnitude: below it BF16 keeps fewer bits, which fp8fix refuses.
 _MIN_NORMAL = 2.0**-126
+#: F16's largest finite value: a dequantized value above it has no F16 form.
+_F16_MAX = 65504.0
 
 
 @cache
@@ -47,12 +54,33 @@ def round_to_bf16(exact: Any) -> Any:
     return rounded
 
 
+def round_to(exact: Any, out_dtype: str) -> Any:
+    """float64 values rounded once to `out_dtype` (BF16 or F16), as float64; ValueError outside its range."""
+    import numpy as np
+
+    if out_dtype == BF16:
+        return round_to_bf16(exact)
+    if np.any(np.abs(exact[np.isfinite(exact)]) > _F16_MAX):
+        raise ValueError(f"a dequantized value exceeds F16's largest, {_F16_MAX:g} (write --to bf16 instead)")
+    return exact.astype(np.float16).astype(np.float64)
+
+
 def bf16_step(values: Any) -> Any:
     """The BF16 step (distance to the next BF16 value away from zero) at each float64 value."""
     import numpy as np
 
     _, exponent = np.frexp(values)
     return np.ldexp(1.0, exponent - 8)
+
+
+def output_step(values: Any, out_dtype: str) -> Any:
+    """The step of `out_dtype` at each float64 value: BF16's, or F16's (2^-24 among its subnormals)."""
+    import numpy as np
+
+    if out_dtype == BF16:
+        return bf16_step(values)
+    _, exponent = np.frexp(values)
+    return np.ldexp(1.0, np.maximum(exponent, -13) - 11)
 
 
 def bf16_bits(rounded: Any) -> Any:
@@ -62,23 +90,42 @@ def bf16_bits(rounded: Any) -> Any:
     return (rounded.astype(np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
 
 
+def output_bits(rounded: Any, out_dtype: str) -> Any:
+    """Bit patterns (uint16) of float64 values already rounded to `out_dtype`."""
+    import numpy as np
+
+    return bf16_bits(rounded) if out_dtype == BF16 else rounded.astype(np.float16).view(np.uint16)
+
+
 def dequantize_rows(
-    codes: bytes | bytearray, dtype: str, cols: int, block_cols: int, scales: tuple[float, ...]
+    codes: bytes | bytearray,
+    dtype: str,
+    cols: int,
+    block_cols: int,
+    col_scales: Any,
+    row_scales: Any = None,
+    out_dtype: str = BF16,
 ) -> tuple[bytes, RoundingStats]:
-    """Rows of `cols` FP8 codes, column block c (of `block_cols` codes) at `scales[c]`, as little-endian
-    BF16 bytes; and the worst rounding error among the codes present."""
+    """Rows of `cols` FP8 codes as little-endian `out_dtype` bytes, and the worst rounding among the codes
+    present: the code at (r, c) times `col_scales[c // block_cols]` (a sequence of floats) times
+    `row_scales[r]` (one per row; None: 1)."""
     import numpy as np
 
     values = code_values(dtype)
-    exact = np.asarray(scales, dtype=np.float64)[:, None] * values[None, :]  # one 256-entry table per block
-    rounded = round_to_bf16(exact)
-    errors = np.abs(rounded - exact)
-    steps = errors / bf16_step(exact)  # the step at 0 is 2^-8, not 0: no division by zero
-    tables = bf16_bits(rounded)
     grid = np.frombuffer(codes, dtype=np.uint8).reshape(-1, cols)
-    column_block = np.arange(cols) // block_cols
-    out = tables[column_block[None, :], grid]
+    rows = grid.shape[0]
+    col = np.asarray(col_scales, dtype=np.float64)
+    row = np.ones(1) if row_scales is None else np.asarray(row_scales, dtype=np.float64)
+    # one 256-entry table per (row scale, column block); exact: one of the two scales is 1 where both exist
+    exact = (row[:, None] * col[None, :])[:, :, None] * values[None, None, :]
+    rounded = round_to(exact, out_dtype)
+    errors = np.abs(rounded - exact)
+    steps = errors / output_step(exact, out_dtype)  # the step at 0 is not 0: no division by zero
+    tables = output_bits(rounded, out_dtype)
+    row_index = (np.arange(rows) if row_scales is not None else np.zeros(rows, dtype=np.intp))[:, None]
+    column_block = (np.arange(cols) // block_cols)[None, :]
+    out = tables[row_index, column_block, grid]
     present = np.zeros(tables.shape, dtype=bool)
-    present[column_block[None, :], grid] = True
+    present[row_index, column_block, grid] = True
     stats = RoundingStats(float(errors[present].max(initial=0.0)), float(steps[present].max(initial=0.0)))
     return out.astype("<u2").tobytes(), stats

@@ -53,7 +53,7 @@ def output_config(
     (`unfused_config`: MiMo's `attention_projection_layout`), those config.json already has; then,
     with `compressed_tensors`, quantization_config written as compressed-tensors in that scheme; with
     `channel` (a compressed-tensors source), its weights' strategy made channel; with `sizes` (`--tp`
-    padding), those config.json sizes set; with `unquantized` (`--tp-bf16`), those modules named in the
+    padding), those config.json sizes set; with `unquantized` (`--tp-bf16`, `--dequantize`), those modules named in the
     format's lists of modules left unquantized.
     Convert writes these; verify expects them."""
     from fp8fix.plan.compressed_tensors import channel_strategy_config, compressed_tensors_config
@@ -124,8 +124,7 @@ def _leave_unquantized(
         if new:
             qc[name_list.path] = entries + new
             edits.append(
-                f"quantization_config.{name_list.path}: +{len(new)} module(s) written in BF16 "
-                "(--tp-bf16: split by attention heads, not whole blocks per rank)"
+                f"quantization_config.{name_list.path}: +{len(new)} module name(s) written in BF16, left unquantized"
             )
     return content, edits
 

@@ -1,78 +1,203 @@
-"""`--tp-bf16`: the modules `--tp` cannot pad, dequantized to BF16 and left unquantized.
+"""FP8 weights written unquantized, in BF16 or F16: `--to bf16`, `--dequantize`, `--tp-bf16`.
 
-Attention projections are split across ranks by heads: padding them would add heads and
-change the model. Where a rank's share of one is not whole blocks, vLLM refuses it (o_proj,
-MLA's q_b / kv_b) or gives its ranks other rows' block scales (q / k / v). Asked to, fp8fix
-writes such a module's weight as BF16 (each code times its block scale, rounded once: the
-error is reported) without its scale, and names it in the format's lists of modules left
-unquantized (`registry.formats.NameList.unquantized`), so loaders build it as a plain layer,
-which splits at any size whose heads divide.
+Each weight is written as its codes times its scale, rounded once (`numerics.dequantize`), whatever
+the scale covers: one value (per tensor, per expert), one per fused shard, one per row, one per
+block (a grid over the weight, or one per pre-sharded chunk), one per expert and shard or per
+expert and column (stacked experts). Its weight scale and input scale are dropped. The scale
+values are read when the rows are written (`ScaleRef`), so planning reads headers only.
+
+`--tp-bf16` (with `--tp`) writes this way the attention modules padding cannot fix: they are
+split across ranks by heads, and a rank's share that is not whole blocks is refused by vLLM or
+given other rows' scales. `--dequantize` does it for the modules a user keeps in BF16. Both name
+the modules in the format's lists of modules left unquantized (`registry.formats.NameList.unquantized`),
+so loaders build them as plain layers. `--to bf16` writes every FP8 weight so and drops the
+quantization config: a plain model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import fnmatch
+from dataclasses import dataclass, field
 
-from fp8fix.errors import UnsupportedCheckpoint
-from fp8fix.io.checkpoint import check_scale_values
-from fp8fix.model import CheckpointModel, Fp8Weight
+from fp8fix.errors import UnsupportedCheckpoint, UsageError
+from fp8fix.io.checkpoint import CONFIG
+from fp8fix.io.safetensors_file import TensorInfo
+from fp8fix.model import CheckpointModel, Fp8Weight, block_grid
 from fp8fix.numerics.dequantize import BF16
-from fp8fix.plan.pieces import Dequantize, OutputTensor, Piece
+from fp8fix.numerics.dtypes import BITS
+from fp8fix.plan.pieces import Dequantize, OutputTensor, Piece, ScaleRef
+from fp8fix.registry.parallel import packed_siblings
+
+#: Longest `--dequantize` pattern: module names are a few hundred characters.
+MAX_PATTERN_CHARS = 1000
 
 
 @dataclass
 class Bf16Module:
-    """One module written in BF16: its weight, and the bytes it grows by (BF16 codes less the scales)."""
+    """One module written unquantized: its weight, and the bytes it grows by (16-bit values less the scales)."""
 
     module: str
     weight: str
     added_bytes: int
     max_error: float | None = None  # filled in by convert from the writer's statistics
-    max_error_steps: float | None = None  # in BF16 steps at the value (at most 0.5)
+    max_error_steps: float | None = None  # in steps of the output dtype at the value (at most 0.5)
+    dtype: str = BF16
+
+
+@dataclass
+class Selection:
+    """The modules `--dequantize` writes in BF16, the names the config's lists get, and what to tell."""
+
+    modules: list[str]  # FP8 modules, in checkpoint order
+    listed: list[str]  # for the lists of modules left unquantized: each module, and a fused one's shard names
+    notes: list[str] = field(default_factory=list)
+
+
+def select_modules(model: CheckpointModel, patterns: tuple[str, ...]) -> Selection:
+    """The FP8 modules the shell-style `patterns` name (fnmatch, on whole module names), with the modules
+    vLLM packs into one layer with them (q with k and v: a layer is quantized whole or not at all)."""
+    fmt = model.require_format()
+    if not any(n.unquantized and n.file == CONFIG for n in fmt.name_lists):
+        raise UnsupportedCheckpoint(
+            f"--dequantize: {fmt.label} checkpoints have no config.json list of modules left unquantized that "
+            "fp8fix writes yet; --to bf16 writes the whole model unquantized"
+        )
+    weights = model.module_weights()
+    chosen: set[str] = set()
+    for pattern in patterns:
+        if len(pattern) > MAX_PATTERN_CHARS:
+            raise UsageError(f"--dequantize: a pattern of {len(pattern)} characters is not a module name")
+        matched = {w.module for w in weights if fnmatch.fnmatchcase(w.module, pattern)}
+        if not matched:
+            example = weights[0].module if weights else "model.layers.0.self_attn.q_proj"
+            raise UsageError(
+                f"--dequantize {pattern!r}: names no FP8 module of this checkpoint (patterns are shell-style and "
+                f"match whole module names, e.g. '{example}' or '*.self_attn.*')"
+            )
+        chosen |= matched
+    by_module = {w.module: w for w in weights}
+    experts = sorted(m for m in chosen if by_module[m].stacked or ".experts." in m)
+    if experts:
+        raise UnsupportedCheckpoint(
+            f"--dequantize: '{experts[0]}' is a routed expert: runtimes quantize a layer's experts as one MoE layer, "
+            "so some experts cannot be left unquantized; leave experts out of the patterns (or --to bf16)"
+        )
+    added = {s for m in chosen for s in packed_siblings(m) if s in by_module} - chosen
+    modules = [w.module for w in weights if w.module in chosen | added]
+    notes = []
+    if added:
+        notes.append(
+            f"--dequantize: {len(added)} module(s) added ({', '.join(sorted(added)[:3])}): vLLM packs them into "
+            "one layer with modules the patterns name, and a layer is quantized whole or not at all"
+        )
+    listed = []
+    for m in modules:
+        fused = by_module[m].fused
+        listed.append(m)
+        if fused is not None and fused.spec.can_unfuse:  # vLLM checks a fused layer's shards by their names
+            listed += [fused.spec.unfused_path(m, s) for s in fused.spec.shards]
+    return Selection(modules, list(dict.fromkeys(listed)), notes)
 
 
 def plan_bf16_modules(
-    model: CheckpointModel, modules: list[str]
+    model: CheckpointModel, modules: list[str], out_dtype: str = BF16
 ) -> tuple[list[Bf16Module], dict[str, list[OutputTensor]]]:
-    """Each module's weight as BF16 pieces, its scales dropped (an empty list of outputs)."""
-    fmt = model.require_format()
-    assert fmt.block is not None
+    """Each module's weight written in `out_dtype`, its scales dropped (an empty list of outputs)."""
     weights = {w.module: w for w in model.module_weights()}
+    return plan_unquantized_weights(model, [weights[m] for m in modules], out_dtype)
+
+
+def plan_unquantized_weights(
+    model: CheckpointModel, weights: list[Fp8Weight], out_dtype: str = BF16
+) -> tuple[list[Bf16Module], dict[str, list[OutputTensor]]]:
+    """Each weight written in `out_dtype` under its own name, its weight and input scales dropped."""
+    block = model.require_format().block
     changed: list[Bf16Module] = []
     outputs: dict[str, list[OutputTensor]] = {}
-    for module in modules:
-        w = weights[module]
-        scale = _block_grid(w, fmt.block)
-        outputs[w.name] = [OutputTensor(w.name, BF16, w.tensor.shape, _pieces(w, scale, fmt.block), w.name)]
+    for w in weights:
+        pieces = _pieces(w, block, out_dtype)
+        outputs[w.name] = [OutputTensor(w.name, out_dtype, w.tensor.shape, pieces, w.name)]
         dropped = [t for t in (w.scale, w.input_scale) if t is not None]
         for t in dropped:
             outputs[t.name] = []
         added = w.tensor.nbytes - sum(t.nbytes for t in dropped)
-        changed.append(Bf16Module(module, w.name, added))
+        changed.append(Bf16Module(w.module, w.name, added, dtype=out_dtype))
     return changed, outputs
 
 
-def _block_grid(w: Fp8Weight, block: tuple[int, int]) -> list[float]:
-    """The weight's block-scale values, checked to be a grid over its blocks."""
-    rows, cols = w.tensor.shape
-    grid = (-(-rows // block[0]), -(-cols // block[1]))
-    if w.scale is None or tuple(w.scale.shape) != grid:
-        raise UnsupportedCheckpoint(
-            f"'{w.name}': --tp-bf16 dequantizes block-scaled weights; this one has no {list(grid)} block scale"
-        )
-    return check_scale_values(w.scale)
-
-
-def _pieces(w: Fp8Weight, scales: list[float], block: tuple[int, int]) -> list[Piece]:
-    """One piece per block row: its rows' codes and that row of scales."""
-    t = w.tensor
+def _pieces(w: Fp8Weight, block: tuple[int, int] | None, out_dtype: str) -> list[Piece]:
+    """The weight's rows with the scales that cover them: one piece per run of rows sharing them."""
+    scale = w.scale
+    if scale is None or w.scale_kind is None:
+        raise UnsupportedCheckpoint(f"'{w.name}': no scale of a known shape; it cannot be written unquantized")
+    t, kind = w.tensor, w.scale_kind
+    if w.stacked:
+        return _expert_pieces(w, scale, out_dtype)
     rows, cols = t.shape
-    grid_cols = -(-cols // block[1])
+
+    def rows_at(first: int, last: int, col: ScaleRef | None, row: ScaleRef | None, block_cols: int) -> Dequantize:
+        start, end = t.start + first * cols, t.start + last * cols
+        return Dequantize(t.path, start, end, t.dtype, cols, block_cols, col, row, out_dtype)
+
+    if kind == "tensor":
+        return [rows_at(0, rows, _values(scale, 0, 1), None, cols)]
+    if kind == "channel":
+        return [rows_at(0, rows, None, _values(scale, 0, rows), cols)]
+    if kind == "shard":
+        assert w.fused is not None
+        return [rows_at(a, b, _values(scale, i, 1), None, cols) for i, a, b in w.fused.segments]
+    assert kind == "block" and block is not None
+    grid_cols = block_grid(t.shape, block)[1]
     pieces: list[Piece] = []
-    for r, first in enumerate(range(0, rows, block[0])):
-        last = min(rows, first + block[0])
-        row_scales = tuple(scales[r * grid_cols : (r + 1) * grid_cols])
-        pieces.append(
-            Dequantize(t.path, t.start + first * cols, t.start + last * cols, t.dtype, cols, block[1], row_scales)
-        )
+    first = 0
+    while first < rows:  # one piece per run of rows in one row of the scale grid
+        if w.fused is not None:
+            grid_row, last = w.fused.scale_row(first, block[0]), w.fused.next_block_start(first, block[0])
+        else:
+            grid_row, last = first // block[0], (first // block[0] + 1) * block[0]
+        last = min(last, rows)
+        pieces.append(rows_at(first, last, _values(scale, grid_row * grid_cols, grid_cols), None, block[1]))
+        first = last
     return pieces
+
+
+def _expert_pieces(w: Fp8Weight, scale: TensorInfo, out_dtype: str) -> list[Piece]:
+    """Stacked experts [E, in, out], one piece per expert: its in rows of out codes, column scales from
+    the expert's scale (one value, one per fused shard of equal widths, or one per column)."""
+    t, kind = w.tensor, w.scale_kind
+    experts, inner, cols = t.shape
+    size = inner * cols
+    widths = w.experts.widths if w.experts else []
+    if kind == "shard" and len(set(widths)) != 1:
+        raise UnsupportedCheckpoint(
+            f"'{w.name}': per-shard scales over shards of different widths {widths} cannot be written unquantized yet"
+        )
+    # (values per expert in the scale tensor, values one expert reads, columns per value)
+    per_expert = {
+        "tensor": (0, 1, cols),
+        "expert": (1, 1, cols),
+        "shard": (len(widths), len(widths), widths[0] if widths else cols),
+        "channel": (cols, cols, 1),
+    }
+    stride, count, block_cols = per_expert[kind or "tensor"]
+    return [
+        Dequantize(
+            t.path,
+            t.start + e * size,
+            t.start + (e + 1) * size,
+            t.dtype,
+            cols,
+            block_cols,
+            _values(scale, e * stride, count),
+            None,
+            out_dtype,
+        )
+        for e in range(experts)
+    ]
+
+
+def _values(scale: TensorInfo, first: int, count: int) -> ScaleRef:
+    """Values [first, first + count) of the scale tensor."""
+    size = BITS[scale.dtype] // 8
+    assert (first + count) * size <= scale.nbytes, f"{scale.name}: values {first}+{count} past its end"
+    return ScaleRef(scale.path, scale.start + first * size, count, scale.dtype, scale.name)

@@ -59,9 +59,12 @@ class TpPadding:
         return [m.module for m in self.bf16]
 
 
-def plan_tp_padding(model: CheckpointModel, tp: int, bf16: bool = False) -> TpPadding:
+def plan_tp_padding(
+    model: CheckpointModel, tp: int, bf16: bool = False, dequantized: frozenset[str] | set[str] = frozenset()
+) -> TpPadding:
     """The padding that makes a block-scaled checkpoint load at `tp` (and every divisor of it); with
-    `bf16`, the modules padding cannot fix written in BF16 instead of refused."""
+    `bf16`, the modules padding cannot fix written in BF16 instead of refused. `dequantized`: modules
+    `--dequantize` writes in BF16 already (no blocks to align)."""
     fmt = model.require_format()
     if fmt.block is None:
         raise UnsupportedCheckpoint(
@@ -72,10 +75,11 @@ def plan_tp_padding(model: CheckpointModel, tp: int, bf16: bool = False) -> TpPa
     multiple = tp * math.lcm(b0, b1)
     report = tensor_parallel_report(model, sorted({tp, *COMMON_SIZES}))  # every share, once
     assert report is not None
-    unpaddable = _with_packed_siblings(model, _unpaddable(report, tp, bf16))
+    unpaddable = _with_packed_siblings(model, _unpaddable(report, tp, bf16, dequantized))
+    unpaddable = [m for m in unpaddable if m not in dequantized]
     ckpt = model.checkpoint
     mlps = _mlps(ckpt.tensors)
-    _refuse_unknown_mlps(report, tp, mlps, set(unpaddable))
+    _refuse_unknown_mlps(report, tp, mlps, {*unpaddable, *dequantized})
     config = ckpt.config
     padding = TpPadding(tp, multiple)
     padding.bf16, padding.outputs = plan_bf16_modules(model, unpaddable)
@@ -105,13 +109,19 @@ def plan_tp_padding(model: CheckpointModel, tp: int, bf16: bool = False) -> TpPa
     return padding
 
 
-def _unpaddable(report: TensorParallelReport, tp: int, bf16: bool) -> list[str]:
+def _unpaddable(
+    report: TensorParallelReport, tp: int, bf16: bool, dequantized: frozenset[str] | set[str] = frozenset()
+) -> list[str]:
     """Modules outside MLPs (split by attention heads) whose share at `tp` is not whole blocks: padding
     them would change the model, so they are refused, or with `bf16` returned to be written in BF16.
     Shares that do not split evenly at all are refused either way: no dtype splits 40 heads 16 ways."""
 
     def blocked(size: int) -> list[ModuleShare]:
-        return [s for s in report.sizes[size] if not s.loads and padded_size_of(_parent(s.module)) is None]
+        return [
+            s
+            for s in report.sizes[size]
+            if not s.loads and padded_size_of(_parent(s.module)) is None and s.module not in dequantized
+        ]
 
     at_tp = blocked(tp)
     uneven = [s for s in at_tp if s.per_rank is None]

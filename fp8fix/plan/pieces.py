@@ -122,15 +122,31 @@ class PadRows(SourceRange):
 
 
 @dataclass(frozen=True)
+class ScaleRef:
+    """`count` consecutive values of a source scale tensor, from byte `start` of `path`: read when the
+    piece is written, so planning reads no data (a Hub source plans from its headers)."""
+
+    path: Path
+    start: int
+    count: int
+    dtype: str
+    name: str  # the scale tensor, for messages
+
+
+@dataclass(frozen=True)
 class Dequantize(SourceRange):
-    """Whole rows of block-scaled FP8 codes (`row_bytes` each, one block row at most) written as BF16:
-    column block c (of `block_cols` codes) at `scales[c]`, rounded once to nearest even
-    (`numerics.dequantize`). For modules `--tp-bf16` leaves unquantized."""
+    """Whole rows of FP8 codes (`row_bytes` each) written as BF16 or F16 (`out_dtype`): the code at (r, c)
+    times `col_scales[c // block_cols]` times `row_scales[r]` (an absent one is 1), rounded once to nearest
+    even (`numerics.dequantize`). Per-tensor and per-shard scales are one column scale over every column;
+    block scales a row of the grid; per-channel scales row scales. For `--to bf16`, `--dequantize` and
+    `--tp-bf16`."""
 
     dtype: str
     row_bytes: int
     block_cols: int
-    scales: tuple[float, ...]
+    col_scales: ScaleRef | None
+    row_scales: ScaleRef | None = None
+    out_dtype: str = "BF16"
 
     @property
     def nbytes(self) -> int:
@@ -246,6 +262,9 @@ class ConversionPlan:
     loaders: dict[str, LoaderVerdict] = field(default_factory=dict)  # verdicts on the output, by loader
     source_loaders: dict[str, LoaderVerdict] = field(default_factory=dict)  # the same on the source
     notes: list[str] = field(default_factory=list)  # what the user should know of the plan (printed as note:)
+    dequantized: list[Any] = field(default_factory=list)  # plan.dequantized.Bf16Module: `--to bf16`, `--dequantize`
+    unquantized: str | None = None  # `--to bf16` / `float16`: the whole model's dtype, written unquantized
+    dropped_files: list[str] = field(default_factory=list)  # SOURCE files OUTPUT leaves out (a plain model's)
 
     @property
     def total_bytes(self) -> int:

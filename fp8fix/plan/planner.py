@@ -18,6 +18,7 @@ from fp8fix.model import CheckpointModel, describe_checkpoint, unquantized_linea
 from fp8fix.plan import compressed_tensors
 from fp8fix.plan.channel import plan_channel_weights
 from fp8fix.plan.config_edit import output_config
+from fp8fix.plan.dequantized import plan_bf16_modules, select_modules
 from fp8fix.plan.encoding import plan_encoding
 from fp8fix.plan.experts import plan_experts
 from fp8fix.plan.fused import plan_fused_module
@@ -25,24 +26,32 @@ from fp8fix.plan.output import planned_checkpoint
 from fp8fix.plan.padding import plan_tp_padding
 from fp8fix.plan.pieces import ConversionPlan, CopyRange, Fill, ModuleChange, OutputShard, OutputTensor
 from fp8fix.plan.targets import best, candidates
+from fp8fix.plan.unquantized import plan_unquantized_model
 from fp8fix.registry.architectures import unregistered_note
 from fp8fix.registry.formats import COMPRESSED_TENSORS
 from fp8fix.verdicts import loader_verdicts
-from fp8fix.vocab import Encoding, Layout, OutputFormat, Target
+from fp8fix.vocab import ENCODING_NAMES, ConvertTo, Encoding, Layout, OutputFormat, Target
 
 
 def plan_for_target(
     model: CheckpointModel,
     layout: Layout | None,
-    to: Encoding | None = None,
+    to: ConvertTo | None = None,
     target: Target = "auto",
     output_format: OutputFormat | None = None,
     tp: int | None = None,
     tp_bf16: bool = False,
+    dequantize: tuple[str, ...] = (),
 ) -> ConversionPlan:
     """The conversion `convert` writes: `layout` and `output_format` where given, the rest what `target`'s
     loaders take best. An explicit layout alone keeps the source's format: it asks for that change only
-    (`channel` excepted: compressed-tensors is the one format vLLM takes it in)."""
+    (`channel` excepted: compressed-tensors is the one format vLLM takes it in). `to` an unquantized
+    dtype (bf16, float16): the whole model written so (`unquantized.py`)."""
+    if to is not None and to not in ENCODING_NAMES:
+        plan = plan_unquantized_model(model, to, tp)
+        plan.target = target
+        return plan
+    encoding: Encoding | None = to  # narrowed: an FP8 encoding or none
     if layout is not None and output_format is None:  # channel: only compressed-tensors holds it
         output_format = (channel_format(model) or "keep") if layout == "channel" else "keep"
     if layout is None or output_format is None:
@@ -51,15 +60,16 @@ def plan_for_target(
         model.require_convertible()
         found = candidates(model, layout, output_format)
         if not found:  # every candidate refused: plan the first for its error
-            return plan_conversion(model, layout or arch.default_layout, to, output_format or "keep", tp, tp_bf16)
+            lay = layout or arch.default_layout
+            return plan_conversion(model, lay, encoding, output_format or "keep", tp, tp_bf16, dequantize)
         chosen = best(found, target, arch.default_layout)
-        if to is None and tp is None and not tp_bf16:  # the candidate is the whole conversion
+        if encoding is None and tp is None and not tp_bf16 and not dequantize:  # the candidate is the whole conversion
             plan = chosen.plan
         else:
-            plan = plan_conversion(model, chosen.layout, to, chosen.output_format, tp, tp_bf16)
+            plan = plan_conversion(model, chosen.layout, encoding, chosen.output_format, tp, tp_bf16, dequantize)
         plan.layout_was_default = layout is None
     else:
-        plan = plan_conversion(model, layout, to, output_format, tp, tp_bf16)
+        plan = plan_conversion(model, layout, encoding, output_format, tp, tp_bf16, dequantize)
     plan.target = target
     return plan
 
@@ -71,10 +81,11 @@ def plan_conversion(
     output_format: OutputFormat = "keep",
     tp: int | None = None,
     tp_bf16: bool = False,
+    dequantize: tuple[str, ...] = (),
 ) -> ConversionPlan:
-    """The whole conversion in `layout` and `output_format`: fused-module layout first, then (with `tp`)
-    MLP padding (and with `tp_bf16` BF16 modules), then (with `to`) the FP8 encoding, then the tensor
-    names and shapes of the output format."""
+    """The whole conversion in `layout` and `output_format`: fused-module layout first (but for the modules
+    `dequantize` patterns name, written in BF16), then (with `tp`) MLP padding (and with `tp_bf16` BF16
+    modules), then (with `to`) the FP8 encoding, then the tensor names and shapes of the output format."""
     ckpt = model.checkpoint
     fmt = model.require_format()
     arch_name, arch = model.require_architecture()
@@ -97,7 +108,11 @@ def plan_conversion(
     replacements: dict[str, list[OutputTensor]] = {}
     changes: list[ModuleChange] = []
     renames: dict[str, list[str]] = {}
+    selection = select_modules(model, dequantize) if dequantize else None
+    chosen_bf16 = set(selection.modules) if selection else set()
     for module in model.fused.values():
+        if module.path in chosen_bf16:
+            continue
         change, outputs = plan_fused_module(module, fmt, chosen)
         changes.append(change)
         replacements.update(outputs)
@@ -106,13 +121,23 @@ def plan_conversion(
     if chosen == "channel":
         replacements.update(plan_channel_weights(model))
     for weight in experts:
+        if weight.module in chosen_bf16:
+            continue
         change, outputs = plan_experts(weight, chosen)
         changes.append(change)
         replacements.update(outputs)
-    padding = plan_tp_padding(model, tp, tp_bf16) if tp else None
+    written_bf16, bf16_outputs = plan_bf16_modules(model, selection.modules) if selection else ([], {})
+    replacements.update(bf16_outputs)
+    padding = plan_tp_padding(model, tp, tp_bf16, chosen_bf16) if tp else None
     if padding is not None:
+        both = sorted(set(padding.outputs) & set(bf16_outputs))
+        if both:
+            raise UnsupportedCheckpoint(
+                f"--tp {tp} and --dequantize: '{both[0]}' would be both padded and written in BF16; leave its "
+                "MLP out of the --dequantize patterns"
+            )
         replacements.update(padding.outputs)
-    shards = [_plan_shard(name, header.metadata, header.tensors, replacements) for name, header in ckpt.shards.items()]
+    shards = [plan_shard(name, header.metadata, header.tensors, replacements) for name, header in ckpt.shards.items()]
     _check_unique_names(shards)
     encoding = plan_encoding(model, shards, to) if to else None
     strategy = None
@@ -144,11 +169,15 @@ def plan_conversion(
             channel=chosen == "channel" and output_format == "keep",
             unfused_config=arch.unfused_config,
             sizes=padding.config if padding else None,
-            unquantized=padding.unquantized if padding else None,
-            linears=unquantized_linears(ckpt.tensors),
+            unquantized=[*(selection.listed if selection else []), *(padding.unquantized if padding else [])],
+            # and the modules written in BF16: a compressed-tensors config must `ignore` them too
+            linears=[*unquantized_linears(ckpt.tensors), *(selection.modules if selection else [])],
         ),
         padding=padding,
+        dequantized=written_bf16,
     )
+    if selection is not None:
+        plan.notes += selection.notes
     if model.spec is None:
         plan.notes.append(unregistered_note(arch_name))
     plan.source_loaders = loader_verdicts(model)
@@ -206,7 +235,7 @@ def _require_channel_format(model: CheckpointModel, output_format: OutputFormat,
         )
 
 
-def _plan_shard(
+def plan_shard(
     name: str, metadata: dict[str, str], tensors: dict[str, TensorInfo], replacements: dict[str, list[OutputTensor]]
 ) -> OutputShard:
     out: list[OutputTensor] = []

@@ -36,7 +36,7 @@ class NameList:
     grammar: Grammar
     file: str = "config.json"  # or hf_quant_config.json (ModelOpt)
     evidence: str = ""  # the loader code that matches entries so
-    # A list of modules left unquantized, where `--tp-bf16` names the modules it writes in BF16:
+    # A list of modules left unquantized, where `--tp-bf16` and `--dequantize` name the modules they write in BF16:
     # "always" (created when absent), "if-set" (only a non-empty list: a loader reads it only then), "" not one.
     unquantized: str = ""
 
@@ -83,13 +83,19 @@ _EXACT_OR_RE = (
 )
 _MODELOPT_FNMATCH = "vllm 0.32 quantization/modelopt.py is_layer_excluded (exact, then fnmatch wildcards)"
 
+_VLLM_FP8_LISTS = "vllm 0.32 quantization/fp8.py Fp8Config.from_config (modules_to_not_convert if no ignored_layers)"
 AUTOFP8 = FormatSpec(
     name="fp8",
     label="AutoFP8 / vLLM fp8 (per-tensor)",
     scalar_shape=(),
     name_lists=(
-        NameList("ignored_layers", "exact", evidence=_VLLM_FP8_EXACT),
-        NameList("modules_to_not_convert", "transformers", evidence=_TRANSFORMERS_MATCH),
+        NameList("ignored_layers", "exact", evidence=f"{_VLLM_FP8_EXACT}; {_VLLM_FP8_LISTS}", unquantized="if-set"),
+        NameList(
+            "modules_to_not_convert",
+            "transformers",
+            evidence=f"{_TRANSFORMERS_MATCH}; {_VLLM_FP8_LISTS}",
+            unquantized="always",
+        ),
     ),
 )
 #: AutoFP8's first releases: `act_scale` for the input scale, one `kv_scale` per attention.
@@ -118,7 +124,6 @@ def compressed_tensors_names(name: str) -> tuple[str, ...]:
 #: vLLM reads `ignored_layers` when it is non-empty, else `modules_to_not_convert`; transformers reads only
 #: `modules_to_not_convert`. So a module left unquantized goes in `modules_to_not_convert` always, and in
 #: `ignored_layers` too where that list is set.
-_VLLM_FP8_LISTS = "vllm 0.32 quantization/fp8.py Fp8Config.from_config (modules_to_not_convert if no ignored_layers)"
 BLOCK_FP8 = FormatSpec(
     name="fp8",
     label="block FP8 (DeepSeek-V3 / Qwen3 / FineGrainedFP8)",
@@ -149,7 +154,9 @@ QUARK = FormatSpec(
     name="quark",
     label="AMD Quark FP8",
     scalar_shape=(),
-    name_lists=(NameList("exclude", "exact-or-re", evidence=_EXACT_OR_RE.format("quark/utils.py")),),
+    name_lists=(
+        NameList("exclude", "exact-or-re", evidence=_EXACT_OR_RE.format("quark/utils.py"), unquantized="always"),
+    ),
 )
 MODELOPT = FormatSpec(
     name="modelopt",

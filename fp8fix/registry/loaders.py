@@ -354,6 +354,29 @@ DEFAULT_EVIDENCE: dict[str, str] = {
     TRANSFORMERS: REAL_LOADER_TESTS,
 }
 
+#: The rules that still hold of a plain (unquantized) model: the architecture's and the module names'; the
+#: others are about FP8 weights, scales and quantization configs, which it has none of.
+PLAIN_MODEL_RULES = frozenset(
+    {
+        "vllm_removed_architecture",
+        "transformers_missing_architecture",
+        "remote_code_architecture",
+        "unfused_on_transformers_backend",
+        "unfused_names",
+    }
+)
+PLAIN_MODEL = "no FP8 weights and no quantization config: a plain model, built and loaded unquantized"
+BF16_LOADER_TESTS = "tests/loaders/test_unquantized_loads.py"
+#: What stands behind "loads" for a plain model: the real loaders measured; the older vLLMs' source read.
+UNQUANTIZED_EVIDENCE: dict[str, str] = {
+    VLLM_LEGACY: "vllm 0.5.0 config.py ModelConfig._verify_quantization (no quantization config: none); "
+    "from source, not run",
+    VLLM_OLD: "vllm 0.5.1-0.19 config.py ModelConfig._verify_quantization (no quantization config: none); "
+    "from source, not run",
+    VLLM: BF16_LOADER_TESTS + " (vLLM 0.32: no quantization method, every weight OUTPUT's)",
+    TRANSFORMERS: BF16_LOADER_TESTS + " (transformers 5.24: no quantizer, every weight OUTPUT's)",
+}
+
 #: Why a loader takes a checkpoint when no rule stops it, by how its fused modules are stored.
 LOADS_BECAUSE: dict[str, dict[str, str]] = {
     VLLM_LEGACY: {"unfused": "Llama-style q/k/v and gate/up names, one scalar scale each"},

@@ -79,6 +79,28 @@ def encoding_line(plan: ConversionPlan) -> str | None:
     return line
 
 
+def dequantized_lines(plan: ConversionPlan) -> list[str]:
+    """`--to bf16` / `--dequantize`: the weights written unquantized, their growth and worst rounding."""
+    written = plan.dequantized
+    if not written:
+        return []
+    dtype = written[0].dtype
+    grown = sum(m.added_bytes for m in written)
+    errors = [m.max_error for m in written if m.max_error is not None]
+    steps = [m.max_error_steps for m in written if m.max_error_steps is not None]
+    worst = (
+        f"rounding error at most {max(errors):.3g} ({max(steps):.2f} {dtype} steps)"
+        if errors and steps
+        else "rounding error reported once written"
+    )
+    if plan.unquantized:
+        what = f"every FP8 weight ({len(written)}) written in {dtype}, unquantized"
+    else:
+        names = name_pattern([m.module for m in written])
+        what = f"{len(written)} module(s) written in {dtype}, listed as unquantized: {names}"
+    return [f"unquantized: {what}; code x scale rounded once, {worst}; scales dropped, +{human_size(grown)}"]
+
+
 def plan_loaders(plan: ConversionPlan) -> dict[str, dict[str, Any]]:
     """The loaders' verdicts on the checkpoint the plan writes (`fp8fix.verdicts`), as JSON."""
     return verdicts_json(plan.loaders)
@@ -88,17 +110,21 @@ def plan_lines(plan: ConversionPlan, verbose: bool = False) -> list[str]:
     """The plan as text: what the checkpoint is, each kind of module change (each module, and each
     tensor written anew, with `verbose`), the output files."""
     how = f"best for --target {plan.target}" if plan.layout_was_default else "chosen"
-    lines = [
-        f"source:  {plan.source} ({plan.architecture}, {plan.format.label})",
-        f"layout:  {plan.layout} ({how})"
-        + (f"; written as {plan.output_format}" if plan.output_format != "keep" else ""),
-    ]
+    lines = [f"source:  {plan.source} ({plan.architecture}, {plan.format.label})"]
+    if plan.unquantized:
+        lines.append(f"output:  a plain {plan.unquantized} model (no quantization config), module names kept")
+    else:
+        lines.append(
+            f"layout:  {plan.layout} ({how})"
+            + (f"; written as {plan.output_format}" if plan.output_format != "keep" else "")
+        )
     groups = [g for m in plan.modules for g in module_groups(_only(plan, m))] if verbose else module_groups(plan)
     encoding = encoding_line(plan)
     if encoding:
         lines.append(encoding)
     lines += padding_lines(plan)
-    if not groups:
+    lines += dequantized_lines(plan)
+    if not groups and not plan.unquantized:
         lines.append("modules: no fused modules in this checkpoint")
     for g in groups:
         into = f" -> {', '.join(g['into'])}" if g["into"] else ""
@@ -166,7 +192,8 @@ def padding_lines(plan: ConversionPlan) -> list[str]:
 
 
 def loader_lines(plan: ConversionPlan) -> list[str]:
-    lines = [f"loaders for the {plan.layout} layout (what OUTPUT will do):"]
+    what = f"the plain {plan.unquantized} model" if plan.unquantized else f"the {plan.layout} layout"
+    lines = [f"loaders for {what} (what OUTPUT will do):"]
     for name, v in plan.loaders.items():
         was = plan.source_loaders.get(name)
         change = f" (SOURCE: {was.verdict})" if was and was.verdict != v.verdict else ""
@@ -211,6 +238,8 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
             for s in plan.shards
         ],
         "encoding": None if plan.encoding is None else dataclasses.asdict(plan.encoding),
+        "unquantized": plan.unquantized,
+        "dequantized": [dataclasses.asdict(m) for m in plan.dequantized],
         "tensor_parallel": None
         if plan.padding is None
         else {

@@ -19,7 +19,13 @@ from fp8fix.io.checkpoint import CARD
 from fp8fix.io.source_tree import read_regular
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.registry.formats import COMPRESSED_TENSORS
-from fp8fix.report.convert_report import VLLM_FNUZ_NOTE, encoding_line, module_groups, padding_lines
+from fp8fix.report.convert_report import (
+    VLLM_FNUZ_NOTE,
+    dequantized_lines,
+    encoding_line,
+    module_groups,
+    padding_lines,
+)
 
 TAGS = ["fp8", "fp8fix"]
 #: The card's sentence naming what was converted and how; `commit_message` reads it back.
@@ -177,6 +183,8 @@ def metadata_yaml(metadata: dict[str, Any]) -> str:
 
 def format_line(plan: ConversionPlan) -> str:
     """The output's format, and the source's where the conversion changed it."""
+    if plan.unquantized:
+        return f"{plan.unquantized}, unquantized (dequantized from {plan.format.label})"
     if plan.output_format == "compressed-tensors" and plan.format.name != COMPRESSED_TENSORS.name:
         return f"{COMPRESSED_TENSORS.label} (converted from {plan.format.label})"
     return f"{plan.format.label} (as the source)"
@@ -192,9 +200,10 @@ def conversion_section(
         "",
         f"- Architecture: {plan.architecture}",
         f"- Format: {format_line(plan)}",
-        f"- Layout: **{plan.layout}**",
+        *([] if plan.unquantized else [f"- Layout: **{plan.layout}**"]),
         "",
     ]
+    lines += [f"- {line.capitalize()}" for line in dequantized_lines(plan)]
     encoding = encoding_line(plan)
     if encoding:
         lines += [f"- FP8 {encoding}", "", VLLM_FNUZ_NOTE.replace("note: ", "Note: ", 1), ""]
@@ -212,7 +221,7 @@ def conversion_section(
             lines.append(
                 f"| `{g['modules']}` | {g['count']} | {g['scale']} | {g['action']}{into}{error} | {g['reason']} |"
             )
-    else:
+    elif not plan.dequantized:
         lines.append("No fused modules: every tensor is copied unchanged.")
     lines.append("")
     if config_edits:
@@ -254,9 +263,14 @@ def write_card(
             warnings.append(f"{CARD}: {problem}; its metadata was dropped, its text is kept")
     metadata = _card_metadata(metadata, warnings)
     if base_model:  # converted from a Hub repo: link it, as the Hub's model tree expects
-        metadata = {**metadata, "base_model": base_model, "base_model_relation": "quantized"}
+        metadata = {**metadata, "base_model": base_model}
+        if not plan.unquantized:  # a dequantized model is no quantization of its base: the Hub infers none
+            metadata["base_model_relation"] = "quantized"
     rocm = ["e4m3fnuz", "rocm"] if plan.encoding and plan.encoding.target == "e4m3fnuz" else []
-    metadata["tags"] = list(dict.fromkeys([*_tags(metadata.get("tags")), *TAGS, *rocm]))
+    tags = [*_tags(metadata.get("tags")), *TAGS, *rocm]
+    if plan.unquantized:  # no FP8 weight left: the Hub must not list it as one
+        tags = [t for t in tags if t != "fp8"] + [plan.unquantized.lower()]
+    metadata["tags"] = list(dict.fromkeys(tags))
     text = conversion_section(plan, source_name, options, config_edits, verified)
     if body.strip():
         text += "\n## Original model card\n\n" + body.strip() + "\n"

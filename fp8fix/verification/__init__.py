@@ -17,7 +17,8 @@ Then:
   (requantized modules) within half an fp8 step, or at the clamp;
 - static input scales equal the source's (times the encoding's factor, or their max);
 - every other tensor, or its row slice, is byte-identical;
-- `--tp` padding and `--tp-bf16` weights are checked as such (`padding`, `dequantized`);
+- `--tp` padding and weights written unquantized (`--to bf16`, `--dequantize`, `--tp-bf16`) are checked as
+  such (`padding`, `dequantized`);
 - every OUTPUT tensor has the dtype and shape its SOURCE tensor and mapping give (`shapes`);
 - index, shard files and their `__metadata__`, and the copied files are what they should be,
   and OUTPUT holds no file besides them;
@@ -80,7 +81,7 @@ def verify(
         ctx = VerifyContext(model, out, fmt, VerifyReport(str(source), str(output)), files)
         ctx.padded = padded_tensors(ctx)
         ctx.dequantized = dequantized_weights(ctx)
-        ctx.dropped = dropped_scales(ctx.dequantized)
+        ctx.dropped = dropped_scales(ctx, ctx.dequantized)
         checks = _TensorChecks(ctx, map_tensors(ctx), part)
         ctx.report.part = list(part) if part else None
         with progress_bar(checks.total, "fp8fix verify", quiet) as bar:
@@ -142,7 +143,7 @@ class _TensorChecks:
         ctx = self.ctx
         for (name, targets), cost in zip(self.items[start:end], self.costs[start:end], strict=True):
             weight = self.weights.get(name)
-            if name in ctx.dequantized:  # `--tp-bf16`: written in BF16
+            if name in ctx.dequantized:  # `--to bf16`, `--dequantize`, `--tp-bf16`: written unquantized
                 ctx.report.weights.append(check_dequantized(ctx, ctx.dequantized[name]))
             elif name in ctx.padded:  # `--tp`: a padded MLP weight (its scale is checked with it)
                 if name not in self.scale_names:

@@ -13,7 +13,7 @@ import re
 from fp8fix.errors import InvalidCheckpoint
 from fp8fix.io.checkpoint import CARD
 from fp8fix.io.source_tree import read_regular
-from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ
+from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ, is_fp8
 from fp8fix.verification.context import VerifyContext
 
 #: A card fp8fix writes is kilobytes; verify reads at most this much of OUTPUT's.
@@ -39,9 +39,12 @@ def check_card(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
         return
     tags = _tags(front.splitlines())
     body = body.split("\n## Original model card\n")[0]  # fp8fix's section: SOURCE's own card may be one too
-    for tag in ("fp8", "fp8fix"):
+    fp8 = any(is_fp8(t.dtype) for t in ctx.out.tensors.values())
+    for tag in ("fp8", "fp8fix") if fp8 else ("fp8fix",):
         if tag not in tags:
             problem(f"{CARD}: no `{tag}` tag")
+    if not fp8 and "fp8" in tags:
+        problem(f"{CARD}: an `fp8` tag on a model with no FP8 weights")
     if not _CONVERTED.search(body):
         problem(f"{CARD}: does not say what it was converted from")
     layouts = _LAYOUT.findall(body)
@@ -51,7 +54,7 @@ def check_card(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
     elif not renames and said == "unfused" and ctx.model.fused:
         problem(f"{CARD}: says unfused, but OUTPUT keeps SOURCE's fused modules")
     encodings = {t.dtype for t in ctx.out.tensors.values()} & {E4M3FN, E4M3FNUZ}
-    recoded = encodings != {t.dtype for t in ctx.src.tensors.values()} & {E4M3FN, E4M3FNUZ}
+    recoded = bool(encodings) and encodings != {t.dtype for t in ctx.src.tensors.values()} & {E4M3FN, E4M3FNUZ}
     if recoded != ("FP8 encoding: e4m3fn" in body and "->" in body):
         problem(f"{CARD}: {'does not say' if recoded else 'says'} the FP8 weights changed encoding")
     if recoded and encodings == {E4M3FNUZ} and "e4m3fnuz" not in tags:

@@ -30,7 +30,7 @@ from fp8fix.model import KV_SCALE_SUFFIXES, ignore_linears, unquantized_linears
 from fp8fix.numerics.dtypes import is_fp8
 from fp8fix.registry.formats import COMPRESSED_TENSORS, NameList, locations, matches
 from fp8fix.registry.formats import quantization_config as quantization_of
-from fp8fix.verification.context import VerifyContext
+from fp8fix.verification.context import VerifyContext, plain_output
 from fp8fix.verification.sizes import check_sizes
 
 _NAME_LIST = "<a name list, compared by meaning>"
@@ -42,6 +42,9 @@ def check_config(
 ) -> list[str]:
     """Report every way OUTPUT's config files differ from what SOURCE's mean for OUTPUT's tensors; return
     the side config files (ModelOpt's) that OUTPUT holds rewritten, so they are not taken for copies."""
+    if plain_output(ctx):
+        _plain_config(ctx)
+        return []
     src, out = ctx.src.config, ctx.out.config
     _model_keys(ctx, renames, sizes)
     for line in check_sizes(ctx.out, ctx.src):
@@ -59,6 +62,38 @@ def check_config(
         lists = [n for n in ctx.fmt.name_lists if n.file == CONFIG]
         _same_but_names(ctx, CONFIG, "quantization_config", source_qc, output_qc, lists, renames, unquantized)
     return _side_configs(ctx, renames, kept)
+
+
+#: The torch dtype name config.json gives weights of each unquantized safetensors dtype.
+TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
+#: config.json keys naming the model's dtype (transformers < 5: torch_dtype; 5 reads dtype too).
+DTYPE_KEYS = ("torch_dtype", "dtype")
+
+
+def _plain_config(ctx: VerifyContext) -> None:
+    """A plain OUTPUT (`--to bf16`): SOURCE's config without its quantization config, its dtype keys (or
+    torch_dtype, where SOURCE has none) naming the one dtype every FP8 weight of SOURCE is written in."""
+    report = ctx.report
+    dtypes = {ctx.out.tensors[n].dtype for n in ctx.dequantized}
+    missing = [w.name for w in ctx.model.module_weights() if w.name not in ctx.dequantized]
+    if missing:
+        report.problem(f"'{missing[0]}': an FP8 weight of SOURCE that the plain OUTPUT does not hold unquantized")
+    if len(dtypes) != 1:
+        report.problem(f"OUTPUT's unquantized weights are {sorted(dtypes) or 'none'}, not one dtype")
+        return
+    torch_dtype = TORCH_DTYPES[dtypes.pop()]
+    src, out = ctx.src.config, ctx.out.config
+    keys = [k for k in DTYPE_KEYS if k in src] or ["torch_dtype"]
+    expected = {k: v for k, v in src.items() if k not in ("quantization_config", "compression_config")}
+    expected.update({k: torch_dtype for k in keys})
+    for key in sorted(set(expected) | set(out)):
+        if out.get(key, _ABSENT) != expected.get(key, _ABSENT):
+            shown = "absent" if key not in out else f"{out[key]!r:.60}"
+            want = "absent" if key not in expected else f"{expected[key]!r:.60}"
+            report.problem(f"config.json: {key} is {shown}; a plain model of SOURCE's has {want}")
+
+
+_ABSENT = object()
 
 
 def _model_keys(ctx: VerifyContext, renames: dict[str, list[str]], sizes: dict[str, int]) -> None:

@@ -10,8 +10,8 @@ from fp8fix.io.checkpoint import Checkpoint, check_scale_values
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.io.source_files import SourceFiles
 from fp8fix.model import CheckpointModel, FusedModule
-from fp8fix.numerics.dtypes import ITEM_SIZE
-from fp8fix.registry.formats import FormatSpec
+from fp8fix.numerics.dtypes import ITEM_SIZE, is_fp8
+from fp8fix.registry.formats import FormatSpec, quantization_config
 from fp8fix.verification.report import VerifyReport
 
 #: Elements compared per step: memory stays at a few row chunks whatever the tensor's size.
@@ -46,6 +46,11 @@ class VerifyContext:
         """The shard of each row of a fused module of SOURCE's registry entry, None for other modules."""
         f: FusedModule | None = self.model.fused.get(module)
         return f.shard_of_rows() if f else None
+
+
+def plain_output(ctx: VerifyContext) -> bool:
+    """OUTPUT is a plain model: no quantization config and no FP8 tensor (`convert --to bf16`)."""
+    return quantization_config(ctx.out.config) is None and not any(is_fp8(t.dtype) for t in ctx.out.tensors.values())
 
 
 def scale_values(scale: TensorInfo, where: str) -> list[float]:

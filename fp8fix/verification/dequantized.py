@@ -1,36 +1,45 @@
-"""Verifying `--tp-bf16`: FP8 modules OUTPUT holds in BF16, unquantized.
+"""Verifying FP8 weights OUTPUT holds unquantized (`--to bf16` / `float16`, `--dequantize`, `--tp-bf16`).
 
-Read off OUTPUT itself (never the plan): a SOURCE FP8 weight with a block scale whose OUTPUT tensor
-is BF16 of the same shape. Each of its values must be the SOURCE code times its block scale,
-computed exactly in float64, to within half a BF16 step (one rounding to nearest); its scales
-must be gone from OUTPUT, and config.json must list the module as unquantized (`config.check_config`,
-whose name lists must name them where a list is one of modules left unquantized).
+Read off OUTPUT itself (never the plan): a SOURCE FP8 weight whose OUTPUT tensor is BF16 or F16 of
+the same shape. Each of its values must be the SOURCE code times its scale (per tensor, per shard,
+per row, per block, per chunk's block, per expert or per expert and column, expanded here by verify's
+own reading of the scales, `weights.scale_rows` / `expert_column_scales`), computed in float64, to
+within half a step of the output dtype (one rounding to nearest); its scales must be gone from OUTPUT.
+A plain OUTPUT (no quantization config, no FP8 tensor) must have lost the kv-cache scales too; its
+config is checked in `config.check_config`, a partly dequantized one's lists in `config.check_config`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from fp8fix.model import Fp8Weight
-from fp8fix.numerics.dequantize import BF16, bf16_step, code_values
-from fp8fix.verification.context import Mismatch, VerifyContext, scale_values
+from fp8fix.numerics.dequantize import BF16, F16, code_values, output_step
+from fp8fix.verification.context import CHUNK_ELEMENTS, Mismatch, VerifyContext, plain_output, scale_values
 from fp8fix.verification.report import WeightCheck
+from fp8fix.verification.weights import expert_column_scales, scale_rows
+
+#: The dtypes an FP8 weight may be written unquantized in.
+UNQUANTIZED_DTYPES = (BF16, F16)
 
 
 def dequantized_weights(ctx: VerifyContext) -> dict[str, Fp8Weight]:
-    """SOURCE's block-scaled FP8 weights that OUTPUT holds in BF16, by name, in checkpoint order."""
-    block = ctx.fmt.block
-    if block is None:
-        return {}
+    """SOURCE's FP8 weights that OUTPUT holds in BF16 or F16 under their own name, in checkpoint order."""
     found = {}
     for w in ctx.model.module_weights():
         o = ctx.out.tensors.get(w.name)
-        if o is not None and o.dtype == BF16 and w.scale is not None and len(w.scale.shape) == 2 and not w.stacked:
+        if o is not None and o.dtype in UNQUANTIZED_DTYPES and w.scale is not None:
             found[w.name] = w
     return found
 
 
-def dropped_scales(weights: dict[str, Fp8Weight]) -> set[str]:
-    """The scale tensors of those weights: OUTPUT must not hold them."""
-    return {t.name for w in weights.values() for t in (w.scale, w.input_scale) if t is not None}
+def dropped_scales(ctx: VerifyContext, weights: dict[str, Fp8Weight]) -> set[str]:
+    """The scale tensors OUTPUT must not hold: those of the weights it holds unquantized, and in a plain
+    OUTPUT every kv-cache scale."""
+    dropped = {t.name for w in weights.values() for t in (w.scale, w.input_scale) if t is not None}
+    if plain_output(ctx):
+        dropped |= {t.name for t in ctx.model.kv_cache_scales}
+    return dropped
 
 
 def unquantized_modules(weights: dict[str, Fp8Weight]) -> list[str]:
@@ -38,37 +47,85 @@ def unquantized_modules(weights: dict[str, Fp8Weight]) -> list[str]:
 
 
 def check_dequantized(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
-    """Every value of the BF16 weight within half a BF16 step of SOURCE's code times its block scale."""
+    """Every value of the unquantized weight within half a step of SOURCE's code times its scale."""
     import numpy as np
 
     name, t = weight.name, weight.tensor
     o = ctx.out.tensors[name]
     check = WeightCheck(name, [name], "dequantized")
-    assert weight.scale is not None and ctx.fmt.block is not None
-    b0, b1 = ctx.fmt.block
     try:
         if o.shape != t.shape:
-            raise Mismatch(f"'{name}' is {o.dtype} {list(o.shape)}; expected BF16 {list(t.shape)} (SOURCE's shape)")
-        rows, cols = t.shape
-        grid = np.array(scale_values(weight.scale, "SOURCE"), dtype=np.float64).reshape(weight.scale.shape)
+            raise Mismatch(f"'{name}' is {o.dtype} {list(o.shape)}; expected SOURCE's shape {list(t.shape)}")
+        cols = t.shape[-1]
+        rows = t.numel // cols
+        scales = _ScaleGrid(ctx, weight)
         values = code_values(t.dtype)
-        for r0 in range(0, rows, b0):
-            r1 = min(rows, r0 + b0)
+        step_rows = max(1, CHUNK_ELEMENTS // cols)
+        for r0 in range(0, rows, step_rows):
+            r1 = min(rows, r0 + step_rows)
             codes = np.frombuffer(ctx.read_rows(t, r0, r1, cols), dtype=np.uint8).reshape(r1 - r0, cols)
-            exact = values[codes] * np.repeat(grid[r0 // b0], b1)[:cols]
-            bits = np.frombuffer(ctx.read_rows(o, r0, r1, cols), dtype="<u2").astype(np.uint32) << np.uint32(16)
-            got = bits.view(np.float32).astype(np.float64).reshape(r1 - r0, cols)
+            exact = values[codes] * scales.rows(r0, r1)
+            got = _as_float64(ctx.read_rows(o, r0, r1, cols), o.dtype).reshape(r1 - r0, cols)
             error = np.abs(got - exact)
-            steps = np.divide(error, bf16_step(exact), out=np.zeros_like(error), where=exact != 0)
+            steps = np.divide(error, output_step(exact, o.dtype), out=np.zeros_like(error), where=exact != 0)
             bad = ~np.isfinite(got) | ~np.isfinite(exact) | (steps > 0.5) | ((exact == 0) & (got != 0))
             if bad.any():
                 r, c = (int(i) for i in np.argwhere(bad)[0])
                 raise Mismatch(
-                    f"'{name}' row {r0 + r} column {c}: {got[r, c]!r}, expected SOURCE's code times its block "
-                    f"scale, {exact[r, c]!r}, rounded to BF16 (half a BF16 step at most)"
+                    f"'{name}' row {r0 + r} column {c}: {float(got[r, c])!r}, expected SOURCE's code times its scale, "
+                    f"{float(exact[r, c])!r}, rounded to {o.dtype} (half a {o.dtype} step at most)"
                 )
             check.max_error = max(check.max_error, float(error.max(initial=0.0)))
             check.max_error_steps = max(check.max_error_steps, float(steps.max(initial=0.0)))
     except Mismatch as e:
         ctx.report.problem(str(e))
     return check
+
+
+def _as_float64(data: bytes, dtype: str) -> Any:
+    """Little-endian BF16 or F16 values as float64 (BF16: the top half of a float32)."""
+    import numpy as np
+
+    if dtype == F16:
+        return np.frombuffer(data, dtype="<f2").astype(np.float64)
+    bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << np.uint32(16)
+    return bits.view(np.float32).astype(np.float64)
+
+
+class _ScaleGrid:
+    """The scale of every element of a SOURCE FP8 weight, by rows (stacked experts as [E * in, out] rows),
+    from the scale tensor as verify reads it."""
+
+    def __init__(self, ctx: VerifyContext, weight: Fp8Weight) -> None:
+        import numpy as np
+
+        self.weight, t, scale = weight, weight.tensor, weight.scale
+        assert scale is not None
+        block = ctx.fmt.block
+        self.cols = t.shape[-1]
+        self.grid = self.rows_of = self.per_row = self.experts = None
+        if weight.stacked:
+            self.experts = expert_column_scales(ctx, weight, ctx.src.tensors, "SOURCE")  # [E, out]
+            self.inner = t.shape[1]
+        elif block and scale.numel > 1 and len(scale.shape) == 2:
+            grid = np.asarray(scale_values(scale, "SOURCE"), dtype=np.float64).reshape(scale.shape)
+            self.grid = np.repeat(grid, block[1], axis=1)[:, : self.cols]  # [grid rows, cols]
+            fused, b0 = weight.fused, block[0]
+            self.rows_of = np.array(
+                [fused.scale_row(r, b0) if fused else r // b0 for r in range(t.shape[0])], dtype=np.intp
+            )
+        else:
+            rows = scale_rows(scale, t, ctx.shard_of_rows(weight.module), "SOURCE")
+            self.per_row = np.asarray(rows, dtype=np.float64)
+
+    def rows(self, r0: int, r1: int) -> Any:
+        """[r1 - r0, cols] scales, or [r1 - r0, 1] where each row has one."""
+        import numpy as np
+
+        if self.experts is not None:
+            return self.experts[np.arange(r0, r1) // self.inner]
+        if self.grid is not None:
+            assert self.rows_of is not None
+            return self.grid[self.rows_of[r0:r1]]
+        assert self.per_row is not None
+        return self.per_row[r0:r1, None]

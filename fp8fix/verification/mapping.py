@@ -38,9 +38,9 @@ def map_tensors(ctx: VerifyContext) -> dict[str, list[Target]]:
     mapping: dict[str, list[Target]] = {}
     for name, t in ctx.src.tensors.items():
         rows = t.shape[0] if t.shape else 1
-        if name in ctx.dropped:  # the scale of a weight OUTPUT holds in BF16 (`--tp-bf16`)
+        if name in ctx.dropped:  # the scale of a weight OUTPUT holds unquantized; a plain OUTPUT's kv-cache scale
             if name in out.tensors:
-                ctx.report.problem(f"'{name}': OUTPUT holds its weight in BF16, so it must not hold this scale")
+                ctx.report.problem(f"'{name}': OUTPUT holds its weight unquantized, so it must not hold this scale")
             continue
         if name in out.tensors:
             mapping[name] = [Target(name, 0, rows)]

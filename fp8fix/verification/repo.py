@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import filecmp
 
-from fp8fix.io.checkpoint import CARD, INDEX
+from fp8fix.io.checkpoint import CARD, CONFIG, INDEX
 from fp8fix.io.safetensors_file import read_values
 from fp8fix.io.source_files import CHUNK
 from fp8fix.io.source_tree import SourceTree
@@ -12,7 +12,7 @@ from fp8fix.numerics.recodings import scale_factor
 from fp8fix.registry.formats import COMPRESSED_TENSORS, quantization_config
 from fp8fix.verification.card import check_card
 from fp8fix.verification.config import check_config
-from fp8fix.verification.context import VerifyContext
+from fp8fix.verification.context import VerifyContext, plain_output
 from fp8fix.verification.mapping import Target
 
 
@@ -80,7 +80,9 @@ def check_repo(
         _check_metadata(ctx, name, header.metadata)
     rewritten = check_config(ctx, renames, sizes, unquantized)
     check_card(ctx, renames)
-    copies = src.copied_files(rewritten)
+    # a plain model (`--to bf16`) has no quantization: a format's side config (ModelOpt's) stays behind
+    dropped = [n.file for n in ctx.fmt.name_lists if n.file != CONFIG] if plain_output(ctx) else []
+    copies = src.copied_files([*rewritten, *dropped])
     present, unreadable = SourceTree.of(out.root).files()
     for line in unreadable:
         report.problem(f"{line.split('; ')[0]} in OUTPUT; a conversion writes only regular files")

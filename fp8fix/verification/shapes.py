@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from fp8fix.numerics.dequantize import BF16
+from fp8fix.numerics.dequantize import BF16, F16
 from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES
 from fp8fix.registry.formats import COMPRESSED_TENSORS
 from fp8fix.verification.context import VerifyContext
@@ -59,7 +59,10 @@ def check_shapes(ctx: VerifyContext, mapping: dict[str, list[Target]], compresse
                 expected = {t.shape}
             else:
                 expected = {(sum(p.end - p.start for p in parts), *t.shape[1:])}
-            dtypes = {BF16} if name in ctx.dequantized else set(FP8_WEIGHT_DTYPES) if name in weights else {t.dtype}
+            unquantized = {BF16, F16}
+            dtypes = (
+                unquantized if name in ctx.dequantized else set(FP8_WEIGHT_DTYPES) if name in weights else {t.dtype}
+            )
             if o.shape not in expected or o.dtype not in dtypes:
                 want = " or ".join(str(list(s)) for s in sorted(expected))
                 ctx.report.problem(

@@ -39,7 +39,7 @@ def check_weight(ctx: VerifyContext, weight: Fp8Weight, targets: list[Target]) -
         if fmt.block and src_scale is not None and src_scale.numel > 1 and len(src_scale.shape) == 2:
             _compare_block(ctx, weight, targets, src_scale, check)
             return check
-        src_scales = _scale_rows(src_scale, w, ctx.shard_of_rows(weight.module), "SOURCE")
+        src_scales = scale_rows(src_scale, w, ctx.shard_of_rows(weight.module), "SOURCE")
         for target in targets:
             o = ctx.out.tensors[target.name]
             if (
@@ -50,7 +50,7 @@ def check_weight(ctx: VerifyContext, weight: Fp8Weight, targets: list[Target]) -
                 raise Mismatch(f"'{target.name}' is {o.dtype} {list(o.shape)}, expected FP8 rows of '{name}'")
             out_module = target.name.rsplit(".", 1)[0]
             out_scale = ctx.out.tensors.get(f"{out_module}.{fmt.weight_scale}")
-            out_scales = _scale_rows(out_scale, o, ctx.shard_of_rows(out_module), "OUTPUT")
+            out_scales = scale_rows(out_scale, o, ctx.shard_of_rows(out_module), "OUTPUT")
             _compare_rows(ctx, w, o, target, src_scales, out_scales, check)
     except Mismatch as e:
         ctx.report.problem(str(e))
@@ -66,8 +66,8 @@ def check_stacked_experts(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
     try:
         if o.dtype not in FP8_WEIGHT_DTYPES or o.shape != w.shape:
             raise Mismatch(f"'{name}' is {o.dtype} {list(o.shape)}, expected FP8 {list(w.shape)}")
-        src_grid = _expert_column_scales(ctx, weight, ctx.src.tensors, "SOURCE")
-        out_grid = _expert_column_scales(ctx, weight, ctx.out.tensors, "OUTPUT")
+        src_grid = expert_column_scales(ctx, weight, ctx.src.tensors, "SOURCE")
+        out_grid = expert_column_scales(ctx, weight, ctx.out.tensors, "OUTPUT")
         ratios = np.unique(out_grid / src_grid).tolist()
         if len(ratios) != 1 or not is_power_of_two(ratios[0]):
             raise Mismatch(
@@ -90,7 +90,7 @@ def check_stacked_experts(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
     return check
 
 
-def _expert_column_scales(ctx: VerifyContext, weight: Fp8Weight, tensors: dict[str, TensorInfo], where: str) -> Any:
+def expert_column_scales(ctx: VerifyContext, weight: Fp8Weight, tensors: dict[str, TensorInfo], where: str) -> Any:
     """The scale of every (expert, output column) of stacked experts, as a float64 [E, out] array."""
     w = weight.tensor
     experts, _, cols = w.shape
@@ -110,7 +110,7 @@ def _expert_column_scales(ctx: VerifyContext, weight: Fp8Weight, tensors: dict[s
     raise Mismatch(f"{where}: scale '{scale.name}' of shape {list(scale.shape)} does not fit '{w.name}'")
 
 
-def _scale_rows(scale: TensorInfo | None, weight: TensorInfo, row_shards: list[int] | None, where: str) -> list[float]:
+def scale_rows(scale: TensorInfo | None, weight: TensorInfo, row_shards: list[int] | None, where: str) -> list[float]:
     """One scale value per row of `weight`, from a per-tensor, per-shard or per-channel scale."""
     if scale is None:
         raise Mismatch(f"{where}: FP8 weight '{weight.name}' has no scale")
