@@ -315,8 +315,11 @@ def build(
     ignore: list[str] | None = None,
     scale_in_other_file: bool = True,
     extra_files: bool = True,
+    complete: bool = False,
 ) -> Path:
-    """Write `model` as an FP8 checkpoint into `root`; return `root`."""
+    """Write `model` as an FP8 checkpoint into `root`; return `root`. `complete`: every norm the model has
+    (post_attention_layernorm too), as a loader of an unquantized model requires (vLLM checks that every
+    parameter was loaded only when no quantization method is set: DefaultModelLoader.load_weights)."""
     gen = torch.Generator().manual_seed(seed)
     spec = FORMATS[fmt]
     per_tensor_shape = spec.scalar_shape
@@ -351,6 +354,8 @@ def build(
             for kv in spec.kv:
                 tensors[f"{prefix}self_attn.{kv}"] = input_scale(torch.tensor(0.0625), fmt, per_tensor_shape)
         tensors[prefix + "input_layernorm.weight"] = torch.ones(model.hidden, dtype=torch.bfloat16)
+        if complete:
+            tensors[prefix + "post_attention_layernorm.weight"] = torch.ones(model.hidden, dtype=torch.bfloat16)
         layers.append(tensors)
     head = {"model.embed_tokens.weight": torch.randn(model.vocab, model.hidden, generator=gen).to(torch.bfloat16)}
     tail = {

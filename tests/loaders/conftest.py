@@ -36,6 +36,7 @@ class Loaded:
     unexpected: list[str]
     weights: dict[str, torch.Tensor]  # layer -> float32 [out, in] as the loader computes with it
     unreadable: list[str]  # layers the loader keeps in a form the harness cannot read back (repacked)
+    quantization: str | None = None  # the quantization method (vLLM) or quantizer (transformers) chosen
 
 
 #: The real-loader matrix: loader -> case -> (fp8fix's verdict, the loader's outcome, judged?), for the
@@ -95,6 +96,7 @@ def run_loader(loader: str, folders: list[Path], out: Path) -> list[Loaded]:
                 r.get("unexpected_keys", []),
                 weights,
                 r.get("unreadable", []),
+                r.get("quantization"),
             )
         )
     return results

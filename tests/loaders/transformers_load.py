@@ -48,7 +48,9 @@ def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
             continue
         weights[name] = dequantized(module).contiguous()
     report = {k: sorted(v) for k, v in info.items() if isinstance(v, (list, set)) and k != "error_msgs"}
-    return {"loaded": True, "model_class": type(model).__name__, **report}, weights
+    quantizer = getattr(model, "hf_quantizer", None)  # the quantizer transformers chose (None: a plain model)
+    quantization = type(quantizer).__name__ if quantizer is not None else None
+    return {"loaded": True, "model_class": type(model).__name__, "quantization": quantization, **report}, weights
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ loading:
   matmul, needs AMX tiles and 128-wide K blocks: it is allowed here, and its
   `process_weights_after_loading`, which only VNNI-packs the weight for AMX, leaves the
   loaded weight as it is. Block-shape checks and weight loading are vLLM's own.
+- `UnquantizedLinearMethod.process_weights_after_loading` keeps a copy of each plain layer's loaded weight
+  (`_fp8fix_loaded`) before the CPU build repacks it for its GEMM and drops it
+  (`dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`), so unquantized layers (`convert --to bf16`,
+  `--dequantize`) can be read back; what it then does is vLLM's own.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from vllm.distributed.parallel_state import (  # noqa: E402
 )
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel  # noqa: E402
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod  # noqa: E402
 from vllm.model_executor.model_loader import get_model  # noqa: E402
 
 _scaled_fp8_quant = ops.scaled_fp8_quant
@@ -60,6 +65,15 @@ ops.scaled_fp8_quant = static_scaled_fp8_quant
 CPUFp8BlockScaledMMKernel.is_supported = classmethod(lambda cls, compute_capability=None: (True, None))
 CPUFp8BlockScaledMMKernel.can_implement = classmethod(lambda cls, config: (True, None))
 CPUFp8BlockScaledMMKernel.process_weights_after_loading = lambda self, layer: None
+_process_unquantized = UnquantizedLinearMethod.process_weights_after_loading
+
+
+def keep_loaded_weight(self, layer):  # type: ignore[no-untyped-def]
+    layer._fp8fix_loaded = layer.weight.detach().clone()
+    _process_unquantized(self, layer)
+
+
+UnquantizedLinearMethod.process_weights_after_loading = keep_loaded_weight
 
 
 def dequantized(layer: torch.nn.Module) -> torch.Tensor:
@@ -107,7 +121,9 @@ def build_model(folder: Path, tp: int = 1, rank: int = 0) -> torch.nn.Module:
             _DISTRIBUTED.append(True)
         group = parallel_state.get_tp_group()
         group.world_size, group.rank_in_group = tp, rank
-        return get_model(vllm_config=config)
+        model = get_model(vllm_config=config)
+        model._fp8fix_quantization = config.model_config.quantization  # the method vLLM chose (None: none)
+        return model
 
 
 def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
@@ -119,6 +135,12 @@ def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
         and getattr(module, "weight", None) is not None
     }
     weights = {name: dequantized(module).contiguous() for name, module in layers.items()}
+    plain = {  # unquantized linear layers, as loaded (see keep_loaded_weight)
+        name: module._fp8fix_loaded.float().contiguous()
+        for name, module in model.named_modules()
+        if name not in layers and isinstance(getattr(module, "_fp8fix_loaded", None), torch.Tensor)
+    }
+    weights.update({name: w for name, w in plain.items() if name != "lm_head"})
     head = getattr(model, "lm_head", None)  # vLLM's ParallelLMHead: never quantized by these formats
     unreadable = []
     if isinstance(getattr(head, "weight", None), torch.Tensor) and head.weight.numel():
@@ -129,7 +151,13 @@ def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     weights.update(
         {f"{name}::scale": scale_of(module).float().reshape(-1).contiguous() for name, module in layers.items()}
     )
-    return {"loaded": True, "model_class": type(model).__name__, "unreadable": unreadable}, weights
+    quantization = model._fp8fix_quantization
+    return {
+        "loaded": True,
+        "model_class": type(model).__name__,
+        "unreadable": unreadable,
+        "quantization": quantization,
+    }, weights
 
 
 if __name__ == "__main__":
