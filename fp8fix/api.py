@@ -36,12 +36,14 @@ from fp8fix.vocab import (
     LAYOUTS,
     OUTPUT_FORMATS,
     PRECISIONS,
+    SCALES,
     SCHEMA_VERSION,
     TARGETS,
     TO_NAMES,
     ConvertTo,
     Layout,
     OutputFormat,
+    Scales,
     Target,
 )
 
@@ -87,6 +89,7 @@ def convert(
     tp: int | None = None,
     tp_bf16: bool = False,
     dequantize: Sequence[str] = (),
+    scales: Scales | None = None,
     verify: bool = False,
     dry_run: bool = False,
     overwrite: bool = False,
@@ -107,7 +110,7 @@ def convert(
 
     _count("jobs", jobs)
     with api_errors(), _hub_progress(progress, source):
-        base = _conversion(layout, to, target, output_format, tp, tp_bf16, dequantize)
+        base = _conversion(layout, to, target, output_format, tp, tp_bf16, dequantize, scales)
         reg = _registry(registry, arch_files)
         folder, repo_id = _source(source, revision, token)
         options = replace(
@@ -131,12 +134,14 @@ def _conversion(
     tp: int | None,
     tp_bf16: bool,
     dequantize: Sequence[str] = (),
+    scales: Scales | None = None,
 ) -> ConvertOptions:
     """What convert and convert_to_hub both take, checked before any work, as options."""
     from fp8fix.conversion import ConvertOptions
 
     _choice("layout", layout, LAYOUTS)
     _choice("to", to, TO_NAMES)
+    _choice("scales", scales, SCALES)
     _choice("target", target, TARGETS, optional=False)
     _choice("output_format", output_format, OUTPUT_FORMATS)
     if tp is not None:
@@ -153,6 +158,7 @@ def _conversion(
                 ("--format", output_format is not None),
                 ("--tp-bf16", tp_bf16),
                 ("--dequantize", bool(dequantize)),
+                ("--scales", scales is not None),
             )
             if on
         ]
@@ -169,6 +175,7 @@ def _conversion(
         tp=tp,
         tp_bf16=tp_bf16,
         dequantize=tuple(dequantize),
+        scales=scales,
     )
 
 
@@ -190,6 +197,7 @@ def convert_to_hub(
     tp: int | None = None,
     tp_bf16: bool = False,
     dequantize: Sequence[str] = (),
+    scales: Scales | None = None,
     revision: str | None = None,
     token: str | None = None,
     arch_files: Sequence[PathArg] = (),
@@ -211,7 +219,7 @@ def convert_to_hub(
             "part and finalize: a part converts its share, finalize makes the final commit; one or the other"
         )
     with api_errors(), _hub_progress(progress, source):
-        base = _conversion(layout, to, target, output_format, tp, tp_bf16, dequantize)
+        base = _conversion(layout, to, target, output_format, tp, tp_bf16, dequantize, scales)
         if not is_repo_id(source):
             raise UsageError(
                 f"SOURCE {source}: streaming to the Hub reads a Hub repo id (org/name); for a folder, "

@@ -28,7 +28,7 @@ import click
 
 from fp8fix import __version__
 from fp8fix.errors import DEBUG_VARIABLE, EXIT_BUG, EXIT_HUB, RegistryEntryError, UsageError, bug_line, user_error
-from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, PRECISIONS, SCHEMA_VERSION, TARGETS
+from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, PRECISIONS, SCALES, SCHEMA_VERSION, TARGETS
 
 if TYPE_CHECKING:
     from fp8fix.registry.architectures import Registry
@@ -314,6 +314,7 @@ Examples:
   fp8fix convert ./model ./model-tp8 --tp 8 --tp-bf16   # attention not whole blocks per rank: BF16
   fp8fix convert ./model ./model-bf16 --to bf16 --verify   # for GPUs without FP8 (A100, RTX 30xx)
   fp8fix convert ./model ./out --dequantize 'model.layers.0.*' --dequantize '*.o_proj'
+  fp8fix convert ./DeepSeek-V3 ./DeepSeek-V3-ue8m0 --scales ue8m0 --verify   # Blackwell DeepGEMM
   fp8fix convert org/model-FP8 ./out --revision main --push-to-hub me/model-FP8-fixed --create-pr
 
 \b
@@ -359,6 +360,13 @@ or unsupported checkpoint, 4 Hub error (the conversion record is printed first).
     type=click.Choice([*sorted(ENCODING_NAMES, reverse=True), *PRECISIONS]),
     help="Change the FP8 encoding: e4m3fnuz for AMD MI300-class GPUs, e4m3fn (OCP) back; or write the whole "
     "model unquantized for GPUs without FP8: bf16 (or float16), each weight its code x scale rounded once.",
+)
+@click.option(
+    "--scales",
+    type=click.Choice(SCALES),
+    help="Write every block scale as a power of two (ue8m0), as DeepGEMM on Hopper / Blackwell reads them: "
+    "vLLM requantizes other block scales at every load. Blocks already at one keep their codes; the others are "
+    "requantized once, error reported beside vLLM's own.",
 )
 @click.option(
     "--dequantize",
@@ -543,7 +551,18 @@ def _stream(
         progress=not (quiet or as_json),
         **{
             k: options[k]
-            for k in ("layout", "to", "target", "output_format", "tp", "tp_bf16", "dequantize", "revision", "token")
+            for k in (
+                "layout",
+                "to",
+                "target",
+                "output_format",
+                "tp",
+                "tp_bf16",
+                "dequantize",
+                "scales",
+                "revision",
+                "token",
+            )
         },
     )
     result = streamed.result

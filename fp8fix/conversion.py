@@ -49,6 +49,7 @@ class ConvertOptions:
     tp: int | None = None  # pad MLP intermediates so every share is whole blocks at this tensor-parallel size
     tp_bf16: bool = False  # with tp: write attention modules that padding cannot fix in BF16 instead of refusing
     dequantize: tuple[str, ...] = ()  # shell-style module patterns: those modules written in BF16, unquantized
+    scales: str | None = None  # "ue8m0": every block scale a power of two (DeepGEMM on Hopper / Blackwell)
     source_repo: str | None = None  # the Hub repo SOURCE came from, for the model card
     revision: str | None = None
 
@@ -61,6 +62,7 @@ class ConvertOptions:
             + (f" --tp {self.tp}" if self.tp else "")
             + (" --tp-bf16" if self.tp_bf16 else "")
             + "".join(f" --dequantize '{p}'" for p in self.dequantize)
+            + (f" --scales {self.scales}" if self.scales else "")
             + (" --verify" if self.verify else "")
         )
 
@@ -99,6 +101,7 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
         options.tp,
         options.tp_bf16,
         options.dequantize,
+        options.scales,
     )
     rewritten = plan.config_files
     edits = [edit for _, file_edits in rewritten.values() for edit in file_edits]
@@ -206,6 +209,16 @@ def record_stats(plan: ConversionPlan, stats: WriteStats) -> None:
             module.max_error, module.max_error_steps = error.max_abs, error.max_steps
     if plan.encoding is not None:
         plan.encoding.inexact_codes = stats.inexact_codes
+    for m in plan.ue8m0.modules if plan.ue8m0 is not None else []:
+        figures = stats.ue8m0.get(m.weight)
+        if figures is not None:
+            m.blocks_kept, m.blocks_requantized, m.blocks_halved = (
+                figures.blocks_kept,
+                figures.blocks_requantized,
+                figures.blocks_halved,
+            )
+            m.max_steps, m.rms_steps = figures.max_steps, figures.rms_steps
+            m.vllm_max_steps, m.vllm_rms_steps = figures.vllm_max_steps, figures.vllm_rms_steps
     for bf16 in [*plan.dequantized, *(plan.padding.bf16 if plan.padding is not None else [])]:
         rounding = stats.dequantized.get(bf16.weight)
         if rounding is not None:

@@ -193,6 +193,7 @@ def _plan_from_stand_ins(
         options.tp,
         options.tp_bf16,
         options.dequantize,
+        options.scales,
     )
     return ckpt, plan
 

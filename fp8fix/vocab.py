@@ -39,6 +39,9 @@ ENCODING_NAMES: tuple[Encoding, ...] = get_args(Encoding)
 #: `--to` names of the unquantized dtypes a whole model can be written in (GPUs without FP8).
 Precision = Literal["bf16", "float16"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+#: `--scales`: how block scales are stored. ue8m0: powers of two (DeepGEMM on Hopper / Blackwell).
+Scales = Literal["ue8m0"]
+SCALES: tuple[Scales, ...] = get_args(Scales)
 #: Everything `--to` takes: an FP8 encoding or an unquantized dtype.
 ConvertTo = Literal["e4m3fn", "e4m3fnuz", "bf16", "float16"]
 TO_NAMES: tuple[ConvertTo, ...] = get_args(ConvertTo)

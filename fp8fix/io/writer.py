@@ -21,9 +21,10 @@ from fp8fix.io.safetensors_file import TensorInfo, encode_header
 from fp8fix.io.source_files import SourceFiles, read_into, source_changed, window_contains
 from fp8fix.io.workers import run_tasks, worker_count
 from fp8fix.numerics.dequantize import dequantize_rows
-from fp8fix.numerics.dtypes import BITS, NAN_CODES, decode_floats
+from fp8fix.numerics.dtypes import BITS, NAN_CODES, decode_floats, encode_floats
 from fp8fix.numerics.recodings import RECODINGS, inexact_codes, recode, scale_exactly
 from fp8fix.numerics.requantize import RoundingStats, requantize, requantize_map
+from fp8fix.numerics.ue8m0 import BlockRow, Ue8m0Stats, ue8m0_rows
 from fp8fix.plan.pieces import (
     ConversionPlan,
     CopyRange,
@@ -37,6 +38,8 @@ from fp8fix.plan.pieces import (
     RequantizeBlocks,
     Rescale,
     ScaleRef,
+    Ue8m0Codes,
+    Ue8m0Scales,
 )
 
 #: Recoded bytes pass through one buffer of this size: small enough to stay in the CPU cache,
@@ -61,6 +64,7 @@ class WriteStats:
     requantized: dict[str, RoundingStats] = field(default_factory=dict)
     inexact_codes: int = 0
     dequantized: dict[str, RoundingStats] = field(default_factory=dict)  # BF16 rounding, per source weight
+    ue8m0: dict[str, Ue8m0Stats] = field(default_factory=dict)  # `--scales ue8m0`, per source weight
     processes: int = 1  # how many processes wrote the shards (`jobs`, as far as it applied)
 
     def merge(self, other: WriteStats) -> None:
@@ -68,6 +72,8 @@ class WriteStats:
             self.requantized.setdefault(name, RoundingStats()).update(error)
         for name, rounding in other.dequantized.items():
             self.dequantized.setdefault(name, RoundingStats()).update(rounding)
+        for name, figures in other.ue8m0.items():
+            self.ue8m0.setdefault(name, Ue8m0Stats()).update(figures)
         self.inexact_codes += other.inexact_codes
 
 
@@ -77,6 +83,9 @@ class _Sources(SourceFiles):
     def __init__(self, tensors: dict[str, TensorInfo]) -> None:
         super().__init__()
         self.tensors = tensors
+        # `--scales ue8m0`: the exponents each block row got, by its piece, for its scale tensor written
+        # after it (a scale written first works them out from the rows itself; a grid's worth of ints)
+        self.exponents: dict[Ue8m0Codes, list[int]] = {}
 
 
 def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False, jobs: int = 1) -> WriteStats:
@@ -105,13 +114,22 @@ def write_shard(plan: ConversionPlan, shard: OutputShard, path: Path, bar: Progr
 
 def shard_inputs(shard: OutputShard) -> set[Path]:
     """The source files the shard's pieces read."""
-    return {p.path for t in shard.tensors for p in t.pieces if not isinstance(p, Fill)}
+    paths = set()
+    for t in shard.tensors:
+        for p in t.pieces:
+            if isinstance(p, Ue8m0Scales):
+                paths |= {r.path for r in p.rows} | {r.col_scales.path for r in p.rows}
+            elif isinstance(p, Ue8m0Codes):
+                paths |= {p.path, p.col_scales.path}
+            elif not isinstance(p, Fill):
+                paths.add(p.path)
+    return paths
 
 
 def _cpu_bound(plan: ConversionPlan) -> bool:
     """Recoding and requantizing pass bytes through Python; plain copies are the kernel's (and the disk's)."""
     return any(
-        isinstance(p, Recode | Requantize | RequantizeBlocks | PadRows | Dequantize)
+        isinstance(p, Recode | Requantize | RequantizeBlocks | PadRows | Dequantize | Ue8m0Codes)
         for s in plan.shards
         for t in s.tensors
         for p in t.pieces
@@ -162,6 +180,11 @@ def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progres
                     _fill(out, piece)
                 elif isinstance(piece, PadRows):
                     _pad_rows(sources, out, piece, tensor.source)
+                elif isinstance(piece, Ue8m0Codes):
+                    figures = _ue8m0_codes(sources, out, piece)
+                    stats.ue8m0.setdefault(piece.weight, Ue8m0Stats()).update(figures)
+                elif isinstance(piece, Ue8m0Scales):
+                    _write_all(out, _ue8m0_scales(sources, piece))
                 elif isinstance(piece, Dequantize):
                     rounding = _dequantize(sources, out, piece, tensor.source)
                     stats.dequantized.setdefault(tensor.source, RoundingStats()).update(rounding)
@@ -266,7 +289,7 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> int:
 
 def _refuse_codes(
     sources: _Sources,
-    piece: CopyRange | Recode | Requantize | RequantizeBlocks | PadRows | Dequantize,
+    piece: CopyRange | Recode | Requantize | RequantizeBlocks | PadRows | Dequantize | Ue8m0Codes,
     codes: tuple[int, ...],
     source: str,
     what: str,
@@ -396,6 +419,32 @@ def _scale_list(sources: _Sources, ref: ScaleRef, weight: str) -> list[float]:
             "positive (fp8fix inspect lists every such scale)"
         )
     return values
+
+
+def _ue8m0_rows(sources: _Sources, piece: Ue8m0Codes) -> BlockRow:
+    """One block row at power-of-two scales (`numerics.ue8m0`); NaN codes refused."""
+    codes = sources.read(piece.path, piece.start, piece.end)
+    nan = NAN_CODES[piece.dtype]
+    if any(c in codes for c in nan):
+        _refuse_codes(sources, piece, nan, piece.weight, "NaN codes")
+    scales = _scale_list(sources, piece.col_scales, piece.weight)
+    return ue8m0_rows(codes, piece.dtype, piece.row_bytes, piece.block_cols, scales)
+
+
+def _ue8m0_codes(sources: _Sources, out: int, piece: Ue8m0Codes) -> Ue8m0Stats:
+    row = _ue8m0_rows(sources, piece)
+    sources.exponents[piece] = row.exponents
+    _write_all(out, recode(row.codes, piece.recoding) if piece.recoding else row.codes)
+    return row.stats
+
+
+def _ue8m0_scales(sources: _Sources, piece: Ue8m0Scales) -> bytes:
+    """The powers of two each block row chose, in the scale's dtype (times `factor`: exact)."""
+    exponents: list[int] = []
+    for row in piece.rows:
+        found = sources.exponents.pop(row, None)
+        exponents += found if found is not None else _ue8m0_rows(sources, row).exponents
+    return encode_floats([piece.factor * 2.0**e for e in exponents], piece.dtype)
 
 
 def _fill(out: int, piece: Fill) -> None:

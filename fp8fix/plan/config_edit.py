@@ -47,6 +47,7 @@ def output_config(
     sizes: dict[str, int] | None = None,
     unquantized: list[str] | None = None,
     linears: list[str] | None = None,
+    scale_fmt: str | None = None,
 ) -> dict[str, tuple[dict[str, Any], list[str]]]:
     """The config files OUTPUT gets where they differ from SOURCE's: name lists following `renames`,
     and where modules were unfused, the config.json keys the registry entry says describe the layout
@@ -91,6 +92,14 @@ def output_config(
         if groups:
             edit = f"quantization_config: {', '.join(groups)} weights strategy tensor -> channel (scales per row)"
             out[CONFIG] = (rewritten, [*edits, edit])
+    if scale_fmt:  # `--scales ue8m0`: how the block scales are stored, as DeepSeek-V3.1 says it
+        content, edits = out.get(CONFIG, (config, []))
+        content = copy.deepcopy(content)
+        qc = quantization_config(content)
+        if qc is not None and qc.get("scale_fmt") != scale_fmt:
+            edits = [*edits, f"quantization_config.scale_fmt: {qc.get('scale_fmt')!r} -> {scale_fmt!r}"]
+            qc["scale_fmt"] = scale_fmt
+            out[CONFIG] = (content, edits)
     if linears:
         content, edits = out.get(CONFIG, (config, []))
         content, added = ignore_linears(content, linears)

@@ -140,12 +140,12 @@ def _pieces(w: Fp8Weight, block: tuple[int, int] | None, out_dtype: str) -> list
         return Dequantize(t.path, start, end, t.dtype, cols, block_cols, col, row, out_dtype)
 
     if kind == "tensor":
-        return [rows_at(0, rows, _values(scale, 0, 1), None, cols)]
+        return [rows_at(0, rows, scale_values_at(scale, 0, 1), None, cols)]
     if kind == "channel":
-        return [rows_at(0, rows, None, _values(scale, 0, rows), cols)]
+        return [rows_at(0, rows, None, scale_values_at(scale, 0, rows), cols)]
     if kind == "shard":
         assert w.fused is not None
-        return [rows_at(a, b, _values(scale, i, 1), None, cols) for i, a, b in w.fused.segments]
+        return [rows_at(a, b, scale_values_at(scale, i, 1), None, cols) for i, a, b in w.fused.segments]
     assert kind == "block" and block is not None
     grid_cols = block_grid(t.shape, block)[1]
     pieces: list[Piece] = []
@@ -156,7 +156,7 @@ def _pieces(w: Fp8Weight, block: tuple[int, int] | None, out_dtype: str) -> list
         else:
             grid_row, last = first // block[0], (first // block[0] + 1) * block[0]
         last = min(last, rows)
-        pieces.append(rows_at(first, last, _values(scale, grid_row * grid_cols, grid_cols), None, block[1]))
+        pieces.append(rows_at(first, last, scale_values_at(scale, grid_row * grid_cols, grid_cols), None, block[1]))
         first = last
     return pieces
 
@@ -188,7 +188,7 @@ def _expert_pieces(w: Fp8Weight, scale: TensorInfo, out_dtype: str) -> list[Piec
             t.dtype,
             cols,
             block_cols,
-            _values(scale, e * stride, count),
+            scale_values_at(scale, e * stride, count),
             None,
             out_dtype,
         )
@@ -196,7 +196,7 @@ def _expert_pieces(w: Fp8Weight, scale: TensorInfo, out_dtype: str) -> list[Piec
     ]
 
 
-def _values(scale: TensorInfo, first: int, count: int) -> ScaleRef:
+def scale_values_at(scale: TensorInfo, first: int, count: int) -> ScaleRef:
     """Values [first, first + count) of the scale tensor."""
     size = BITS[scale.dtype] // 8
     assert (first + count) * size <= scale.nbytes, f"{scale.name}: values {first}+{count} past its end"

@@ -35,6 +35,8 @@ from fp8fix.plan.pieces import (
     Requantize,
     RequantizeBlocks,
     Rescale,
+    Ue8m0Codes,
+    Ue8m0Scales,
 )
 from fp8fix.vocab import Encoding
 
@@ -94,6 +96,8 @@ def _recoding_for(t: TensorInfo) -> Recoding:
 
 
 def _recoded(piece: Piece, recoding: Recoding, name: str) -> Piece:
+    if isinstance(piece, Ue8m0Codes) and recoding is FN_TO_FNUZ:  # power-of-two scales first, then relabel
+        return replace(piece, recoding=recoding.name)
     if isinstance(piece, Fill):  # the zero codes of padded rows: 0x00 in either encoding
         return piece
     if isinstance(piece, PadRows):  # the rows recoded, the zero codes of the padded columns as they are
@@ -136,6 +140,8 @@ def _recoded(piece: Piece, recoding: Recoding, name: str) -> Piece:
 
 
 def _rescaled(piece: Piece, dtype: str, factor: float, name: str) -> Piece:
+    if isinstance(piece, Ue8m0Scales):  # a power of two times 2: still one (its E8M0 exponent + 1)
+        return replace(piece, factor=piece.factor * factor)
     if isinstance(piece, Fill):  # the scales of padded blocks multiply zero codes: any positive value does
         return piece
     if isinstance(piece, PadRows):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix.io.safetensors_file import TensorInfo
-from fp8fix.numerics.dtypes import tensor_nbytes
+from fp8fix.numerics.dtypes import ITEM_SIZE, tensor_nbytes
 from fp8fix.registry.formats import FormatSpec
 from fp8fix.verdicts import LoaderVerdict
 from fp8fix.vocab import Action, Encoding, Layout, OutputFormat, ScaleKind, Target
@@ -154,6 +154,34 @@ class Dequantize(SourceRange):
 
 
 @dataclass(frozen=True)
+class Ue8m0Codes(SourceRange):
+    """Rows of one block row of e4m3fn codes (`row_bytes` each), column block c at `col_scales[c]`, written
+    at power-of-two scales (`numerics.ue8m0`: kept where the scale is one, else requantized once); then
+    mapped by `recoding` (fn -> fnuz) where the encoding changes too. For `--scales ue8m0`."""
+
+    dtype: str
+    row_bytes: int
+    block_cols: int
+    col_scales: ScaleRef
+    weight: str  # the source weight, for statistics and messages
+    recoding: str | None = None
+
+
+@dataclass(frozen=True)
+class Ue8m0Scales:
+    """A block-scale tensor written as the powers of two its weight's rows get (`Ue8m0Codes`, one per grid
+    row, in order), in `dtype`, times `factor` (2 where the encoding becomes e4m3fnuz)."""
+
+    rows: tuple[Ue8m0Codes, ...]
+    dtype: str
+    factor: float = 1.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(range(0, r.row_bytes, r.block_cols)) for r in self.rows) * ITEM_SIZE[self.dtype]
+
+
+@dataclass(frozen=True)
 class Fill:
     """`value` written `times` times, from no source: zero codes of rows `--tp` adds, or their scales."""
 
@@ -165,7 +193,19 @@ class Fill:
         return len(self.value) * self.times
 
 
-Piece = CopyRange | RepeatRange | Requantize | RequantizeBlocks | Recode | Rescale | PadRows | Fill | Dequantize
+Piece = (
+    CopyRange
+    | RepeatRange
+    | Requantize
+    | RequantizeBlocks
+    | Recode
+    | Rescale
+    | PadRows
+    | Fill
+    | Dequantize
+    | Ue8m0Codes
+    | Ue8m0Scales
+)
 
 
 @dataclass
@@ -265,6 +305,7 @@ class ConversionPlan:
     dequantized: list[Any] = field(default_factory=list)  # plan.dequantized.Bf16Module: `--to bf16`, `--dequantize`
     unquantized: str | None = None  # `--to bf16` / `float16`: the whole model's dtype, written unquantized
     dropped_files: list[str] = field(default_factory=list)  # SOURCE files OUTPUT leaves out (a plain model's)
+    ue8m0: Any = None  # plan.ue8m0.Ue8m0Change with `--scales ue8m0`
 
     @property
     def total_bytes(self) -> int:

@@ -24,8 +24,17 @@ from fp8fix.plan.experts import plan_experts
 from fp8fix.plan.fused import plan_fused_module
 from fp8fix.plan.output import planned_checkpoint
 from fp8fix.plan.padding import plan_tp_padding
-from fp8fix.plan.pieces import ConversionPlan, CopyRange, Fill, ModuleChange, OutputShard, OutputTensor
+from fp8fix.plan.pieces import (
+    ConversionPlan,
+    CopyRange,
+    Fill,
+    ModuleChange,
+    OutputShard,
+    OutputTensor,
+    Ue8m0Scales,
+)
 from fp8fix.plan.targets import best, candidates
+from fp8fix.plan.ue8m0 import plan_ue8m0
 from fp8fix.plan.unquantized import plan_unquantized_model
 from fp8fix.registry.architectures import unregistered_note
 from fp8fix.registry.formats import COMPRESSED_TENSORS
@@ -42,6 +51,7 @@ def plan_for_target(
     tp: int | None = None,
     tp_bf16: bool = False,
     dequantize: tuple[str, ...] = (),
+    scales: str | None = None,
 ) -> ConversionPlan:
     """The conversion `convert` writes: `layout` and `output_format` where given, the rest what `target`'s
     loaders take best. An explicit layout alone keeps the source's format: it asks for that change only
@@ -61,15 +71,16 @@ def plan_for_target(
         found = candidates(model, layout, output_format)
         if not found:  # every candidate refused: plan the first for its error
             lay = layout or arch.default_layout
-            return plan_conversion(model, lay, encoding, output_format or "keep", tp, tp_bf16, dequantize)
+            return plan_conversion(model, lay, encoding, output_format or "keep", tp, tp_bf16, dequantize, scales)
         chosen = best(found, target, arch.default_layout)
-        if encoding is None and tp is None and not tp_bf16 and not dequantize:  # the candidate is the whole conversion
+        if encoding is None and tp is None and not tp_bf16 and not dequantize and not scales:  # the whole conversion
             plan = chosen.plan
         else:
-            plan = plan_conversion(model, chosen.layout, encoding, chosen.output_format, tp, tp_bf16, dequantize)
+            lay, fmt = chosen.layout, chosen.output_format
+            plan = plan_conversion(model, lay, encoding, fmt, tp, tp_bf16, dequantize, scales)
         plan.layout_was_default = layout is None
     else:
-        plan = plan_conversion(model, layout, encoding, output_format, tp, tp_bf16, dequantize)
+        plan = plan_conversion(model, layout, encoding, output_format, tp, tp_bf16, dequantize, scales)
     plan.target = target
     return plan
 
@@ -82,6 +93,7 @@ def plan_conversion(
     tp: int | None = None,
     tp_bf16: bool = False,
     dequantize: tuple[str, ...] = (),
+    scales: str | None = None,
 ) -> ConversionPlan:
     """The whole conversion in `layout` and `output_format`: fused-module layout first (but for the modules
     `dequantize` patterns name, written in BF16), then (with `tp`) MLP padding (and with `tp_bf16` BF16
@@ -139,6 +151,7 @@ def plan_conversion(
         replacements.update(padding.outputs)
     shards = [plan_shard(name, header.metadata, header.tensors, replacements) for name, header in ckpt.shards.items()]
     _check_unique_names(shards)
+    ue8m0 = plan_ue8m0(model, shards) if scales == "ue8m0" else None  # before the encoding: fn codes first
     encoding = plan_encoding(model, shards, to) if to else None
     strategy = None
     if output_format == "compressed-tensors":
@@ -172,9 +185,11 @@ def plan_conversion(
             unquantized=[*(selection.listed if selection else []), *(padding.unquantized if padding else [])],
             # and the modules written in BF16: a compressed-tensors config must `ignore` them too
             linears=[*unquantized_linears(ckpt.tensors), *(selection.modules if selection else [])],
+            scale_fmt="ue8m0" if ue8m0 is not None and ue8m0.scale_fmt else None,
         ),
         padding=padding,
         dequantized=written_bf16,
+        ue8m0=ue8m0,
     )
     if selection is not None:
         plan.notes += selection.notes
@@ -260,7 +275,8 @@ def check_pieces_inside_sources(shards: list[OutputShard], sources: dict[str, Te
     starts = {path: [t.start for t in ts] for path, ts in ordered.items()}  # once per file, not per piece
     for shard in shards:
         for out in shard.tensors:
-            for piece in out.pieces:
+            pieces = [r for p in out.pieces for r in (p.rows if isinstance(p, Ue8m0Scales) else (p,))]
+            for piece in pieces:  # (a power-of-two scale tensor is made from its weight's rows)
                 if isinstance(piece, Fill):  # written from nothing
                     continue
                 tensors = ordered.get(piece.path, [])

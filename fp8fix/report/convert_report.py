@@ -101,6 +101,31 @@ def dequantized_lines(plan: ConversionPlan) -> list[str]:
     return [f"unquantized: {what}; code x scale rounded once, {worst}; scales dropped, +{human_size(grown)}"]
 
 
+def ue8m0_lines(plan: ConversionPlan) -> list[str]:
+    """`--scales ue8m0`: blocks kept and requantized, fp8fix's error beside vLLM's load-time requantization."""
+    change = plan.ue8m0
+    if change is None:
+        return []
+    modules = change.modules
+    blocks = sum(m.blocks for m in modules)
+    line = f"scales: ue8m0: {len(modules)} block-scaled weight(s), {blocks} blocks, every scale a power of two"
+    written = [m for m in modules if m.blocks_kept is not None]
+    if not written:
+        return [line + "; blocks kept / requantized and errors reported once written"]
+    kept = sum(m.blocks_kept or 0 for m in written)
+    again = sum(m.blocks_requantized or 0 for m in written)
+    halved = sum(m.blocks_halved or 0 for m in written)
+    worst = max(m.max_steps or 0.0 for m in written)
+    vllm = max(m.vllm_max_steps or 0.0 for m in written)
+    rms = max(m.rms_steps or 0.0 for m in written)
+    vllm_rms = max(m.vllm_rms_steps or 0.0 for m in written)
+    return [
+        f"{line}; {kept} kept as they are (already powers of two), {again} requantized once ({halved} at half "
+        f"the smallest power that holds them); error in source fp8 steps: max {worst:.3f}, RMS {rms:.4f} "
+        f"(worst module); vLLM's own load-time requantization of SOURCE: max {vllm:.3f}, RMS {vllm_rms:.4f}"
+    ]
+
+
 def plan_loaders(plan: ConversionPlan) -> dict[str, dict[str, Any]]:
     """The loaders' verdicts on the checkpoint the plan writes (`fp8fix.verdicts`), as JSON."""
     return verdicts_json(plan.loaders)
@@ -124,6 +149,7 @@ def plan_lines(plan: ConversionPlan, verbose: bool = False) -> list[str]:
         lines.append(encoding)
     lines += padding_lines(plan)
     lines += dequantized_lines(plan)
+    lines += ue8m0_lines(plan)
     if not groups and not plan.unquantized:
         lines.append("modules: no fused modules in this checkpoint")
     for g in groups:
@@ -240,6 +266,9 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
         "encoding": None if plan.encoding is None else dataclasses.asdict(plan.encoding),
         "unquantized": plan.unquantized,
         "dequantized": [dataclasses.asdict(m) for m in plan.dequantized],
+        "ue8m0": None
+        if plan.ue8m0 is None
+        else {"scale_fmt": plan.ue8m0.scale_fmt, "modules": [dataclasses.asdict(m) for m in plan.ue8m0.modules]},
         "tensor_parallel": None
         if plan.padding is None
         else {

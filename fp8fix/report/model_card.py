@@ -25,6 +25,7 @@ from fp8fix.report.convert_report import (
     encoding_line,
     module_groups,
     padding_lines,
+    ue8m0_lines,
 )
 
 TAGS = ["fp8", "fp8fix"]
@@ -203,7 +204,7 @@ def conversion_section(
         *([] if plan.unquantized else [f"- Layout: **{plan.layout}**"]),
         "",
     ]
-    lines += [f"- {line.capitalize()}" for line in dequantized_lines(plan)]
+    lines += [f"- {line.capitalize()}" for line in [*dequantized_lines(plan), *ue8m0_lines(plan)]]
     encoding = encoding_line(plan)
     if encoding:
         lines += [f"- FP8 {encoding}", "", VLLM_FNUZ_NOTE.replace("note: ", "Note: ", 1), ""]

@@ -17,6 +17,7 @@ Then:
   (requantized modules) within half an fp8 step, or at the clamp;
 - static input scales equal the source's (times the encoding's factor, or their max);
 - every other tensor, or its row slice, is byte-identical;
+- `--scales ue8m0` weights (power-of-two block scales) as such (`ue8m0`);
 - `--tp` padding and weights written unquantized (`--to bf16`, `--dequantize`, `--tp-bf16`) are checked as
   such (`padding`, `dequantized`);
 - every OUTPUT tensor has the dtype and shape its SOURCE tensor and mapping give (`shapes`);
@@ -49,6 +50,7 @@ from fp8fix.verification.padding import check_padded, padded_sizes, padded_tenso
 from fp8fix.verification.repo import check_bytes, check_input_scale, check_repo, converted_to_compressed_tensors
 from fp8fix.verification.report import VerifyReport, WeightCheck
 from fp8fix.verification.shapes import check_shapes
+from fp8fix.verification.ue8m0 import check_ue8m0, ue8m0_weights
 from fp8fix.verification.weights import check_stacked_experts, check_weight
 
 __all__ = ["VerifyReport", "WeightCheck", "verify"]
@@ -82,6 +84,7 @@ def verify(
         ctx.padded = padded_tensors(ctx)
         ctx.dequantized = dequantized_weights(ctx)
         ctx.dropped = dropped_scales(ctx, ctx.dequantized)
+        ctx.ue8m0 = ue8m0_weights(ctx)
         checks = _TensorChecks(ctx, map_tensors(ctx), part)
         ctx.report.part = list(part) if part else None
         with progress_bar(checks.total, "fp8fix verify", quiet) as bar:
@@ -145,6 +148,8 @@ class _TensorChecks:
             weight = self.weights.get(name)
             if name in ctx.dequantized:  # `--to bf16`, `--dequantize`, `--tp-bf16`: written unquantized
                 ctx.report.weights.append(check_dequantized(ctx, ctx.dequantized[name]))
+            elif name in ctx.ue8m0:  # `--scales ue8m0`: power-of-two block scales (its scale checked with it)
+                ctx.report.weights.append(check_ue8m0(ctx, ctx.ue8m0[name]))
             elif name in ctx.padded:  # `--tp`: a padded MLP weight (its scale is checked with it)
                 if name not in self.scale_names:
                     check = check_padded(ctx, name, weight)

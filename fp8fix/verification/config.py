@@ -26,6 +26,7 @@ import math
 from typing import Any
 
 from fp8fix.io.checkpoint import CONFIG, Checkpoint, read_json
+from fp8fix.io.safetensors_file import read_values
 from fp8fix.model import KV_SCALE_SUFFIXES, ignore_linears, unquantized_linears
 from fp8fix.numerics.dtypes import is_fp8
 from fp8fix.registry.formats import COMPRESSED_TENSORS, NameList, locations, matches
@@ -168,8 +169,24 @@ def _same_but_names(
         ):
             if isinstance(group, dict) and isinstance(group.get("weights"), dict) and "strategy" in group["weights"]:
                 group["weights"]["strategy"] = _STRATEGY
+    said = blank_output.get("scale_fmt") if file == CONFIG else None
+    if said == "ue8m0" and blank_source.get("scale_fmt") != said:  # `--scales ue8m0`: true of every block scale?
+        blank_output.pop("scale_fmt")
+        if not _block_scales_powers_of_two(ctx):
+            ctx.report.problem(f"{file}: {label}.scale_fmt is 'ue8m0', but a block scale is not a power of two")
     if blank_source != blank_output:
         ctx.report.problem(f"{file}: {label} differs from SOURCE's beyond its module name lists")
+
+
+def _block_scales_powers_of_two(ctx: VerifyContext) -> bool:
+    """Every block scale of OUTPUT's FP8 weights is a power of two."""
+    for w in ctx.model.module_weights():
+        if w.scale_kind != "block" or w.scale is None or w.scale.name not in ctx.out.tensors:
+            continue
+        values = read_values(ctx.out.tensors[w.scale.name], ctx.files)
+        if any(not (v > 0 and math.frexp(v)[0] == 0.5) for v in values):
+            return False
+    return True
 
 
 def _at(node: Any, keys: list[str]) -> Any:

@@ -32,6 +32,7 @@ class VerifyContext:
     padded: dict[str, Any] = field(default_factory=dict)  # `--tp`: SOURCE tensors OUTPUT holds padded (padding.py)
     dequantized: dict[str, Any] = field(default_factory=dict)  # `--tp-bf16`: FP8 weights OUTPUT holds in BF16
     dropped: set[str] = field(default_factory=set)  # their scales, which OUTPUT must not hold
+    ue8m0: dict[str, Any] = field(default_factory=dict)  # `--scales ue8m0`: weights at power-of-two block scales
 
     @property
     def src(self) -> Checkpoint:

@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""`fp8fix convert --to bf16` side by side with DeepSeek's `inference/fp8_cast_bf16.py` algorithm (issue 28).
+
+DeepSeek's script loads each shard whole with safetensors, multiplies every block-FP8 weight by its
+`weight_scale_inv` block in float32 (its Triton kernel `weight_dequant_kernel`: `y = x * s`, stored as
+the default dtype, bfloat16) and saves the shard. Its kernel needs a GPU, so it is reimplemented here on
+the CPU with torch, the same arithmetic (a float32 product, then a cast to bfloat16). Both run on a
+block-FP8 checkpoint of real headers, normal weights quantized per 128x128 block with float32 scales
+that are not powers of two (as DeepSeek-V3 ships), alternating, `--repeats` rounds; reported: median wall
+time, the ratio to DeepSeek's algorithm and to `cp -r` of an output-sized folder, output GB/s, peak RSS,
+and how many values differ between the two outputs (DeepSeek's float32 product rounds before the BF16
+cast: a double rounding fp8fix does not do).
+
+    python scripts/bench_bf16.py                    # 2 GB of FP8 weights (4 GB of BF16 out), 3 rounds
+    python scripts/bench_bf16.py --size-gb 0.5 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 128
+HIDDEN = 2048
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+#: DeepSeek's fp8_cast_bf16.py, its kernel's arithmetic on the CPU: per shard, load whole, dequantize
+#: every weight with a weight_scale_inv (float32 product, cast to bfloat16), drop the scales, save.
+DEEPSEEK = """
+import json, shutil, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file, save_file
+torch.set_num_threads(1)
+src, out = Path(sys.argv[1]), Path(sys.argv[2])
+out.mkdir()
+for path in sorted(src.glob("*.safetensors")):
+    state = load_file(path)
+    new = {}
+    for name, w in state.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = state.get(name + "_scale_inv")
+        if scale is None:
+            new[name] = w
+            continue
+        rows, cols = w.shape
+        s = scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+        new[name] = (w.to(torch.float32) * s).to(torch.bfloat16)
+    save_file(new, str(out / path.name), metadata={"format": "pt"})
+    del state, new
+config = json.loads((src / "config.json").read_text())
+config.pop("quantization_config", None)
+(out / "config.json").write_text(json.dumps(config))
+"""
+
+
+def build(root: Path, size_gb: float, shards: int) -> None:
+    """Block-FP8 MLP layers, one per shard, `size_gb` of FP8 codes in all; scales uniform in [1e-4, 1e-3)."""
+    import torch
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True)
+    inter = int(size_gb * 1e9 / shards / (3 * HIDDEN)) // BLOCK * BLOCK
+    gen = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for layer in range(shards):
+        name = f"model-{layer + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {}
+        for module, (rows, cols) in {
+            "gate_proj": (inter, HIDDEN),
+            "up_proj": (inter, HIDDEN),
+            "down_proj": (HIDDEN, inter),
+        }.items():
+            grid = (rows // BLOCK, cols // BLOCK)
+            scale = torch.rand(grid, generator=gen) * 9e-4 + 1e-4
+            codes = (torch.randn(rows, cols, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+            tensors[f"model.layers.{layer}.mlp.{module}.weight"] = codes
+            tensors[f"model.layers.{layer}.mlp.{module}.weight_scale_inv"] = scale
+        weight_map.update({t: name for t in tensors})
+        save_file(tensors, str(root / name), metadata={"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": inter,
+        "num_hidden_layers": shards,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "vocab_size": 1024,
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def timed(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MB) of one child."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=ENV)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}")
+    return time.perf_counter() - start, usage.ru_maxrss / 1024
+
+
+def differing_values(a: Path, b: Path) -> tuple[int, int]:
+    """(values that differ, values compared) between the BF16 weights of two outputs."""
+    import torch
+    from safetensors import safe_open
+
+    differ = total = 0
+    for path in sorted(a.glob("*.safetensors")):
+        with safe_open(path, "pt") as fa, safe_open(b / path.name, "pt") as fb:
+            for name in fa.keys():
+                x, y = fa.get_tensor(name), fb.get_tensor(name)
+                if x.dtype == torch.bfloat16:
+                    differ += int((x.view(torch.int16) != y.view(torch.int16)).sum())
+                    total += x.numel()
+    return differ, total
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gb", type=float, default=2.0, help="FP8 weight bytes of the checkpoint")
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--work", type=Path, help="work folder [a new temporary one]")
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="fp8fix-bench-bf16-"))
+    src = work / "src"
+    if not src.exists():  # in a child: this process stays small, and its children's peak RSS starts from it
+        code = (
+            f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; "
+            f"from scripts.bench_bf16 import build; build(Path({str(src)!r}), {args.size_gb}, {args.shards})"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, env=ENV)
+    script = work / "deepseek_fp8_cast_bf16.py"
+    script.write_text(DEEPSEEK)
+    out = work / "out"
+    contenders = {
+        "fp8fix convert --to bf16 --jobs 1": [
+            sys.executable,
+            "-m",
+            "fp8fix",
+            "convert",
+            str(src),
+            str(out),
+            "--to",
+            "bf16",
+            "--jobs",
+            "1",
+            "-q",
+        ],
+        "DeepSeek fp8_cast_bf16 (torch, CPU)": [sys.executable, str(script), str(src), str(out)],
+    }
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
+    for round_ in range(args.repeats):
+        for name in contenders if round_ % 2 == 0 else reversed(contenders):
+            shutil.rmtree(out, ignore_errors=True)
+            subprocess.run(["sync"], check=False)
+            results[name].append(timed(contenders[name]))
+    # the two outputs, kept for the value comparison; cp -r of an output-sized folder for the disk's speed
+    subprocess.run(
+        [sys.executable, "-m", "fp8fix", "convert", str(src), str(work / "a"), "--to", "bf16", "-q"],
+        check=True,
+        env=ENV,
+    )
+    subprocess.run([sys.executable, str(script), str(src), str(work / "b")], check=True, env=ENV)
+    copies = []
+    for _ in range(args.repeats):
+        shutil.rmtree(work / "c", ignore_errors=True)
+        subprocess.run(["sync"], check=False)
+        copies.append(timed(["cp", "-r", str(work / "a"), str(work / "c")])[0])
+    out_bytes = sum(p.stat().st_size for p in (work / "a").glob("*.safetensors"))
+    differ, total = differing_values(work / "a", work / "b")
+    fp8fix_name, deepseek_name = list(contenders)
+    deepseek = statistics.median(w for w, _ in results[deepseek_name])
+    copy = statistics.median(copies)
+    source_gb = sum(p.stat().st_size for p in src.iterdir()) / 1e9
+    print(f"source: {source_gb:.2f} GB block FP8; output {out_bytes / 1e9:.2f} GB")
+    print("| command | median s | min-max s | x DeepSeek's | x cp -r of OUTPUT | output GB/s | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|")
+    for name, runs in results.items():
+        walls = [w for w, _ in runs]
+        wall = statistics.median(walls)
+        rss = max(r for _, r in runs)
+        print(
+            f"| {name} | {wall:.2f} | {min(walls):.2f}-{max(walls):.2f} | {wall / deepseek:.2f} | {wall / copy:.2f} "
+            f"| {out_bytes / wall / 1e9:.2f} | {rss:.0f} |"
+        )
+    spread = f"{min(copies):.2f}-{max(copies):.2f}"
+    print(f"| cp -r of OUTPUT | {copy:.2f} | {spread} | - | 1.00 | {out_bytes / copy / 1e9:.2f} | - |")
+    share = differ / max(total, 1)
+    print(f"values that differ: {differ} of {total} ({share:.2e}; DeepSeek's float32 product rounds twice)")
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
