@@ -72,20 +72,23 @@ def check_ue8m0(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
             out_codes = np.frombuffer(ctx.read_rows(o, row, stop, cols), dtype=np.uint8).reshape(-1, cols)
             for c in range(out_grid.shape[1]):
                 block = (slice(None), slice(c * b1, min(cols, (c + 1) * b1)))
-                steps = _check_block(
+                error, steps = _check_block(
                     src_codes[block], t.dtype, float(src_grid[grid_row, c]),
                     out_codes[block], o.dtype, float(out_grid[grid_row, c]),
                     f"'{name}' block row {grid_row} column block {c}",
                 )  # fmt: skip
                 check.max_error_steps = max(check.max_error_steps, steps)
+                check.max_error = max(check.max_error, error)
             row = stop
     except Mismatch as e:
         ctx.report.problem(str(e))
     return check
 
 
-def _check_block(src: Any, src_dtype: str, s: float, out: Any, out_dtype: str, p: float, where: str) -> float:
-    """One block; returns its worst error in fp8 steps at the new scale."""
+def _check_block(
+    src: Any, src_dtype: str, s: float, out: Any, out_dtype: str, p: float, where: str
+) -> tuple[float, float]:
+    """One block; returns its worst error, in value and in fp8 steps at the new scale."""
     v = code_values(src_dtype)[src].astype(np.float64) * s
     got = code_values(out_dtype)[out].astype(np.float64) * p
     if out_dtype == E4M3FNUZ:  # the same bits are worth half in e4m3fnuz: the e4m3fn scale is half of p
@@ -95,7 +98,7 @@ def _check_block(src: Any, src_dtype: str, s: float, out: Any, out_dtype: str, p
     if _power_of_two(s):
         if not np.array_equal(got, v):
             raise Mismatch(f"{where}: SOURCE's scale is a power of two, so its values must be kept; they changed")
-        return 0.0
+        return 0.0, 0.0
     amax = float(np.abs(v).max(initial=0.0))
     holding = _smallest_holding(amax) if amax > 0 else None
     candidates = [holding, holding / 2] if holding is not None else [p]
@@ -115,7 +118,8 @@ def _check_block(src: Any, src_dtype: str, s: float, out: Any, out_dtype: str, p
             f"even at scale {p!r} ({expected[r, c]!r})"
         )
     step = _steps(np.abs(expected) / p) * p
-    return float((np.abs(got - v) / step).max(initial=0.0))
+    error = np.abs(got - v)
+    return float(error.max(initial=0.0)), float((error / step).max(initial=0.0))
 
 
 def _smallest_holding(amax: float) -> float:
