@@ -7,6 +7,7 @@ a sliding memory map) to find NaN codes and e4m3fnuz data under an e4m3fn label.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -27,6 +28,14 @@ from fp8fix.registry.parallel import HEADS_EVIDENCE
 from fp8fix.verdicts import facts_of, loader_verdicts, verdicts_json
 from fp8fix.vocab import SCHEMA_VERSION, InputScaleKind, ScaleReport, Target
 
+#: What runtimes do with block scales that are not powers of two where DeepGEMM runs (Hopper, Blackwell).
+NOT_UE8M0 = (
+    "block scales that are not powers of two: where vLLM runs DeepGEMM (Hopper, Blackwell; "
+    "VLLM_USE_DEEP_GEMM_E8M0 is on by default) it requantizes every such block at each load to power-of-two "
+    "scales, rounding twice (vllm 0.32 quantization/utils/fp8_utils.py deepgemm_post_process_fp8_weight_block -> "
+    "requant_weight_ue8m0_inplace, for float32 scales when utils/deep_gemm.py is_deep_gemm_e8m0_used); SGLang's "
+    "DeepGEMM path does too, through bfloat16 (srt/layers/quantization/fp8_utils.py requant_weight_ue8m0; not run)"
+)
 #: float16's smallest normal: vLLM >= 0.20 requantizes through float16, which loses weights below it.
 FLOAT16_MIN_NORMAL = 2.0**-14
 
@@ -292,6 +301,7 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
                 "and converts e4m3fn checkpoints for MI300 itself",
                 "--to e4m3fn",
             )
+    block_scales = {w.scale.name: w.module for w in model.weights.values() if w.scale and w.scale_kind == "block"}
     with SourceFiles() as files:  # one descriptor per shard for every scale read (100k scales: 160 opens)
         for name, t in ckpt.tensors.items() if ckpt.has_data else ():
             if not name.endswith(("_scale", "_scale_inv")) or t.dtype not in SCALE_DTYPES:
@@ -305,6 +315,8 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
             bad = first_invalid_scale(values)
             if bad is not None:
                 add("bad-scale-value", module, f"a scale that is zero, negative, inf or NaN (e.g. {bad})", None)
+            elif name in block_scales and not all(math.frexp(v)[0] == 0.5 for v in values):
+                add("block-scales-not-ue8m0", block_scales[name], NOT_UE8M0, "--scales ue8m0", default=False)
             elif name in requantized_scales and min(values) < FLOAT16_MIN_NORMAL:
                 add(
                     "tiny-scale",

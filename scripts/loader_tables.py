@@ -15,7 +15,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from fp8fix.registry.loaders import DEFAULT_EVIDENCE, LOADERS, LOADS_BECAUSE, RULES
+from fp8fix.registry.loaders import (
+    DEFAULT_EVIDENCE,
+    LOADERS,
+    LOADS_BECAUSE,
+    PLAIN_MODEL,
+    PLAIN_MODEL_RULES,
+    RULES,
+    UNQUANTIZED_EVIDENCE,
+)
 from fp8fix.verdicts import FACT_DESCRIPTIONS
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "loader-rules.md"
@@ -25,6 +33,14 @@ START, END = "<!-- loader-rules:start (scripts/loader_tables.py) -->", "<!-- loa
 def render() -> str:
     lines = ["| loader | when the checkpoint has | verdict | why | evidence |", "|---|---|---|---|---|"]
     for loader in LOADERS:
+        plain = ", ".join(
+            FACT_DESCRIPTIONS[r.condition] for r in RULES if r.loader == loader and r.condition in PLAIN_MODEL_RULES
+        )
+        unless = f", unless a rule below on {plain} holds" if plain else ""
+        lines.append(
+            f"| {loader} | {FACT_DESCRIPTIONS['unquantized']} (`convert --to bf16`) | **loads**{unless} "
+            f"| {PLAIN_MODEL} | {UNQUANTIZED_EVIDENCE[loader]} |"
+        )
         for rule in (r for r in RULES if r.loader == loader):
             reason = rule.reason.replace("{architecture}", "the architecture")
             lines.append(

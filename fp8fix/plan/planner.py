@@ -57,6 +57,8 @@ def plan_for_target(
     loaders take best. An explicit layout alone keeps the source's format: it asks for that change only
     (`channel` excepted: compressed-tensors is the one format vLLM takes it in). `to` an unquantized
     dtype (bf16, float16): the whole model written so (`unquantized.py`)."""
+    if scales and layout is None and any(w.fused and w.scale_kind == "block" for w in model.module_weights()):
+        layout = "fused"  # `--scales ue8m0` rewrites block-scaled modules kept as they are: fused ones stay fused
     if to is not None and to not in ENCODING_NAMES:
         plan = plan_unquantized_model(model, to, tp)
         plan.target = target

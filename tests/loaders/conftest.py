@@ -75,10 +75,16 @@ def interpreter(loader: str) -> str:
     return python
 
 
-def run_loader(loader: str, folders: list[Path], out: Path) -> list[Loaded]:
-    """Load every folder with the real `loader` in one process."""
+def run_loader(loader: str, folders: list[Path], out: Path, env: dict[str, str] | None = None) -> list[Loaded]:
+    """Load every folder with the real `loader` in one process (`env`: variables the harness reads)."""
     _, script = LOADERS[loader]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
     proc = subprocess.run(
         [interpreter(loader), str(script), str(out), *map(str, folders)], env=env, capture_output=True, text=True
     )

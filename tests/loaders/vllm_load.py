@@ -21,6 +21,12 @@ loading:
   matmul, needs AMX tiles and 128-wide K blocks: it is allowed here, and its
   `process_weights_after_loading`, which only VNNI-packs the weight for AMX, leaves the
   loaded weight as it is. Block-shape checks and weight loading are vLLM's own.
+- With FP8FIX_VLLM_UE8M0=1, the block-FP8 kernel's `process_weights_after_loading` does what vLLM's DeepGEMM
+  kernel does on Hopper / Blackwell with `use_e8m0` on (kernels/linear/scaled_mm/deep_gemm.py ->
+  quantization/utils/fp8_utils.py deepgemm_post_process_fp8_weight_block, whose condition is
+  utils/deep_gemm.py is_deep_gemm_e8m0_used: DeepGEMM present and VLLM_USE_DEEP_GEMM_E8M0, default on): for
+  float32 block scales, vLLM's own `requant_weight_ue8m0_inplace` on the loaded weight and scale. The
+  condition, which needs a GPU with DeepGEMM, is what is forced; the requantization is vLLM's code.
 - `UnquantizedLinearMethod.process_weights_after_loading` keeps a copy of each plain layer's loaded weight
   (`_fp8fix_loaded`) before the CPU build repacks it for its GEMM and drops it
   (`dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`), so unquantized layers (`convert --to bf16`,
@@ -64,7 +70,21 @@ torch.accelerator.empty_cache = lambda: None
 ops.scaled_fp8_quant = static_scaled_fp8_quant
 CPUFp8BlockScaledMMKernel.is_supported = classmethod(lambda cls, compute_capability=None: (True, None))
 CPUFp8BlockScaledMMKernel.can_implement = classmethod(lambda cls, config: (True, None))
-CPUFp8BlockScaledMMKernel.process_weights_after_loading = lambda self, layer: None
+
+
+def block_weights_after_loading(self, layer):  # type: ignore[no-untyped-def]
+    """Nothing (AMX packing only), or with FP8FIX_VLLM_UE8M0=1 vLLM's UE8M0 requantization (module docstring)."""
+    if os.environ.get("FP8FIX_VLLM_UE8M0") != "1":
+        return
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import requant_weight_ue8m0_inplace
+
+    params = self._get_layer_params(layer)
+    scale = params.block_scale
+    if scale is not None and scale.dtype == torch.float32:  # as deepgemm_post_process_fp8_weight_block checks
+        requant_weight_ue8m0_inplace(params.weight.data, scale.data, block_size=tuple(layer.weight_block_size))
+
+
+CPUFp8BlockScaledMMKernel.process_weights_after_loading = block_weights_after_loading
 _process_unquantized = UnquantizedLinearMethod.process_weights_after_loading
 
 
