@@ -183,7 +183,8 @@ def test_tp_bf16_writes_attention_split_into_partial_blocks_in_bf16(tmp_path: Pa
         worst = max(worst, steps.max().item())
         said = next(m for m in bf16 if m["module"] == module)
         assert said["added_bytes"] == w.numel() - s[f"{module}.weight_scale_inv"].numel() * 4
-    assert max(m["max_error_steps"] for m in bf16) == worst
+    # the report is a bound (the worst any code gets at these scales): never below what the weights got
+    assert worst <= max(m["max_error_steps"] for m in bf16) <= 0.5
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert sorted(config["modules_to_not_convert"]) == ATTENTION and "ignored_layers" not in config
     assert "quantization_config.modules_to_not_convert: +4 module name(s) written in BF16" in " ".join(

@@ -18,7 +18,7 @@ from fp8fix.model import CheckpointModel, describe_checkpoint, unquantized_linea
 from fp8fix.plan import compressed_tensors
 from fp8fix.plan.channel import plan_channel_weights
 from fp8fix.plan.config_edit import output_config
-from fp8fix.plan.dequantized import plan_bf16_modules, select_modules
+from fp8fix.plan.dequantized import plan_bf16_modules
 from fp8fix.plan.encoding import plan_encoding
 from fp8fix.plan.experts import plan_experts
 from fp8fix.plan.fused import plan_fused_module
@@ -33,6 +33,7 @@ from fp8fix.plan.pieces import (
     OutputTensor,
     Ue8m0Scales,
 )
+from fp8fix.plan.selection import select_modules
 from fp8fix.plan.targets import best, candidates
 from fp8fix.plan.ue8m0 import plan_ue8m0
 from fp8fix.plan.unquantized import plan_unquantized_model
