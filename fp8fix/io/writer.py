@@ -113,7 +113,8 @@ def write_shard(plan: ConversionPlan, shard: OutputShard, path: Path, bar: Progr
 
 
 def shard_inputs(shard: OutputShard) -> set[Path]:
-    """The source files the shard's pieces read."""
+    """The source files the shard's pieces read (with the scales read as rows are written: a streamed
+    conversion must have their shard too, where an exporter put a scale apart from its weight)."""
     paths = set()
     for t in shard.tensors:
         for p in t.pieces:
@@ -121,6 +122,8 @@ def shard_inputs(shard: OutputShard) -> set[Path]:
                 paths |= {r.path for r in p.rows} | {r.col_scales.path for r in p.rows}
             elif isinstance(p, Ue8m0Codes):
                 paths |= {p.path, p.col_scales.path}
+            elif isinstance(p, Dequantize):
+                paths |= {p.path} | {ref.path for ref in (p.col_scales, p.row_scales) if ref is not None}
             elif not isinstance(p, Fill):
                 paths.add(p.path)
     return paths
@@ -380,17 +383,17 @@ def _dequantize(sources: _Sources, out: int, piece: Dequantize, source: str) -> 
     scales read from the source as the rows need them."""
     nan = NAN_CODES[piece.dtype]
     cols = _scale_list(sources, piece.col_scales, source) if piece.col_scales else [1.0]
-    rows_per_window = max(1, RECODE_WINDOW // piece.row_bytes)
+    window_bytes = max(1, RECODE_WINDOW // piece.row_bytes) * piece.row_bytes
     worst = RoundingStats()
-    for first in range(piece.start, piece.end, rows_per_window * piece.row_bytes):
-        codes = sources.read(piece.path, first, min(piece.end, first + rows_per_window * piece.row_bytes))
-        if any(c in codes for c in nan):
+    for buffer, first, length in sources.windows(piece.path, piece.start, piece.end, window_bytes):
+        codes = memoryview(buffer)[:length]  # one reused buffer: read into, looked up, written from
+        if window_contains(buffer, length, nan):
             _refuse_codes(sources, piece, nan, source, "NaN codes")
         rows = None
         if piece.row_scales is not None:
             row = (first - piece.start) // piece.row_bytes
             ref = piece.row_scales
-            window = replace(ref, start=ref.start + row * _itemsize(ref), count=len(codes) // piece.row_bytes)
+            window = replace(ref, start=ref.start + row * _itemsize(ref), count=length // piece.row_bytes)
             rows = _scale_list(sources, window, source)
         try:
             data, rounding = dequantize_rows(

@@ -98,15 +98,15 @@ def output_bits(rounded: Any, out_dtype: str) -> Any:
 
 
 def dequantize_rows(
-    codes: bytes | bytearray,
+    codes: bytes | bytearray | memoryview,
     dtype: str,
     cols: int,
     block_cols: int,
     col_scales: Any,
     row_scales: Any = None,
     out_dtype: str = BF16,
-) -> tuple[bytes, RoundingStats]:
-    """Rows of `cols` FP8 codes as little-endian `out_dtype` bytes: the code at (r, c) times
+) -> tuple[memoryview, RoundingStats]:
+    """Rows of `cols` FP8 codes as little-endian `out_dtype` bytes (a view of a new array): the code at (r, c) times
     `col_scales[c // block_cols]` (a sequence of floats) times `row_scales[r]` (one per row; None: 1); and
     a bound on the rounding: the worst any finite code gets at these scales (counting the codes present
     would cost more than the lookup itself; verify measures the real worst)."""
@@ -132,4 +132,4 @@ def dequantize_rows(
     out = np.take(tables, index)
     finite = np.isfinite(values)[None, None, :]
     stats = RoundingStats(float(errors.max(initial=0.0, where=finite)), float(steps.max(initial=0.0, where=finite)))
-    return out.tobytes(), stats
+    return memoryview(out).cast("B"), stats
