@@ -26,7 +26,7 @@ from fp8fix.io.staging import (
     write_json,
 )
 from fp8fix.io.writer import WriteStats, write_plan
-from fp8fix.model import describe_checkpoint
+from fp8fix.model import CheckpointModel, describe_checkpoint
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.plan.planner import plan_for_target
 from fp8fix.registry.architectures import Registry
@@ -92,17 +92,7 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
     check_output(source, output, options.overwrite)
     ckpt = open_checkpoint(source)
     model = describe_checkpoint(ckpt, registry)
-    plan = plan_for_target(
-        model,
-        options.layout,
-        options.to,
-        options.target,
-        options.output_format,
-        options.tp,
-        options.tp_bf16,
-        options.dequantize,
-        options.scales,
-    )
+    plan = plan_with(model, options)
     rewritten = plan.config_files
     edits = [edit for _, file_edits in rewritten.values() for edit in file_edits]
     copies = ckpt.copied_files([*rewritten, *plan.dropped_files])
@@ -124,6 +114,21 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
             ) from None
     result.written = True
     return result
+
+
+def plan_with(model: CheckpointModel, options: ConvertOptions) -> ConversionPlan:
+    """The plan `options` ask for (a local conversion and a streamed one plan alike)."""
+    return plan_for_target(
+        model,
+        options.layout,
+        options.to,
+        options.target,
+        options.output_format,
+        options.tp,
+        options.tp_bf16,
+        options.dequantize,
+        options.scales,
+    )
 
 
 #: Errors of writing, not reading: the disk is full, a quota or a file-size limit is reached, read-only.

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix import __version__
-from fp8fix.conversion import ConvertOptions, ConvertResult, record_stats, write_repo_files
+from fp8fix.conversion import ConvertOptions, ConvertResult, plan_with, record_stats, write_repo_files
 from fp8fix.errors import UsageError
 from fp8fix.io.checkpoint import Checkpoint, open_checkpoint
 from fp8fix.io.hub_pull_request import StreamPullRequest, stats_from_json
@@ -38,7 +38,6 @@ from fp8fix.io.writer import WriteStats, shard_file_bytes, shard_inputs, write_s
 from fp8fix.model import CheckpointModel, describe_checkpoint
 from fp8fix.numerics.dtypes import E4M3FNUZ
 from fp8fix.plan.pieces import ConversionPlan, OutputShard
-from fp8fix.plan.planner import plan_for_target
 from fp8fix.registry.architectures import Registry
 from fp8fix.report.model_card import commit_title
 
@@ -184,18 +183,7 @@ def _plan_from_stand_ins(
             "--to e4m3fn from e4m3fnuz depends on every code of every weight (whether code 0x7F occurs), which a "
             "streamed conversion plans without: give an OUTPUT folder"
         )
-    plan = plan_for_target(
-        model,
-        options.layout,
-        options.to,
-        options.target,
-        options.output_format,
-        options.tp,
-        options.tp_bf16,
-        options.dequantize,
-        options.scales,
-    )
-    return ckpt, plan
+    return ckpt, plan_with(model, options)
 
 
 def _shards_to_write(

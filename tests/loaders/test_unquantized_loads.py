@@ -66,6 +66,13 @@ def said(folder: Path, loader: str) -> str:
     return str(json.loads(run_cli("inspect", folder, "--json").output)["loaders"][VERDICT_ROWS[loader]]["verdict"])
 
 
+def load_outputs(folders: dict[str, tuple[Path, Path]], root: Path) -> dict[str, tuple[Path, Path, dict[str, Loaded]]]:
+    """Each (SOURCE, OUTPUT) with what every real loader made of OUTPUT (one process per loader)."""
+    names = list(folders)
+    results = {loader: run_loader(loader, [folders[n][1] for n in names], root / loader) for loader in VERDICT_ROWS}
+    return {n: (*folders[n], {loader: results[loader][i] for loader in VERDICT_ROWS}) for i, n in enumerate(names)}
+
+
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, dict[str, Loaded]]]:
     root = tmp_path_factory.mktemp("bf16")
@@ -82,9 +89,7 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pat
         result = run_cli("convert", src, out, "--to", "bf16", "--json")
         assert result.exit_code == 0, result.output
         folders[name] = (src, out)
-    names = list(folders)
-    results = {loader: run_loader(loader, [folders[n][1] for n in names], root / loader) for loader in VERDICT_ROWS}
-    return {n: (*folders[n], {loader: results[loader][i] for loader in VERDICT_ROWS}) for i, n in enumerate(names)}
+    return load_outputs(folders, root)
 
 
 @pytest.mark.parametrize("loader", list(VERDICT_ROWS))
@@ -130,9 +135,7 @@ def partial(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, P
         result = run_cli("convert", src, out, "--dequantize", "*.layers.0.self_attn.*", "--layout", "fused", "--json")
         assert result.exit_code == 0, result.output
         folders[name] = (src, out)
-    names = list(folders)
-    results = {loader: run_loader(loader, [folders[n][1] for n in names], root / loader) for loader in VERDICT_ROWS}
-    return {n: (*folders[n], {loader: results[loader][i] for loader in VERDICT_ROWS}) for i, n in enumerate(names)}
+    return load_outputs(folders, root)
 
 
 @pytest.mark.parametrize("loader", list(VERDICT_ROWS))
