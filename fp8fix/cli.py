@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -69,7 +70,20 @@ def say(line: str, err: bool = False) -> None:
 
 
 def echo_json(payload: dict[str, Any]) -> None:
-    click.echo(json.dumps(payload, indent=2))
+    """`payload` as strict JSON: a figure that is not finite (vLLM's float32 arithmetic overflowing on a
+    hostile scale) is null, not the `NaN` / `Infinity` most JSON parsers reject."""
+    click.echo(json.dumps(finite(payload), indent=2, allow_nan=False))
+
+
+def finite(value: Any) -> Any:
+    """`value` with every float that is not finite replaced by None, through lists and dicts."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def error_json(code: int, line: str, error: BaseException) -> dict[str, Any]:

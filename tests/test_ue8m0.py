@@ -19,8 +19,8 @@ import torch
 
 from fp8fix.numerics.ue8m0 import ue8m0_rows
 from tests.builders import FORMATS, build, glm, llama, mimo_v2, phi3
-from tests.conftest import run_cli
-from tests.test_unquantized import tensors_of
+from tests.conftest import run_cli, run_process
+from tests.test_unquantized import tampered, tensors_of
 
 #: torch's e4m3fn values of codes 0x00..0x7E, ascending: the grid a requantized value lands on.
 GRID = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
@@ -218,7 +218,6 @@ def test_with_e4m3fnuz(tmp_path: Path) -> None:
 
 
 def test_verify_catches_what_is_off(tmp_path: Path) -> None:
-    from safetensors.torch import save_file
 
     src = build(tmp_path / "src", llama(), fmt="block-fp8", scale="block", files=1)
     out = tmp_path / "out"
@@ -233,12 +232,7 @@ def test_verify_catches_what_is_off(tmp_path: Path) -> None:
         "a code off": ({**good, weight: nudged.view(torch.float8_e4m3fn)}, "row 0 column 0"),
     }
     for why, (tensors, message) in cases.items():
-        bad = tmp_path / why.replace(" ", "-")
-        bad.mkdir()
-        for f in out.iterdir():
-            if f.suffix != ".safetensors":
-                (bad / f.name).write_bytes(f.read_bytes())
-        save_file(tensors, str(bad / "model.safetensors"), {"format": "pt"})
+        bad = tampered(out, tmp_path / why.replace(" ", "-"), tensors)
         result = run_cli("verify", src, bad)
         assert result.exit_code == 1 and message in result.output, (why, result.output)
     # scale_fmt saying ue8m0 over scales that are not
@@ -272,3 +266,29 @@ def test_e4m3fnuz_sources_are_refused(tmp_path: Path) -> None:
     assert run_cli("convert", src, tmp_path / "fnuz", "--to", "e4m3fnuz").exit_code == 0
     result = run_cli("convert", tmp_path / "fnuz", tmp_path / "out", "--scales", "ue8m0")
     assert result.exit_code == 3 and "e4m3fnuz weights are ROCm's" in result.output, result.output
+
+
+def test_a_hostile_huge_scale_gives_strict_json_and_no_warnings(tmp_path: Path) -> None:
+    """A block scale of 1e38: fp8fix's powers of two hold it (2^127 fits F32), but vLLM's float32 product
+    overflows, so its figures are infinite: printed as inf, null in JSON (strict JSON: no NaN / Infinity
+    tokens), and numpy's overflow warnings do not leak onto stderr."""
+    from safetensors.torch import load_file, save_file
+
+    src = build(tmp_path / "src", llama(), fmt="block-fp8", scale="block")
+    shard = sorted(src.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    name = next(k for k in sorted(tensors) if k.endswith("down_proj.weight_scale_inv"))
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = 1e38
+    save_file(tensors, shard, metadata={"format": "pt"})
+    result = run_process("convert", src, tmp_path / "out", "--scales", "ue8m0", "--verify", "--json")
+    assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr, result.stderr
+    report = json.loads(result.stdout, parse_constant=lambda c: pytest.fail(f"non-strict JSON token {c}"))
+    module = name.removesuffix(".weight_scale_inv")
+    figures = next(m for m in report["ue8m0"]["modules"] if m["module"] == module)
+    assert figures["vllm_max_steps"] is None and figures["vllm_rms_steps"] is None
+    assert 0 < figures["max_steps"] <= 1  # fp8fix's own requantization of that weight is finite and bounded
+    # the block at 1e38 is written at 2^127 (the smallest power of two holding it: 1e38 x 448 / 448)
+    written = load_file(next(p for p in (tmp_path / "out").glob("*.safetensors") if name in load_file(p)))
+    assert written[name].view(-1)[0].item() in (2.0**127, 2.0**126)

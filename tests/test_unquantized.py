@@ -110,6 +110,18 @@ def convert(src: Path, out: Path, *args: str) -> dict:
     return json.loads(result.output)
 
 
+def tampered(out: Path, bad: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """A copy of the one-shard OUTPUT `out` at `bad` whose weights are `tensors` (its other files as they are)."""
+    from safetensors.torch import save_file
+
+    bad.mkdir()
+    for f in out.iterdir():
+        if f.suffix != ".safetensors":
+            (bad / f.name).write_bytes(f.read_bytes())
+    save_file(tensors, str(bad / "model.safetensors"), {"format": "pt"})
+    return bad
+
+
 def check_plain_output(src: Path, out: Path, model: Model | None, block: tuple[int, int] | None, dtype: torch.dtype):
     """OUTPUT holds every FP8 weight of SOURCE rounded once to `dtype`, nothing of the quantization, and
     every other tensor as SOURCE has it."""
@@ -148,8 +160,16 @@ def test_every_format_and_shape_to_bf16(tmp_path: Path, shape: str, fmt: str, sc
 @pytest.mark.parametrize("fmt,scale", [("fp8", "shard"), ("block-fp8", "block"), ("quark", "channel")])
 def test_float16(tmp_path: Path, fmt: str, scale: str) -> None:
     src = build(tmp_path / "src", phi3(), fmt=fmt, scale=scale)
-    convert(src, tmp_path / "out", "--to", "float16")
+    report = convert(src, tmp_path / "out", "--to", "float16")
     check_plain_output(src, tmp_path / "out", phi3(), FORMATS[fmt].block, torch.float16)
+    # the tensors that were not FP8 stay BF16 (check_plain_output: as SOURCE has them), and a note says the
+    # loaders cast them to float16 (tests/loaders/test_unquantized_loads.py: they do, with torch's rounding)
+    kept = [t for t in tensors_of(src).values() if t.dtype == torch.bfloat16]
+    notes = [n for n in report["notes"] if "keep their dtype" in n]
+    assert kept and notes == [
+        f"tensors that were not FP8 keep their dtype (BF16: {len(kept)}): loaders building the float16 model "
+        "cast them to float16 at load, rounding once, as for any checkpoint"
+    ], report["notes"]
 
 
 @pytest.mark.parametrize("scale", ["tensor", "shard"])
@@ -194,7 +214,6 @@ def test_pre_sharded_chunks_with_their_own_block_grids(tmp_path: Path) -> None:
 
 
 def test_verify_catches_what_is_off(tmp_path: Path) -> None:
-    from safetensors.torch import save_file
 
     src = build(tmp_path / "src", phi3(), fmt="fp8", scale="shard", files=1)
     out = tmp_path / "out"
@@ -210,12 +229,7 @@ def test_verify_catches_what_is_off(tmp_path: Path) -> None:
     }
     config = json.loads((out / "config.json").read_text())
     for why, (tensors, edit, message) in cases.items():
-        bad = tmp_path / why.replace(" ", "-")
-        bad.mkdir()
-        for f in out.iterdir():
-            if f.suffix != ".safetensors":
-                (bad / f.name).write_bytes(f.read_bytes())
-        save_file(tensors, str(bad / "model.safetensors"), {"format": "pt"})
+        bad = tampered(out, tmp_path / why.replace(" ", "-"), tensors)
         (bad / "config.json").write_text(json.dumps({**config, **(edit or {})}))
         result = run_cli("verify", src, bad)
         assert result.exit_code == 1 and message in result.output, (why, result.output)

@@ -189,8 +189,11 @@ def _vllm_errors(s: Any, values: Any, present: Any, dtype: str) -> Any:
     """|vLLM's requantized value - the exact value| per (block, code)."""
     import numpy as np
 
-    sf, new = vllm_requantized(s, values, present)
-    return np.where(present, np.abs(new * sf[:, None] - s[:, None] * values[None, :]), 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):  # vLLM's float32 product overflows at huge scales
+        sf, new = vllm_requantized(s, values, present)
+        errors = np.abs(new * sf[:, None] - s[:, None] * values[None, :])
+    # where vLLM's arithmetic overflowed, its weights are not finite: an infinite error
+    return np.where(present, np.where(np.isfinite(errors), errors, np.inf), 0.0)
 
 
 def _exact_sum(counts: Any, exact: Any, new: Any, exponent: int) -> Fraction:

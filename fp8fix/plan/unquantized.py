@@ -10,6 +10,7 @@ Module names stay SOURCE's (a fused qkv_proj stays fused: BF16 has no scales to 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from typing import Any
 
 from fp8fix.io.checkpoint import CONFIG
@@ -17,13 +18,15 @@ from fp8fix.model import CheckpointModel, describe_checkpoint
 from fp8fix.numerics.dequantize import UNQUANTIZED
 from fp8fix.plan.dequantized import plan_unquantized_weights
 from fp8fix.plan.output import planned_checkpoint
-from fp8fix.plan.pieces import ConversionPlan, OutputTensor
+from fp8fix.plan.pieces import ConversionPlan, OutputShard, OutputTensor
 from fp8fix.registry.architectures import unregistered_note
 from fp8fix.registry.formats import MODELOPT_CONFIG
 from fp8fix.verdicts import loader_verdicts
 
 #: config.json keys that say how a checkpoint is quantized: gone from a plain model.
 QUANTIZATION_KEYS = ("quantization_config", "compression_config")
+#: Floating dtypes a loader casts to the model's dtype when it loads them into a plain layer.
+FLOAT_DTYPES = ("BF16", "F16")
 #: The config.json keys naming the weights' dtype (transformers < 5: torch_dtype; 5: dtype, reading both).
 DTYPE_KEYS = ("torch_dtype", "dtype")
 
@@ -65,6 +68,12 @@ def plan_unquantized_model(model: CheckpointModel, to: str, tp: int | None = Non
             f"{len(dropped)} kv-cache scale(s) dropped: an unquantized model has no FP8 kv cache to scale "
             "(runtimes that quantize the kv cache themselves compute their own, or use 1.0)"
         )
+    kept = kept_dtypes(shards, out_dtype)
+    if kept:
+        plan.notes.append(
+            f"tensors that were not FP8 keep their dtype ({kept}): loaders building the {torch_dtype} model cast "
+            f"them to {torch_dtype} at load, rounding once, as for any checkpoint"
+        )
     if tp:
         plan.notes.append(
             f"--tp {tp}: nothing to pad: an unquantized model has no block scales, and runtimes split it at any "
@@ -88,3 +97,11 @@ def plain_config(config: dict[str, Any], torch_dtype: str) -> tuple[dict[str, An
             edits.append(f"{key}: {out.get(key)!r} -> {torch_dtype!r}")
             out[key] = torch_dtype
     return out, edits
+
+
+def kept_dtypes(shards: list[OutputShard], out_dtype: str) -> str:
+    """The floating dtypes OUTPUT keeps besides `out_dtype`, with how many tensors each ("BF16: 5"), or ""."""
+    counts = Counter(
+        t.dtype for shard in shards for t in shard.tensors if t.dtype in FLOAT_DTYPES and t.dtype != out_dtype
+    )
+    return ", ".join(f"{dtype}: {n}" for dtype, n in sorted(counts.items()))

@@ -1,11 +1,11 @@
-"""`convert --to bf16` and `--dequantize` outputs through the real loaders (issue 28).
+"""`convert --to bf16` / `--to float16` and `--dequantize` outputs through the real loaders (issue 28).
 
 `--to bf16` of every source of the real-loader suite (tests/loaders/test_real_loaders.py SOURCES: each
-format x scale style x the Llama, GLM and Phi-3 shapes) and of block FP8 with F32 and E8M0 scales: vLLM 0.32
-and transformers 5.24 load it as a plain model (no quantization method chosen), every linear layer's
-weight equal to OUTPUT's BF16 tensor (the loader computes with what fp8fix wrote) and to SOURCE's code
-times its scale rounded once to BF16 (tests/test_unquantized.py's independent torch computation), and
-inspect's verdict on OUTPUT is what each loader did.
+format x scale style x the Llama, GLM and Phi-3 shapes), of block FP8 with E8M0 and BF16 scales, and
+`--to float16` of five of them: vLLM 0.32 and transformers 5.24 load each as a plain model (no
+quantization method chosen), every linear layer's weight equal to OUTPUT's tensor (the loader computes
+with what fp8fix wrote), which is SOURCE's code times its scale rounded once (tests/test_unquantized.py's
+independent torch computation); inspect's verdict on OUTPUT is what each loader did.
 
 `--dequantize '*.layers.0.self_attn.*'`: the loaders build those layers unquantized, with fp8fix's BF16
 values, and load every other layer as the source's FP8 (what each loader does with the source's format, as
@@ -53,10 +53,12 @@ DEQUANTIZE = {
 SHAPES = {"llama": llama, "glm": glm, "phi3": phi3}
 
 
-def modules_of(folder: Path) -> dict[str, torch.Tensor]:
-    """OUTPUT's 2-D weights by module, in float32 (BF16 values are exact in float32)."""
+def modules_of(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """OUTPUT's 2-D weights by module, in float32 (BF16 and F16 values are exact in float32); with `dtype`,
+    as a loader building the model in that dtype holds them (a BF16 lm_head of a `--to float16` output
+    cast to F16: torch's one rounding, which a loader does to any BF16 tensor of a float16 model)."""
     return {
-        n.removesuffix(".weight"): t.float()
+        n.removesuffix(".weight"): (t if dtype is None else t.to(dtype)).float()
         for n, t in tensors_of(folder).items()
         if n.endswith(".weight") and t.dim() == 2 and "embed_tokens" not in n and "norm" not in n
     }
@@ -73,31 +75,42 @@ def load_outputs(folders: dict[str, tuple[Path, Path]], root: Path) -> dict[str,
     return {n: (*folders[n], {loader: results[loader][i] for loader in VERDICT_ROWS}) for i, n in enumerate(names)}
 
 
+#: `--to float16` too, on a source of each scale style.
+F16_SOURCES = ("fp8-tensor", "fp8-shard", "ct-channel", "block-fp8", "llama-fp8")
+PLAIN_CASES = [f"{name}/bf16" for name in BF16_SOURCES] + [f"{name}/float16" for name in F16_SOURCES]
+DTYPES = {"bf16": torch.bfloat16, "float16": torch.float16}
+
+
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, dict[str, Loaded]]]:
-    root = tmp_path_factory.mktemp("bf16")
+    root = tmp_path_factory.mktemp("plain")
     folders = {}
-    for name, (fmt, scale) in BF16_SOURCES.items():
-        options = {**BUILD_OPTIONS.get(name, {}), "complete": True}
-        src = build(root / name, loader_model(name), fmt=fmt, scale=scale, **options)  # type: ignore[arg-type]
+    for case in PLAIN_CASES:
+        name, to = case.split("/")
+        fmt, scale = BF16_SOURCES[name]
+        src = root / "src" / name
+        if not src.exists():
+            options = {**BUILD_OPTIONS.get(name, {}), "complete": True}
+            build(src, loader_model(name), fmt=fmt, scale=scale, **options)  # type: ignore[arg-type]
         if name in WITHOUT_KEYS:
             config = json.loads((src / "config.json").read_text())
             for key in WITHOUT_KEYS[name]:
-                del config["quantization_config"][key]
+                config["quantization_config"].pop(key, None)
             (src / "config.json").write_text(json.dumps(config))
-        out = root / "bf16" / name  # apart from the sources: "block-fp8" + "-bf16" is a source's name
-        result = run_cli("convert", src, out, "--to", "bf16", "--json")
+        out = root / to / name
+        result = run_cli("convert", src, out, "--to", to, "--json")
         assert result.exit_code == 0, result.output
-        folders[name] = (src, out)
+        folders[case] = (src, out)
     return load_outputs(folders, root)
 
 
 @pytest.mark.parametrize("loader", list(VERDICT_ROWS))
-@pytest.mark.parametrize("source", list(BF16_SOURCES))
-def test_bf16_outputs_load_as_plain_models(
-    plain: dict[str, tuple[Path, Path, dict[str, Loaded]]], source: str, loader: str
+@pytest.mark.parametrize("case", PLAIN_CASES)
+def test_plain_outputs_load_as_plain_models(
+    plain: dict[str, tuple[Path, Path, dict[str, Loaded]]], case: str, loader: str
 ) -> None:
-    src, out, results = plain[source]
+    src, out, results = plain[case]
+    name, to = case.split("/")
     result = results[loader]
     verdict = said(out, loader)
     real = "loads"
@@ -105,18 +118,19 @@ def test_bf16_outputs_load_as_plain_models(
         real = "fails"
     else:
         written = modules_of(out)
-        fmt = BF16_SOURCES[source][0]
-        exact = {
-            n.removesuffix(".weight"): v for n, v in exact_values(src, loader_model(source), FORMATS[fmt].block).items()
-        }
-        for layer, expected in as_loaded(written, result.weights).items():
+        fmt = BF16_SOURCES[name][0]
+        # the loaders build the model in config.json's dtype (the default call): what they hold is OUTPUT in it
+        held = modules_of(out, DTYPES[to])
+        exact = exact_values(src, loader_model(name), FORMATS[fmt].block)
+        for layer, expected in as_loaded(held, result.weights).items():
             got = result.weights.get(layer)
             if got is None or not torch.equal(got, expected):
                 real = "loads-wrong"
         # and what fp8fix wrote is SOURCE's code x scale rounded once (the loader's weights are OUTPUT's)
-        for module, values in exact.items():
-            assert torch.equal(written[module].double(), round_once(values, torch.bfloat16)), module
-    record(loader, f"{source}/bf16", verdict, real)
+        for weight, values in exact.items():
+            module = weight.removesuffix(".weight")
+            assert torch.equal(written[module].double(), round_once(values, DTYPES[to])), module
+    record(loader, case, verdict, real)
     assert result.loaded, result.error
     assert result.quantization is None, f"{loader} chose {result.quantization} for a plain model"
     assert not result.missing, result.missing

@@ -2,9 +2,10 @@
 
 Run with the transformers venv's Python (see docs/real-loaders.md):
 `python transformers_load.py OUT_DIR CHECKPOINT...`. For each checkpoint:
-`AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cpu")` as a
-user calls it, with no other argument (compressed-tensors checkpoints with the default
-`run_compressed`: issue 24 found `run_compressed=False` hid failures the default call has),
+`AutoModelForCausalLM.from_pretrained(path, device_map="cpu")` as a user calls it, with no
+other argument (the default dtype, "auto": config.json's; compressed-tensors checkpoints with
+the default `run_compressed`: issue 24 found `run_compressed=False` hid failures the default
+call has),
 then, for every linear layer (lm_head included: a format that
 quantizes it by mistake computes with garbage there), the float32 weight [out, in] the
 model computes with (FP8 weights times their scale, as its FP8 layers do; decompressed
@@ -38,9 +39,7 @@ def dequantized(module: torch.nn.Module) -> torch.Tensor:
 
 
 def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
-    model, info = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=torch.bfloat16, device_map="cpu", output_loading_info=True
-    )
+    model, info = AutoModelForCausalLM.from_pretrained(str(folder), device_map="cpu", output_loading_info=True)
     weights: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         w = getattr(module, "weight", None)

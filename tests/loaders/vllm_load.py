@@ -11,6 +11,11 @@ error vLLM raised.
 
 Patches, each only where the CPU build lacks a GPU kernel or device, never in weight
 loading:
+- `torch.cpu._is_amx_tile_supported` says False: on a CPU with AMX tiles (Sapphire Rapids or newer) the CPU
+  build picks AMX kernels whose `process_weights_after_loading` VNNI-packs FP8 and plain weights (bytes
+  reordered in the same shape) or moves MoE weights, so what the harness reads back would depend on the
+  machine CI lands on. Without AMX every CPU takes the same kernels, which keep the loaded weights as they
+  are (a GPU computes with the loaded weights too; only the CPU build repacks).
 - `torch.accelerator.empty_cache`: vLLM frees the GPU cache between loading and
   processing; there is no accelerator here, so it is a no-op.
 - `vllm._custom_ops.scaled_fp8_quant` with a static per-tensor scale: the CPU build
@@ -42,6 +47,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import torch  # noqa: E402
+
+torch.cpu._is_amx_tile_supported = lambda: False  # before vLLM looks (module docstring)
 import vllm._custom_ops as ops  # noqa: E402
 from harness import run, scaled  # noqa: E402  (this folder, first on sys.path when run as a script)
 from vllm.config import set_current_vllm_config  # noqa: E402
@@ -124,7 +131,7 @@ def build_model(folder: Path, tp: int = 1, rank: int = 0) -> torch.nn.Module:
         model=str(folder),
         skip_tokenizer_init=True,
         enforce_eager=True,
-        dtype="bfloat16",
+        dtype="auto",  # the default: config.json's dtype (a --to float16 output is built in float16)
         max_model_len=64,
         load_format="safetensors",
         # MiMo-V2.5's config class ships with the checkpoint (tests/builders.mimo_v2); DeepSeek's auto_map
