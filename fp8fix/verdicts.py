@@ -14,6 +14,7 @@ from fp8fix.model import CheckpointModel, Fp8Weight, ignore_linears, unquantized
 from fp8fix.numerics.dtypes import E4M3FNUZ
 from fp8fix.registry.formats import LEGACY_RENAMES, quantization_config
 from fp8fix.registry.loaders import (
+    CALLS,
     DEFAULT_EVIDENCE,
     LOADERS,
     LOADS_BECAUSE,
@@ -136,11 +137,32 @@ class LoaderVerdict:
 
 
 def verdicts_json(verdicts: dict[str, LoaderVerdict]) -> dict[str, dict[str, object]]:
-    """The verdicts as JSON: `loads` (kept from schema 1), `verdict`, `reason`, `evidence`."""
+    """The verdicts as JSON: `loads` (kept from schema 1), `verdict`, `reason`, `evidence`, and the row's
+    `call` (the call it models), `measured` (the real loader runs in the test suite) and `how` (where)."""
     return {
-        loader: {"loads": v.loads, "verdict": v.verdict, "reason": v.reason, "evidence": v.evidence}
+        loader: {
+            "loads": v.loads,
+            "verdict": v.verdict,
+            "reason": v.reason,
+            "evidence": v.evidence,
+            "call": CALLS[loader].call,
+            "measured": CALLS[loader].measured,
+            "how": CALLS[loader].how,
+        }
         for loader, v in verdicts.items()
     }
+
+
+def verdict_line(loader: str, verdict: str, reason: str) -> str:
+    """One loader row of the text output; a row no real loader measured says so."""
+    mark = "" if CALLS[loader].measured else " [from source, not run]"
+    return f"  {verdict:<11}  {loader}: {reason}{mark}"
+
+
+def calls_line() -> str:
+    """The calls the measured rows model, in a few words (`--json`: each row's full call and how it is known)."""
+    calls = "; ".join(f"{name}: {c.short}" for name, c in CALLS.items() if c.measured)
+    return f"  as called: {calls} (--json: each row's call, non-default arguments that matter)"
 
 
 def facts_of(model: CheckpointModel) -> Facts:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from fp8fix.registry.loaders import (
+    CALLS,
     DEFAULT_EVIDENCE,
     LOADERS,
     LOADS_BECAUSE,
@@ -31,7 +32,10 @@ START, END = "<!-- loader-rules:start (scripts/loader_tables.py) -->", "<!-- loa
 
 
 def render() -> str:
-    lines = ["| loader | when the checkpoint has | verdict | why | evidence |", "|---|---|---|---|---|"]
+    lines = ["| loader | the call it models | measured | how it is known |", "|---|---|---|---|"]
+    for loader, c in CALLS.items():
+        lines.append(f"| {loader} | {c.call} | {'yes' if c.measured else 'no'} | {c.how} |")
+    lines += ["", "| loader | when the checkpoint has | verdict | why | evidence |", "|---|---|---|---|---|"]
     for loader in LOADERS:
         plain = ", ".join(
             FACT_DESCRIPTIONS[r.condition] for r in RULES if r.loader == loader and r.condition in PLAIN_MODEL_RULES

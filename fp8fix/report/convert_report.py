@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from fp8fix.plan.pieces import ConversionPlan, ModuleChange
 from fp8fix.plan.targets import TARGET_LOADERS
 from fp8fix.report.text import human_size, name_pattern
-from fp8fix.verdicts import verdicts_json
+from fp8fix.verdicts import verdict_line, verdicts_json
 from fp8fix.vocab import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -223,7 +223,7 @@ def loader_lines(plan: ConversionPlan) -> list[str]:
     for name, v in plan.loaders.items():
         was = plan.source_loaders.get(name)
         change = f" (SOURCE: {was.verdict})" if was and was.verdict != v.verdict else ""
-        lines.append(f"  {v.verdict:<11}  {name}: {v.reason}{change}")
+        lines.append(verdict_line(name, v.verdict, v.reason + change))
     return lines
 
 

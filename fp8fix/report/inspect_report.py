@@ -7,6 +7,7 @@ from typing import Any
 
 from fp8fix.inspection import Report
 from fp8fix.report.text import human_size, name_pattern
+from fp8fix.verdicts import calls_line, verdict_line
 
 
 def report_lines(report: Report, verbose: bool = False) -> list[str]:
@@ -56,7 +57,8 @@ def report_lines(report: Report, verbose: bool = False) -> list[str]:
         lines.append(f"  note: {note}")
     lines.append("loaders:")
     for loader, row in report.loaders.items():
-        lines.append(f"  {row['verdict']:<11}  {loader}: {row['reason']}")
+        lines.append(verdict_line(loader, row["verdict"], row["reason"]))
+    lines.append(calls_line())
     return lines + tensor_parallel_lines(report.tensor_parallel)
 
 
