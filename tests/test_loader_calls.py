@@ -59,3 +59,10 @@ def test_rows_say_their_call_and_unmeasured_rows_are_marked(tmp_path: Path, comm
         assert line.endswith("[from source, not run]") == (not CALLS[name].measured), line
     if command == "inspect":
         assert "as called: vLLM >= 0.20: LLM(path) / vllm serve, defaults, TP 1; transformers:" in text
+
+
+def test_the_readme_table_says_which_rows_are_measured() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for name, call in CALLS.items():
+        how = "measured:" if call.measured else "from source, not run"
+        assert re.search(rf"^\| {re.escape(name)} \| {re.escape(call.short)} \| {how}", readme, re.M), name
