@@ -355,7 +355,7 @@ def test_fp8fix_says_what_the_loader_does(
     if case.convert_verdicts:  # convert judged what it wrote, as inspect judges what it reads
         assert case.convert_verdicts[VERDICT_ROWS[loader]] == said
     expected_not_judged = not_judged(source, layout, loader)
-    record(loader, f"{source}/{layout}", said, real, expected_not_judged is not None)
+    record(loader, f"{source}/{layout}", said, real, expected_not_judged is not None, why)
     if expected_not_judged is not None:
         assert said == "not-judged", f"fp8fix inspect says {said} where nothing measured it ({expected_not_judged})"
         if expected_not_judged == "gpu-only":  # what its reason says ran: the CPU refusal

@@ -21,11 +21,16 @@ loading:
 - `vllm._custom_ops.scaled_fp8_quant` with a static per-tensor scale: the CPU build
   registers `_C::static_scaled_fp8_quant` without arguments. The replacement follows the
   CUDA kernel (csrc/quantization/w8a8/fp8/common.cuh, `scaled_fp8_conversion`): divide by
-  the scale in float32, clamp to the e4m3fn range, round to nearest even.
+  the scale in float32, clamp to the platform's FP8 range (`current_platform.fp8_dtype()`, as
+  `_custom_ops.scaled_fp8_quant` allocates its output), round to nearest even.
 - `CPUFp8BlockScaledMMKernel` (kernels/linear/scaled_mm/cpu.py), the CPU build's block-FP8
   matmul, needs AMX tiles and 128-wide K blocks: it is allowed here, and its
   `process_weights_after_loading`, which only VNNI-packs the weight for AMX, leaves the
   loaded weight as it is. Block-shape checks and weight loading are vLLM's own.
+- With FP8FIX_VLLM_ROCM=1, the platform's FP8 switches say what vLLM's ROCm platform says on MI300
+  (platforms/rocm.py: `is_fp8_fnuz()` True, `fp8_dtype()` float8_e4m3fnuz), so the weight loading and
+  `process_weights_after_loading` take their ROCm branches (normalize_e4m3fn_to_e4m3fnuz: codes and
+  doubled scales, then the fused-shard requantization). Kernels stay the CPU build's.
 - With FP8FIX_VLLM_UE8M0=1, the block-FP8 kernel's `process_weights_after_loading` does what vLLM's DeepGEMM
   kernel does on Hopper / Blackwell with `use_e8m0` on (kernels/linear/scaled_mm/deep_gemm.py ->
   quantization/utils/fp8_utils.py deepgemm_post_process_fp8_weight_block, whose condition is
@@ -61,6 +66,11 @@ from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel  # noqa: E402
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod  # noqa: E402
 from vllm.model_executor.model_loader import get_model  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+
+if os.environ.get("FP8FIX_VLLM_ROCM") == "1":  # MI300's FP8 (module docstring)
+    type(current_platform).is_fp8_fnuz = classmethod(lambda cls: True)
+    type(current_platform).fp8_dtype = classmethod(lambda cls: torch.float8_e4m3fnuz)
 
 _scaled_fp8_quant = ops.scaled_fp8_quant
 
@@ -68,7 +78,7 @@ _scaled_fp8_quant = ops.scaled_fp8_quant
 def static_scaled_fp8_quant(input, scale=None, *args, **kwargs):  # type: ignore[no-untyped-def]
     if scale is None or scale.numel() != 1:
         return _scaled_fp8_quant(input, scale, *args, **kwargs)
-    fp8 = torch.float8_e4m3fn
+    fp8 = current_platform.fp8_dtype()  # as the op allocates its output: e4m3fnuz where ROCm's switches are on
     limit = torch.finfo(fp8).max
     return (input.float() / scale.float()).clamp(-limit, limit).to(fp8), scale
 
