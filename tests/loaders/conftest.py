@@ -13,6 +13,7 @@ import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,6 +38,7 @@ class Loaded:
     weights: dict[str, torch.Tensor]  # layer -> float32 [out, in] as the loader computes with it
     unreadable: list[str]  # layers the loader keeps in a form the harness cannot read back (repacked)
     quantization: str | None = None  # the quantization method (vLLM) or quantizer (transformers) chosen
+    kv_cache: dict[str, dict[str, Any]] | None = None  # vLLM: attention layer -> kv cache dtype, k / v scales
 
 
 #: The real-loader matrix: loader -> case -> (fp8fix's verdict, the loader's outcome, judged?), for the
@@ -110,6 +112,7 @@ def run_loader(loader: str, folders: list[Path], out: Path, env: dict[str, str] 
                 weights,
                 r.get("unreadable", []),
                 r.get("quantization"),
+                r.get("kv_cache"),
             )
         )
     return results

@@ -7,7 +7,9 @@ it runs vLLM's own model loading, unmodified: the architecture's model class,
 (where vLLM requantizes fused shards). Then, for every FP8 linear layer, it writes the
 dequantized float32 weight [out, in] as vLLM will compute with it, into
 OUT_DIR/<n>/weights.safetensors, and OUT_DIR/<n>/result.json with the model class or the
-error vLLM raised.
+error vLLM raised, and per attention layer the kv cache's dtype and the k / v scales it ended
+with (`kv_cache`). The call is `LLM(path)` with defaults; FP8FIX_VLLM_KV_CACHE_DTYPE=fp8 makes it
+the call with `--kv-cache-dtype fp8`.
 
 Patches, each only where the CPU build lacks a GPU kernel or device, never in weight
 loading:
@@ -143,6 +145,8 @@ def build_model(folder: Path, tp: int = 1, rank: int = 0) -> torch.nn.Module:
         enforce_eager=True,
         dtype="auto",  # the default: config.json's dtype (a --to float16 output is built in float16)
         max_model_len=64,
+        # the default, "auto"; FP8FIX_VLLM_KV_CACHE_DTYPE=fp8 is the call with --kv-cache-dtype fp8
+        kv_cache_dtype=os.environ.get("FP8FIX_VLLM_KV_CACHE_DTYPE", "auto"),
         load_format="safetensors",
         # MiMo-V2.5's config class ships with the checkpoint (tests/builders.mimo_v2); DeepSeek's auto_map
         # names remote code the test checkpoints do not carry, and transformers has its config class
@@ -194,7 +198,23 @@ def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
         "model_class": type(model).__name__,
         "unreadable": unreadable,
         "quantization": quantization,
+        "kv_cache": kv_cache_scales(model),
     }, weights
+
+
+def kv_cache_scales(model: torch.nn.Module) -> dict[str, dict[str, object]]:
+    """Per attention layer, the kv cache's dtype and the k / v scales it ended with (vLLM keeps them as
+    `_k_scale` / `_v_scale`, 1.0 where no checkpoint scale was loaded): whether a checkpoint's kv-cache
+    scales are used (an FP8 cache at those scales), loaded but unused, or ignored."""
+    layers = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "kv_cache_dtype") and hasattr(module, "_k_scale"):
+            layers[name] = {
+                "dtype": str(module.kv_cache_dtype),
+                "k_scale": module._k_scale.float().reshape(-1).tolist(),
+                "v_scale": module._v_scale.float().reshape(-1).tolist(),
+            }
+    return layers
 
 
 if __name__ == "__main__":
