@@ -9,6 +9,8 @@ unless the checkpoint's quantization config declares an FP8 kv cache, which comp
 and ModelOpt with `kv_cache_quant_algo` (quantization/modelopt.py: its kv cache method); an AutoFP8
 `quant_method: fp8` config has no such key vLLM reads (AMD's `kv_cache_scheme: "static"` under it is not
 read), so its scales are left at 1.0: unused. With `--kv-cache-dtype fp8` every one of them is used.
+fp8fix's `--format compressed-tensors` output of an AutoFP8 source declares `kv_cache_scheme`: its scales
+are used by the default call.
 """
 
 from __future__ import annotations
@@ -16,19 +18,25 @@ from __future__ import annotations
 import pytest
 
 from tests.builders import build, llama
+from tests.conftest import run_cli
 from tests.loaders.conftest import Loaded, run_loader
 
 pytestmark = pytest.mark.loaders
 
-#: format -> the kv-cache scales used by the default call (else: left at 1.0, a BF16 cache)
-USED_BY_DEFAULT = {"fp8": False, "fp8-amd-kv": False, "compressed-tensors": True, "modelopt": True}
+#: format -> the kv-cache scales used by the default call (else: left at 1.0, a BF16 cache); "fp8 -> ct":
+#: fp8fix's `--format compressed-tensors` output of the AutoFP8 source, which declares `kv_cache_scheme`
+USED_BY_DEFAULT = {"fp8": False, "fp8-amd-kv": False, "compressed-tensors": True, "modelopt": True, "fp8 -> ct": True}
 SCALE = 0.0625  # what tests/builders.py writes for k and v
 
 
 @pytest.fixture(scope="module")
 def loads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Loaded]]:
     root = tmp_path_factory.mktemp("kv")
-    folders = [build(root / fmt, llama(), fmt=fmt, scale="tensor", kv_scales=True) for fmt in USED_BY_DEFAULT]
+    formats = [fmt for fmt in USED_BY_DEFAULT if " -> " not in fmt]
+    folders = [build(root / fmt, llama(), fmt=fmt, scale="tensor", kv_scales=True) for fmt in formats]
+    converted = run_cli("convert", root / "fp8", root / "fp8-ct", "--format", "compressed-tensors", "-q")
+    assert converted.exit_code == 0, converted.output
+    folders.append(root / "fp8-ct")
     calls = {"default": {}, "fp8": {"FP8FIX_VLLM_KV_CACHE_DTYPE": "fp8"}}
     results = {call: run_loader("vllm", folders, root / f"out-{call}", env=env) for call, env in calls.items()}
     return {call: dict(zip(USED_BY_DEFAULT, r, strict=True)) for call, r in results.items()}
