@@ -26,27 +26,29 @@ LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM, TRANSFORMERS)
 @dataclass(frozen=True)
 class LoaderCall:
     """The call a loader row models (what its users run, with defaults, and the non-default arguments
-    that change the outcome), and how the row is known: `measured` rows are the real loader run by the
-    test suite (tests/loaders), on the device `how` names; the others are read from source, not run."""
+    that change the outcome), and how the row is known (`how`): "measured: ..." where the test suite runs
+    the real loader (tests/loaders), on the device it names; else read from source, not run."""
 
     call: str
-    measured: bool
     how: str
     short: str  # the call in a few words, for the text output
+
+    @property
+    def measured(self) -> bool:
+        return self.how.startswith("measured:")
 
 
 _VLLM_CALL = "LLM(path) / `vllm serve path` with defaults (--tensor-parallel-size 1)"
 #: Per loader row, in LOADERS' order.
 CALLS: dict[str, LoaderCall] = {
     VLLM_LEGACY: LoaderCall(
-        _VLLM_CALL, False, "from source, not run: no CPU build of these releases installs here", "LLM(path), TP 1"
+        _VLLM_CALL, "from source, not run: no CPU build of these releases installs here", "LLM(path), TP 1"
     ),
-    VLLM_OLD: LoaderCall(_VLLM_CALL, False, "from source, not run: read in vllm 0.5.1-0.6", "LLM(path), TP 1"),
+    VLLM_OLD: LoaderCall(_VLLM_CALL, "from source, not run: read in vllm 0.5.1-0.6", "LLM(path), TP 1"),
     VLLM: LoaderCall(
         "LLM(path) / `vllm serve path` with defaults: dtype auto (config.json's), the quantization config.json "
         "names, --tensor-parallel-size 1 (`inspect --tp N`: --tensor-parallel-size N, in its own section); "
         "not the default: --allow-deprecated-quantization lets FBGEMM FP8 load",
-        True,
         "measured: vLLM 0.32's CPU build, its model classes, weight loaders and process_weights_after_loading "
         "as on a GPU (tests/loaders/vllm_load.py); ROCm builds: not run",
         "LLM(path) / vllm serve, defaults, TP 1",
@@ -55,7 +57,6 @@ CALLS: dict[str, LoaderCall] = {
         "AutoModelForCausalLM.from_pretrained(path) with defaults: dtype auto (config.json's), "
         "compressed-tensors with run_compressed=True; not the default: "
         "quantization_config=CompressedTensorsConfig(run_compressed=False) hides failures the default has",
-        True,
         "measured: transformers 5.24 on CPU, where its FP8 quantizers dequantize at load "
         "(quantizers/quantizer_finegrained_fp8.py validate_environment); on a CUDA GPU of compute capability "
         ">= 8.9 FP8 layers keep FP8 weights: not run",

@@ -43,33 +43,30 @@ class Loaded:
 
 #: The real-loader matrix: loader -> case -> (fp8fix's verdict, the loader's outcome, judged?), for the
 #: summary printed at the end of the run (docs/real-loaders.md: agree / disagree / not judged).
-MATRIX: dict[str, dict[str, tuple[str, str, bool]]] = {}
-#: Why each case's real outcome is what it is (the loader's error, the weights that differ), for the dump.
-WHY: dict[str, dict[str, str]] = {}
+#: The last item: why the real outcome is what it is (the loader's error, the weights that differ).
+MATRIX: dict[str, dict[str, tuple[str, str, bool, str]]] = {}
 
 
 def record(loader: str, case: str, said: str, real: str, not_judged: bool = False, why: str = "") -> None:
-    MATRIX.setdefault(loader, {})[case] = (said, real, not not_judged)
-    WHY.setdefault(loader, {})[case] = why
+    MATRIX.setdefault(loader, {})[case] = (said, real, not not_judged, why)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not MATRIX:
         return
-    dump = os.environ.get("FP8FIX_LOADER_MATRIX")  # every case's (said, real, judged), for deriving rules
+    dump = os.environ.get("FP8FIX_LOADER_MATRIX")  # every case's (said, real, judged, why), for deriving rules
     if dump:
-        cases = {loader: {c: [*v, WHY[loader][c]] for c, v in rows.items()} for loader, rows in MATRIX.items()}
-        Path(dump).write_text(json.dumps(cases, indent=1, sort_keys=True))
+        Path(dump).write_text(json.dumps(MATRIX, indent=1, sort_keys=True))
     terminalreporter.section("real-loader matrix: fp8fix's verdicts against the loaders")
     for loader, cases in sorted(MATRIX.items()):
-        judged = [(said, real) for said, real, j in cases.values() if j]
+        judged = [(said, real) for said, real, j, _ in cases.values() if j]
         agree = sum(said == real for said, real in judged)
         outcomes = ", ".join(f"{v} {sum(real == v for _, real in judged)}" for v in ("loads", "loads-wrong", "fails"))
         terminalreporter.write_line(
             f"{loader:13} {len(cases):4} cases: agree {agree}, disagree {len(judged) - agree}, "
             f"not judged {len(cases) - len(judged)} (real outcomes: {outcomes})"
         )
-        for case, (said, real, j) in sorted(cases.items()):
+        for case, (said, real, j, _) in sorted(cases.items()):
             if j and said != real:
                 terminalreporter.write_line(f"  disagree: {case}: fp8fix {said}, {loader} {real}")
 
