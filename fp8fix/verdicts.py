@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fp8fix.io.checkpoint import known_values
 from fp8fix.model import CheckpointModel, Fp8Weight, ignore_linears, unquantized_linears
 from fp8fix.numerics.dtypes import E4M3FNUZ
 from fp8fix.registry.formats import LEGACY_RENAMES, quantization_config
@@ -61,6 +62,9 @@ FACT_DESCRIPTIONS = {
     "scales its loader does not line up with the rows at TP 1 (`inspect --tp 1`: wrong-scales)",
     "fbgemm": "quant_method fbgemm_fp8",
     "fnuz_weights": "e4m3fnuz weights",
+    "fnuz_chunked": "e4m3fnuz weights in a fused module pre-sharded in chunks (MiMo-V2.5)",
+    "modelopt_requantized": "a ModelOpt checkpoint with modules vLLM packs (q / k / v, gate / up) whose per-tensor "
+    "scales differ (or cannot be read: headers only)",
     "fnuz_compressed_tensors": "e4m3fnuz weights in a compressed-tensors checkpoint",
     "packed_per_tensor": "modules vLLM packs into one layer (q / k / v, gate / up), each with a per-tensor scale",
     "unfused_names_compressed_tensors": "per-shard module names where the model fuses them, in a "
@@ -105,6 +109,8 @@ class Facts:
     targets_unquantized_linears: bool = False  # compressed-tensors targets a Linear without FP8 weights
     modelopt: bool = False
     fnuz_weights: bool = False
+    fnuz_chunked: bool = False  # e4m3fnuz weights and chunked_fused
+    modelopt_requantized: bool = False  # ModelOpt, packed modules whose scales differ: vLLM requantizes at load
     fnuz_compressed_tensors: bool = False
     packed_per_tensor: bool = False  # q / k / v or gate / up apart, each with one scale: vLLM packs them
     unfused_names_compressed_tensors: bool = False
@@ -185,6 +191,9 @@ def _derive_facts(model: CheckpointModel) -> Facts:
     modules = unquantized_linears(model.checkpoint.tensors) if unquantized else [w.module for w in weights]
     unfused = not model.fused and bool(unfused_suffixes) and any(m.endswith(unfused_suffixes) for m in modules)
     fmt = None if unquantized else model.format  # a ModelOpt side file beside a plain config is not read
+    fnuz = any(w.tensor.dtype == E4M3FNUZ for w in weights)
+    chunked = any(w.fused is not None and w.fused.spec.block_grid == "per-group" for w in fused)
+    modelopt = fmt is not None and fmt.name == "modelopt"
     fp8 = model.is_autofp8
     architecture = model.architecture or ""
     at_tp_1 = _at_tp_1(model)
@@ -194,7 +203,7 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         odd_scales=any(w.scale is not None and w.scale_kind is None for w in weights),
         per_shard_fused=any(w.scale_kind == "shard" for w in fused),
         one_scale_fused=any(w.scale_kind in ("tensor", "channel", "block") for w in fused),
-        chunked_fused=any(w.fused is not None and w.fused.spec.block_grid == "per-group" for w in fused),
+        chunked_fused=chunked,
         channel_fused=bool(fused) and all(w.scale_kind == "channel" for w in fused),
         per_shard_input_scales=any(
             w.input_scale is not None and w.n_shards > 1 and w.input_scale.shape == (w.n_shards,) for w in fused
@@ -207,13 +216,13 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         channel_scales_under_fp8=fp8 and any(w.scale_kind == "channel" for w in weights),
         legacy_names=any(name.endswith(tuple(LEGACY_RENAMES)) for name in model.checkpoint.tensors),
         fbgemm=fmt is not None and fmt.name == "fbgemm_fp8",
-        modelopt=fmt is not None and fmt.name == "modelopt",
+        modelopt=modelopt,
+        modelopt_requantized=modelopt and packed_scales_differ(model),
         unfused_names_compressed_tensors=unfused and fmt is not None and fmt.name == "compressed-tensors",
         packed_per_tensor=bool(packed_groups(model)),
-        fnuz_weights=any(w.tensor.dtype == E4M3FNUZ for w in weights),
-        fnuz_compressed_tensors=fmt is not None
-        and fmt.name == "compressed-tensors"
-        and any(w.tensor.dtype == E4M3FNUZ for w in weights),
+        fnuz_weights=fnuz,
+        fnuz_chunked=fnuz and chunked,
+        fnuz_compressed_tensors=fnuz and fmt is not None and fmt.name == "compressed-tensors",
         block_scales=any(w.scale_kind == "block" for w in weights),
         remote_code_architecture=architecture in REMOTE_CODE,
         quark=fmt is not None and fmt.name == "quark",
@@ -244,6 +253,17 @@ def packed_groups(model: CheckpointModel) -> list[list[Fp8Weight]]:
         if all(m is not None and m.scale_kind == "tensor" for m in members):
             groups.append([m for m in members if m is not None])
     return groups
+
+
+def packed_scales_differ(model: CheckpointModel) -> bool:
+    """Modules vLLM packs into one layer whose per-tensor scales differ, so it requantizes them at load
+    (`requantize_with_max_scale`). Scales that cannot be read (headers only) count as differing: exporters
+    quantize q, k and v each on its own."""
+    for group in packed_groups(model):
+        values = [known_values(model.checkpoint, w.scale) if w.scale else None for w in group]
+        if any(v is None for v in values) or len({tuple(v) for v in values if v is not None}) > 1:
+            return True
+    return False
 
 
 def _transformers_block_reading(model: CheckpointModel) -> dict[str, bool]:

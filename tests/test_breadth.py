@@ -134,14 +134,16 @@ def test_moe_intermediate_of_partial_blocks_fails_in_vllm_until_padded(tmp_path:
     assert verdicts(tmp_path / "out")["vLLM >= 0.20"]["verdict"] == "loads"
 
 
-# 6. / 10. What nothing here measures is not-judged, never "loads": vLLM on e4m3fnuz (its ROCm path), FBGEMM in
-#    transformers (GPU only), ChatGLM in transformers (its repository's code), old vLLMs on block FP8.
+# 6. / 10. What nothing here measures is not-judged, never "loads": old vLLMs on e4m3fnuz (vLLM >= 0.20, on CUDA
+#    and ROCm, is measured since issue 29: loads-wrong), FBGEMM in transformers (GPU only), ChatGLM in
+#    transformers (its repository's code), old vLLMs on block FP8.
 def test_unmeasured_verdicts_are_not_judged(tmp_path: Path) -> None:
     src = build(tmp_path / "src", phi3())
     assert run_cli("convert", src, tmp_path / "fnuz", "--to", "e4m3fnuz", "-q").exit_code == 0
     fnuz = verdicts(tmp_path / "fnuz")
-    assert all(fnuz[row]["verdict"] == "not-judged" for row in ("vLLM <= 0.5.0", "vLLM 0.5.1 - 0.19", "vLLM >= 0.20"))
-    assert "ROCm" in fnuz["vLLM >= 0.20"]["reason"] and fnuz["vLLM >= 0.20"]["evidence"]
+    assert all(fnuz[row]["verdict"] == "not-judged" for row in ("vLLM <= 0.5.0", "vLLM 0.5.1 - 0.19"))
+    assert all(fnuz[row]["verdict"] == "loads-wrong" for row in ("vLLM >= 0.20", "vLLM >= 0.20 on ROCm"))
+    assert "not run" in fnuz["vLLM 0.5.1 - 0.19"]["evidence"] and fnuz["vLLM >= 0.20"]["evidence"]
     fbgemm = verdicts(build(tmp_path / "fbgemm", phi3(), fmt="fbgemm", scale="channel"))
     assert fbgemm["transformers"]["verdict"] == "not-judged"
     block = verdicts(build(tmp_path / "block", phi3(), fmt="block-fp8"))

@@ -58,7 +58,10 @@ def test_rows_say_their_call_and_unmeasured_rows_are_marked(tmp_path: Path, comm
         line = next(line for line in text.splitlines() if f"  {name}: " in line)
         assert line.endswith("[from source, not run]") == (not CALLS[name].measured), line
     if command == "inspect":
-        assert "as called: vLLM >= 0.20: LLM(path) / vllm serve, defaults, TP 1; transformers:" in text
+        assert (
+            "as called: vLLM >= 0.20: LLM(path) / vllm serve, defaults, TP 1; vLLM >= 0.20 on ROCm: "
+            "LLM(path) on MI300, defaults, TP 1; transformers:"
+        ) in text
 
 
 def test_the_readme_table_says_which_rows_are_measured() -> None:

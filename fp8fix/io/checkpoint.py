@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import posixpath
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,9 @@ class Checkpoint:
     #: Every other readable file of the folder (tokenizer, generation config, license, card...): regular
     #: files inside it, hidden ones and unlisted `*.safetensors` excepted (`_other_files`).
     extra_files: list[str] = field(default_factory=list)
+    #: For a checkpoint described before it is written (`has_data` False): a small tensor's values (scales) from
+    #: the source bytes it will be made of, or None where that takes more than reading them.
+    planned_values: Callable[[str], list[float] | None] | None = None
 
     def other_files(self) -> list[str]:
         """Every other file of the folder (tokenizer, generation config, license, card...)."""
@@ -81,6 +84,17 @@ def check_scale_values(scale: TensorInfo, files: SourceFiles | None = None) -> l
             "(fp8fix inspect lists every such scale)"
         )
     return values
+
+
+def known_values(ckpt: Checkpoint, scale: TensorInfo) -> list[float] | None:
+    """A scale's values where they can be known without more than reading them: from the file (a folder),
+    from the source bytes a planned output makes it of; None for headers only (the Hub) or an unreadable file."""
+    if ckpt.has_data:
+        try:
+            return read_values(scale)
+        except OSError:
+            return None
+    return ckpt.planned_values(scale.name) if ckpt.planned_values is not None else None
 
 
 def read_json(path: Path, what: str = "") -> Any:

@@ -11,7 +11,12 @@ from typing import Any
 
 from fp8fix.io.checkpoint import Checkpoint
 from fp8fix.io.safetensors_file import SafetensorsHeader, TensorInfo
-from fp8fix.plan.pieces import ConversionPlan
+from fp8fix.io.source_files import SourceFiles
+from fp8fix.numerics.dtypes import decode_floats
+from fp8fix.plan.pieces import ConversionPlan, CopyRange, Fill, OutputTensor, RepeatRange, Rescale
+
+#: The most values `planned_values` decodes for one tensor: scales per tensor or per shard, not grids.
+MAX_PLANNED_VALUES = 64
 
 
 def planned_checkpoint(plan: ConversionPlan, source: Checkpoint, config: dict[str, Any]) -> Checkpoint:
@@ -27,4 +32,38 @@ def planned_checkpoint(plan: ConversionPlan, source: Checkpoint, config: dict[st
             offset += t.nbytes
         shards[shard.name] = SafetensorsHeader(path, shard.metadata, infos)
         tensors.update(infos)
-    return Checkpoint(source.root, config, source.index, shards, tensors, has_data=False)
+    planned = {t.name: t for shard in plan.shards for t in shard.tensors}
+    return Checkpoint(
+        source.root,
+        config,
+        source.index,
+        shards,
+        tensors,
+        has_data=False,
+        planned_values=lambda name: planned_values(planned[name]) if name in planned else None,
+    )
+
+
+def planned_values(tensor: OutputTensor) -> list[float] | None:
+    """The values of a small float tensor OUTPUT will hold (a weight scale), from the source bytes its pieces
+    copy, repeat or rescale; None for any other piece or a bigger tensor."""
+    count = 1
+    for n in tensor.shape:
+        count *= n
+    if count > MAX_PLANNED_VALUES or tensor.dtype not in ("F32", "BF16", "F16", "F64"):
+        return None
+    values: list[float] = []
+    with SourceFiles() as files:
+        for piece in tensor.pieces:
+            if isinstance(piece, Fill):
+                values += decode_floats(piece.value, tensor.dtype) * piece.times
+            elif isinstance(piece, Rescale):
+                read = decode_floats(files.read(piece.path, piece.start, piece.end), piece.dtype)
+                values += [v * piece.factor for v in read] * piece.times
+            elif isinstance(piece, RepeatRange):
+                values += decode_floats(files.read(piece.path, piece.start, piece.end), tensor.dtype) * piece.times
+            elif type(piece) is CopyRange:
+                values += decode_floats(files.read(piece.path, piece.start, piece.end), tensor.dtype)
+            else:
+                return None
+    return values if len(values) == count else None

@@ -12,15 +12,16 @@ what a reader can open: a loader's source file and function, or a test in this r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fp8fix.vocab import Verdict
 
 VLLM_LEGACY = "vLLM <= 0.5.0"
 VLLM_OLD = "vLLM 0.5.1 - 0.19"
 VLLM = "vLLM >= 0.20"
+VLLM_ROCM = "vLLM >= 0.20 on ROCm"
 TRANSFORMERS = "transformers"
-LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM, TRANSFORMERS)
+LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM, VLLM_ROCM, TRANSFORMERS)
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,16 @@ CALLS: dict[str, LoaderCall] = {
         "names, --tensor-parallel-size 1 (`inspect --tp N`: --tensor-parallel-size N, in its own section); "
         "not the default: --allow-deprecated-quantization lets FBGEMM FP8 load",
         "measured: vLLM 0.32's CPU build, its model classes, weight loaders and process_weights_after_loading "
-        "as on a GPU (tests/loaders/vllm_load.py); ROCm builds: not run",
+        "as on a GPU (tests/loaders/vllm_load.py); ROCm builds: their own row",
         "LLM(path) / vllm serve, defaults, TP 1",
+    ),
+    VLLM_ROCM: LoaderCall(
+        "LLM(path) / `vllm serve path` with defaults on an AMD MI300 (e4m3fnuz hardware), as the row above; "
+        "not the default: --allow-deprecated-quantization lets FBGEMM FP8 load",
+        "measured: vLLM 0.32's CPU build with the ROCm platform's FP8 switches (is_fp8_fnuz, fp8_dtype "
+        "e4m3fnuz: FP8FIX_VLLM_ROCM=1, tests/loaders/vllm_load.py), so weight loading and "
+        "process_weights_after_loading take their ROCm branches; the ROCm kernels themselves: not run",
+        "LLM(path) on MI300, defaults, TP 1",
     ),
     TRANSFORMERS: LoaderCall(
         "AutoModelForCausalLM.from_pretrained(path) with defaults: dtype auto (config.json's), "
@@ -105,21 +114,21 @@ class Rule:
     evidence: str
 
 
-#: In priority order per loader: the first rule that holds decides.
-RULES: tuple[Rule, ...] = (
-    # the older vLLMs: a weight whose scale is missing or of no known shape, not run
-    *(
-        Rule(
-            loader,
-            condition,
-            "not-judged",
-            "an FP8 weight's scale is missing or of a shape no convention fits; vLLM >= 0.20 computes with "
-            "infinite weights for a missing one and refuses an odd one; these releases are not run: not judged",
-            evidence + "; " + DAMAGED_SCALE_TESTS + " (vLLM 0.32)",
-        )
-        for loader, evidence in ((VLLM_LEGACY, VLLM_050_LOADER), (VLLM_OLD, VLLM_051_LOADER))
-        for condition in ("missing_scales", "odd_scales")
-    ),
+FNUZ_RULE = Rule(
+    VLLM,
+    "fnuz_weights",
+    "loads-wrong",
+    "vLLM creates e4m3fn weight parameters on every platform and casts e4m3fnuz codes into them, rounding each "
+    "odd subnormal code (an odd multiple of 2^-10, below 2^-6) to an even one: up to half of e4m3fn's smallest "
+    "step times the scale. On ROCm it then converts to e4m3fnuz itself (codes and doubled scales, in the right "
+    "order): give it the e4m3fn checkpoint (convert --to e4m3fn)",
+    "vllm 0.32 quantization/utils/fp8_utils.py create_fp8_weight_parameter (float8_e4m3fn), "
+    "w8a8_utils.py normalize_e4m3fn_to_e4m3fnuz; " + REAL_LOADER_TESTS + " (the --to e4m3fnuz outputs, CUDA path "
+    "and FP8FIX_VLLM_ROCM=1)",
+)
+
+#: vLLM >= 0.20, in priority order (the first rule that holds decides); `ROCM_RULES` copies them.
+VLLM_RULES: tuple[Rule, ...] = (
     Rule(
         VLLM,
         "odd_scales",
@@ -128,46 +137,6 @@ RULES: tuple[Rule, ...] = (
         "vllm 0.32 model_executor/parameter.py PerTensorScaleParameter._load_into_shard_id, BlockQuantScaleParameter; "
         + DAMAGED_SCALE_TESTS,
     ),
-    *(
-        Rule(
-            loader,
-            "fnuz_weights",
-            "not-judged",
-            "e4m3fnuz weights are what vLLM's ROCm build (MI300) loads, which is not run here; the CUDA and CPU "
-            "builds round their odd subnormal codes into e4m3fn parameters where they requantize: not judged "
-            "(convert --to e4m3fn for these builds)",
-            "vllm 0.32 platforms/rocm.py is_fp8_fnuz (the ROCm path, not run); "
-            + REAL_LOADER_TESTS
-            + " (CPU build: some layouts exact, some not)",
-        )
-        for loader in (VLLM_LEGACY, VLLM_OLD, VLLM)
-    ),
-    *(
-        Rule(
-            loader,
-            "chunked_fused",
-            "loads-wrong",
-            "reads a pre-sharded fused qkv_proj as one contiguous [Q | K | V]: wrong rows and block scales, "
-            "nonsense output",
-            "vllm 0.19 model_executor/models/mimo_v2.py load_weights (before " + MIMO_FIXES + "); from source, not run",
-        )
-        for loader in (VLLM_LEGACY, VLLM_OLD)
-    ),
-    *(
-        Rule(
-            loader,
-            "block_scales",
-            "not-judged",
-            "block-scaled FP8 (DeepSeek-V3 style) is newer than these releases' FP8 support as read here, and "
-            "they are not run here: not judged",
-            "vllm 0.5.x-0.19 model_executor/layers/quantization/fp8.py Fp8Config (weight_block_size arrived within "
-            "this range; the rows here are read for per-tensor checkpoints only); from source, not run",
-        )
-        for loader in (VLLM_LEGACY, VLLM_OLD)
-    ),
-    Rule(VLLM_LEGACY, "per_shard_fused", "loads", "expects one scale per shard on fused modules", VLLM_050_LOADER),
-    Rule(VLLM_LEGACY, "one_scale_fused", "fails", "shape mismatch: torch.Size([n]) vs torch.Size([])", VLLM_050_LOADER),
-    Rule(VLLM_OLD, "per_shard_fused", "fails", "asserts a fused-on-disk module carries one scale", VLLM_051_LOADER),
     Rule(
         VLLM,
         "vllm_removed_architecture",
@@ -203,6 +172,14 @@ RULES: tuple[Rule, ...] = (
         "fails",
         "serves {architecture} through its Transformers backend, which has only the fused module names",
         "vllm 0.32 model_executor/models/registry.py _TRANSFORMERS_SUPPORTED_MODELS",
+    ),
+    Rule(
+        VLLM,
+        "fnuz_chunked",
+        "not-judged",
+        "e4m3fnuz weights in pre-sharded chunks: the regrouping at load is measured for e4m3fn only: not judged "
+        "(convert --to e4m3fn for vLLM)",
+        "vllm 0.32 model_executor/models/mimo_v2.py _shard_fp8_qkv_proj; " + MIMO_LOADER_TEST + " (e4m3fn)",
     ),
     Rule(
         VLLM,
@@ -249,6 +226,7 @@ RULES: tuple[Rule, ...] = (
         "vllm 0.32 model_executor/layers/quantization/fp8.py Fp8LinearMethod.create_weights (scales start at "
         "float32 min); " + DAMAGED_SCALE_TESTS,
     ),
+    FNUZ_RULE,
     Rule(
         VLLM,
         "packed_per_tensor",
@@ -257,6 +235,95 @@ RULES: tuple[Rule, ...] = (
         "their largest at load (within 0.52 fp8 step; exact where they are equal): --layout channel is exact",
         "vllm 0.32 quantization/utils/w8a8_utils.py requantize_with_max_scale; " + REAL_LOADER_TESTS,
     ),
+)
+
+#: ModelOpt on ROCm: requantizes packed shards with different scales into e4m3fnuz without normalizing first.
+ROCM_MODELOPT = Rule(
+    VLLM_ROCM,
+    "modelopt_requantized",
+    "loads-wrong",
+    "ModelOpt layers are not normalized to e4m3fnuz on ROCm, yet the packed shards whose scales differ are "
+    "requantized through the platform's e4m3fnuz (largest 240): every code above 240 at the largest scale is "
+    "clipped, the reverse-order bug (--layout channel keeps every weight)",
+    "vllm 0.32 quantization/modelopt.py KFp8StaticTensor.process (requantize_with_max_scale without "
+    "normalize_e4m3fn_to_e4m3fnuz), _custom_ops.scaled_fp8_quant (current_platform.fp8_dtype()); "
+    + REAL_LOADER_TESTS
+    + " (FP8FIX_VLLM_ROCM=1)",
+)
+#: Rules whose real-loader tests run the CUDA path only: on ROCm the same code, read, not run.
+_CUDA_ONLY_TESTS = frozenset({"fnuz_chunked", "chunked_fused", "refused_at_tp_1", "misaligned_block_shards"})
+
+
+def _on_rocm(rule: Rule) -> Rule:
+    """A vLLM >= 0.20 rule as the ROCm row's: the same weight loading, measured with FP8FIX_VLLM_ROCM=1 where
+    the rule's test runs it."""
+    measured = rule.condition not in _CUDA_ONLY_TESTS
+    note = " (FP8FIX_VLLM_ROCM=1)" if measured else "; on ROCm the same code: from source, not run"
+    return replace(rule, loader=VLLM_ROCM, evidence=rule.evidence + note)
+
+
+#: vLLM >= 0.20 on ROCm: vLLM's rules, ModelOpt's clipping before the e4m3fnuz rule.
+ROCM_RULES: tuple[Rule, ...] = tuple(
+    rocm
+    for rule in VLLM_RULES
+    for rocm in ((ROCM_MODELOPT, _on_rocm(rule)) if rule is FNUZ_RULE else (_on_rocm(rule),))
+)
+
+#: In priority order per loader: the first rule that holds decides.
+RULES: tuple[Rule, ...] = (
+    # the older vLLMs: a weight whose scale is missing or of no known shape, not run
+    *(
+        Rule(
+            loader,
+            condition,
+            "not-judged",
+            "an FP8 weight's scale is missing or of a shape no convention fits; vLLM >= 0.20 computes with "
+            "infinite weights for a missing one and refuses an odd one; these releases are not run: not judged",
+            evidence + "; " + DAMAGED_SCALE_TESTS + " (vLLM 0.32)",
+        )
+        for loader, evidence in ((VLLM_LEGACY, VLLM_050_LOADER), (VLLM_OLD, VLLM_051_LOADER))
+        for condition in ("missing_scales", "odd_scales")
+    ),
+    *(
+        Rule(
+            loader,
+            "fnuz_weights",
+            "not-judged",
+            "e4m3fnuz weights: these releases are not run here; vLLM >= 0.20 casts them into e4m3fn parameters, "
+            "rounding their odd subnormal codes: not judged (convert --to e4m3fn for vLLM)",
+            "vllm 0.32 model_executor/layers/quantization/utils/fp8_utils.py create_fp8_weight_parameter "
+            "(float8_e4m3fn), for vLLM >= 0.20; these releases: from source, not run",
+        )
+        for loader in (VLLM_LEGACY, VLLM_OLD)
+    ),
+    *(
+        Rule(
+            loader,
+            "chunked_fused",
+            "loads-wrong",
+            "reads a pre-sharded fused qkv_proj as one contiguous [Q | K | V]: wrong rows and block scales, "
+            "nonsense output",
+            "vllm 0.19 model_executor/models/mimo_v2.py load_weights (before " + MIMO_FIXES + "); from source, not run",
+        )
+        for loader in (VLLM_LEGACY, VLLM_OLD)
+    ),
+    *(
+        Rule(
+            loader,
+            "block_scales",
+            "not-judged",
+            "block-scaled FP8 (DeepSeek-V3 style) is newer than these releases' FP8 support as read here, and "
+            "they are not run here: not judged",
+            "vllm 0.5.x-0.19 model_executor/layers/quantization/fp8.py Fp8Config (weight_block_size arrived within "
+            "this range; the rows here are read for per-tensor checkpoints only); from source, not run",
+        )
+        for loader in (VLLM_LEGACY, VLLM_OLD)
+    ),
+    Rule(VLLM_LEGACY, "per_shard_fused", "loads", "expects one scale per shard on fused modules", VLLM_050_LOADER),
+    Rule(VLLM_LEGACY, "one_scale_fused", "fails", "shape mismatch: torch.Size([n]) vs torch.Size([])", VLLM_050_LOADER),
+    Rule(VLLM_OLD, "per_shard_fused", "fails", "asserts a fused-on-disk module carries one scale", VLLM_051_LOADER),
+    *VLLM_RULES,
+    *ROCM_RULES,
     Rule(
         TRANSFORMERS,
         "transformers_missing_architecture",
@@ -393,6 +460,7 @@ DEFAULT_EVIDENCE: dict[str, str] = {
     VLLM_LEGACY: VLLM_050_LOADER,
     VLLM_OLD: VLLM_051_LOADER,
     VLLM: REAL_LOADER_TESTS,
+    VLLM_ROCM: REAL_LOADER_TESTS + " (FP8FIX_VLLM_ROCM=1)",
     TRANSFORMERS: REAL_LOADER_TESTS,
 }
 
@@ -416,9 +484,15 @@ UNQUANTIZED_EVIDENCE: dict[str, str] = {
     VLLM_OLD: "vllm 0.5.1-0.19 config.py ModelConfig._verify_quantization (no quantization config: none); "
     "from source, not run",
     VLLM: BF16_LOADER_TESTS + " (vLLM 0.32: no quantization method, every weight OUTPUT's)",
+    VLLM_ROCM: BF16_LOADER_TESTS + " (vLLM 0.32, FP8FIX_VLLM_ROCM=1: no quantization method, every weight OUTPUT's)",
     TRANSFORMERS: BF16_LOADER_TESTS + " (transformers 5.24: no quantizer, every weight OUTPUT's)",
 }
 
+_VLLM_LOADS = {
+    "unfused": "Llama-style names map onto the fused parameter's shards",
+    "fused": "single scale copied into every shard slot",
+    "channel": "per-channel scales load row for row into the fused parameter, no requantization",
+}
 #: Why a loader takes a checkpoint when no rule stops it, by how its fused modules are stored.
 LOADS_BECAUSE: dict[str, dict[str, str]] = {
     VLLM_LEGACY: {"unfused": "Llama-style q/k/v and gate/up names, one scalar scale each"},
@@ -426,11 +500,8 @@ LOADS_BECAUSE: dict[str, dict[str, str]] = {
         "unfused": "Llama-style names map onto the fused parameter's shards",
         "fused": "single scale detected, requantization skipped",
     },
-    VLLM: {
-        "unfused": "Llama-style names map onto the fused parameter's shards",
-        "fused": "single scale copied into every shard slot",
-        "channel": "per-channel scales load row for row into the fused parameter, no requantization",
-    },
+    VLLM: _VLLM_LOADS,
+    VLLM_ROCM: _VLLM_LOADS,  # the same weight loading, normalized to e4m3fnuz after it
     TRANSFORMERS: {
         "fused": "one scale per module, fused names",
         "channel": "one scale per row, fused names",

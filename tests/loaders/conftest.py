@@ -23,7 +23,11 @@ HERE = Path(__file__).resolve().parent
 LOADERS = {
     "vllm": ("FP8FIX_VLLM_PYTHON", HERE / "vllm_load.py"),
     "transformers": ("FP8FIX_TRANSFORMERS_PYTHON", HERE / "transformers_load.py"),
+    # vLLM's ROCm weight loading (MI300: e4m3fnuz), the same venv with the platform's FP8 switches (vllm_load.py)
+    "vllm-rocm": ("FP8FIX_VLLM_PYTHON", HERE / "vllm_load.py"),
 }
+#: Variables a loader's harness runs with.
+LOADER_ENV = {"vllm-rocm": {"FP8FIX_VLLM_ROCM": "1"}}
 
 
 @dataclass
@@ -89,6 +93,7 @@ def run_loader(loader: str, folders: list[Path], out: Path, env: dict[str, str] 
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        **LOADER_ENV.get(loader, {}),
         **(env or {}),
     }
     proc = subprocess.run(

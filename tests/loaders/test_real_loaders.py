@@ -1,4 +1,5 @@
-"""fp8fix's verdicts against what the real loaders do (vLLM 0.32 CPU build, transformers 5.x on CPU).
+"""fp8fix's verdicts against what the real loaders do (vLLM 0.32 CPU build, as on a GPU and with the ROCm
+platform's FP8 switches; transformers 5.x on CPU).
 
 Small Phi-3 checkpoints of several formats, as exported and after each `--layout`, are
 loaded by the real loaders (see conftest.py); the weights each loader ends up computing
@@ -27,7 +28,7 @@ from tests.loaders.conftest import Loaded, interpreter, record, run_loader
 pytestmark = pytest.mark.loaders
 
 #: fp8fix's loader rows that these real loaders answer for.
-VERDICT_ROWS = {"vllm": "vLLM >= 0.20", "transformers": "transformers"}
+VERDICT_ROWS = {"vllm": "vLLM >= 0.20", "vllm-rocm": "vLLM >= 0.20 on ROCm", "transformers": "transformers"}
 
 
 #: Sources as each exporter writes them (tests/builders.py): name -> (format, scale); Phi-3 unless
@@ -129,11 +130,7 @@ CANNOT_RUN: dict[tuple[str, str], str] = {}
 
 def not_judged(source: str, layout: str, loader: str) -> str | None:
     """Why fp8fix must say `not-judged` for a case (worked out from the case, not from fp8fix), or None:
-    e4m3fnuz weights are vLLM's ROCm path (not run here; vLLM 0.32's CPU build keeps e4m3fnuz's odd
-    subnormal codes with per-tensor scales and rounds them with per-channel and block scales); FBGEMM FP8 in
-    transformers runs on a GPU only (the CPU refusal is what runs here)."""
-    if loader == "vllm" and layout in ENCODINGS:
-        return "e4m3fnuz"
+    FBGEMM FP8 in transformers runs on a GPU only (the CPU refusal is what runs here)."""
     if loader == "transformers" and SOURCES.get(source, ("",))[0] == "fbgemm":
         return "gpu-only"
     return None
@@ -165,7 +162,15 @@ class Case:
     convert_verdicts: dict[str, str]  # what `convert --json` said about OUTPUT ({} for a source)
 
 
-def true_weights(folder: Path, model: Model) -> dict[str, torch.Tensor]:
+class Truth(dict[str, torch.Tensor]):
+    """The true weights by module, and `rows`: each row's true scale, by module (per-tensor, per-shard and
+    per-row scales; none for block grids): where a loaded layer's rows had different scales, a loader (or
+    fp8fix's `--layout fused`) had to requantize them to one."""
+
+    rows: dict[str, torch.Tensor]
+
+
+def true_weights(folder: Path, model: Model) -> Truth:
     """Every FP8 linear layer of SOURCE dequantized in float32, by module path: codes times the scale
     of their row (one scale, one per shard by the documented row counts, or one per row)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -173,7 +178,8 @@ def true_weights(folder: Path, model: Model) -> dict[str, torch.Tensor]:
         with safe_open(path, framework="pt") as f:
             tensors.update({k: f.get_tensor(k) for k in f.keys()})
     shard_rows = {f.suffix: f.rows for f in model.fused}
-    truth = {"lm_head": tensors["lm_head.weight"].float()}  # BF16 in every source: no loader may quantize it
+    truth = Truth(lm_head=tensors["lm_head.weight"].float())  # BF16 in every source: no loader may quantize it
+    truth.rows = {}
     for name, w in tensors.items():
         if not name.endswith(".weight") or w.dtype != torch.float8_e4m3fn:
             continue
@@ -187,13 +193,14 @@ def true_weights(folder: Path, model: Model) -> dict[str, torch.Tensor]:
             truth[module] = w.float() * grid
             continue
         if scale.numel() == 1:
-            rows = scale.reshape(1, 1)
+            rows = scale.reshape(1, 1).expand(w.shape[0], 1)
         elif scale.numel() == w.shape[0]:
             rows = scale.reshape(-1, 1)
         else:
             counts = next(r for suffix, r in shard_rows.items() if module.endswith(suffix))
             rows = torch.cat([scale[i].expand(n) for i, n in enumerate(counts)]).reshape(-1, 1)
         truth[module] = w.float() * rows
+        truth.rows[module] = rows.reshape(-1)
     return truth
 
 
@@ -292,7 +299,8 @@ PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 def as_loaded(truth: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The true weights under the loader's layer names: modules it packs are concatenated by rows."""
+    """The true weights (or row scales) under the loader's layer names: modules it packs are concatenated
+    by rows."""
     expected = dict(truth)
     for name in loaded:
         module, _, leaf = name.rpartition(".")
@@ -320,18 +328,25 @@ def fp8fix_grid(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def outcome(result: Loaded, truth: dict[str, torch.Tensor], folder: Path) -> tuple[str, str]:
-    """(loads | loads-wrong | fails, why) from what the loader computes with, against the truth."""
+    """(loads | loads-wrong | fails, why) from what the loader computes with, against the truth: exactly
+    (`bf16_exact`), or, for a layer whose rows' true scales differ (`Truth.rows`: requantized to one by the
+    loader or by fp8fix), within REQUANTIZED_STEPS of the one scale's grid."""
     if not result.loaded:
         needs_gpu = "requires a GPU" in result.error
         return ("needs-gpu" if needs_gpu else "fails"), result.error
     wrong = []
+    rows = as_loaded(truth.rows, result.weights) if isinstance(truth, Truth) else None
     for module, expected in as_loaded(truth, result.weights).items():
         got = result.weights.get(module)
         if got is None and module in result.unreadable:
             continue
         if got is None:
             wrong.append(f"{module}: not loaded")
-        elif not same_values(got, expected, result.weights.get(f"{module}::scale", fp8fix_grid(folder).get(module))):
+            continue
+        # a requantized layer: rows of different true scales now on one (plain dict truth: any one-scale layer)
+        requantized = rows is None or (module in rows and bool((rows[module] != rows[module][0]).any()))
+        grid = result.weights.get(f"{module}::scale", fp8fix_grid(folder).get(module)) if requantized else None
+        if not same_values(got, expected, grid):
             error = (got - expected).abs().max().item() if got.shape == expected.shape else float("nan")
             wrong.append(f"{module}: differs (max abs error {error:.3g})")
     return ("loads-wrong", "; ".join(wrong[:3])) if wrong else ("loads", "")
