@@ -24,6 +24,7 @@ from fp8fix.parallel import heads_refusal, tensor_parallel_report
 from fp8fix.plan.targets import best, candidates, score
 from fp8fix.registry.architectures import Registry, unregistered_note
 from fp8fix.registry.formats import quantization_config
+from fp8fix.registry.loaders import CALLS, TRANSFORMERS
 from fp8fix.registry.parallel import HEADS_EVIDENCE
 from fp8fix.verdicts import facts_of, loader_verdicts, verdicts_json
 from fp8fix.vocab import SCHEMA_VERSION, InputScaleKind, ScaleReport, Target
@@ -345,6 +346,7 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
             )
     for warning in ckpt.warnings:
         add("checkpoint-files", warning.split(":", 1)[0], warning, None)
+    _kv_cache_findings(model, add, layout_fix)
     if scan:
         _scan_findings(model, add)
     return [
@@ -359,6 +361,34 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
         )
         for (code, reason, fix, heuristic, default), ms in found.items()
     ]
+
+
+def _kv_cache_findings(model: CheckpointModel, add: AddFinding, layout_fix: Fix | None) -> None:
+    """kv-cache scales a measured loader's default call will not use: vLLM's (a BF16 cache where the config
+    declares no FP8 one; the fix: the default conversion where it writes compressed-tensors, which declares
+    `kv_cache_scheme`, measured used), transformers' (dropped)."""
+    ignored = [
+        name
+        for name, v in loader_verdicts(model).items()
+        if CALLS[name].measured and v.kv_cache is not None and v.kv_cache.verdict == "ignored"
+    ]
+    modules = sorted({t.name.rsplit(".", 1)[0] for t in model.kv_cache_scales})
+    vllm = [name for name in ignored if name != TRANSFORMERS]
+    for module in modules if vllm else ():
+        add(
+            "kv-cache-scales-unused",
+            module,
+            f"kv-cache scales that {' and '.join(vllm)} leave unused with the default call: quant_method fp8 "
+            "declares no FP8 kv cache vLLM reads, so the cache stays BF16 (or serve with --kv-cache-dtype fp8)",
+            layout_fix if layout_fix is not None and "--format compressed-tensors" in layout_fix.options else None,
+        )
+    for module in modules if TRANSFORMERS in ignored else ():
+        add(
+            "kv-cache-scales-dropped",
+            module,
+            "kv-cache scales transformers drops (unexpected keys: its attention layers hold none), in every format",
+            None,
+        )
 
 
 def _scan_findings(model: CheckpointModel, add: AddFinding) -> None:

@@ -8,15 +8,16 @@ data in `registry.loaders`; this module only works out the facts its rules ask a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fp8fix.io.checkpoint import known_values
 from fp8fix.model import CheckpointModel, Fp8Weight, ignore_linears, unquantized_linears
 from fp8fix.numerics.dtypes import E4M3FNUZ
-from fp8fix.registry.formats import LEGACY_RENAMES, quantization_config
+from fp8fix.registry.formats import LEGACY_RENAMES, modelopt_kv_cache, quantization_config
 from fp8fix.registry.loaders import (
     CALLS,
     DEFAULT_EVIDENCE,
+    KV_RULES,
     LOADERS,
     LOADS_BECAUSE,
     PLAIN_MODEL,
@@ -25,7 +26,7 @@ from fp8fix.registry.loaders import (
     UNQUANTIZED_EVIDENCE,
 )
 from fp8fix.registry.parallel import PACKED_SHARDS
-from fp8fix.vocab import Verdict
+from fp8fix.vocab import KvVerdict, Verdict
 
 #: Architectures vLLM 0.32 serves through its Transformers backend (fused module names only):
 #: vllm/model_executor/models/registry.py _TRANSFORMERS_SUPPORTED_MODELS.
@@ -79,6 +80,11 @@ FACT_DESCRIPTIONS = {
     "quark": "quant_method quark",
     "quark_without_layer_type_config": "a Quark config without layer_type_quant_config",
     "unquantized": "no FP8 tensor and no quantization config: a plain (BF16 / F16) model",
+    "kv_scales": "kv-cache scales (k_scale / v_scale, or the format's names)",
+    "kv_cache_declared": "kv-cache scales, and a quantization config that declares an FP8 kv cache "
+    "(compressed-tensors kv_cache_scheme, ModelOpt kv_cache_quant_algo)",
+    "kv_scales_under_fp8": "kv-cache scales under quant_method fp8 (AutoFP8, AMD's exports)",
+    "kv_cache_scheme": "kv-cache scales, and a compressed-tensors config with kv_cache_scheme",
     "targets_unquantized_linears": "a compressed-tensors config whose targets take a Linear module that holds no "
     "FP8 weight (lm_head not in `ignore`)",
 }
@@ -121,6 +127,10 @@ class Facts:
     quark: bool = False
     quark_without_layer_type_config: bool = False
     unquantized: bool = False  # no FP8 tensor, no quantization_config: a plain model (`convert --to bf16`)
+    kv_scales: bool = False  # kv-cache scales (model.kv_cache_scales)
+    kv_cache_declared: bool = False  # ... and the config declares an FP8 kv cache vLLM reads
+    kv_scales_under_fp8: bool = False  # ... under quant_method fp8, which declares none vLLM reads
+    kv_cache_scheme: bool = False  # ... declared by compressed-tensors' kv_cache_scheme
 
     @property
     def layout(self) -> str:
@@ -132,10 +142,20 @@ class Facts:
 
 
 @dataclass(frozen=True)
+class KvCacheVerdict:
+    """What a loader's call does with the checkpoint's kv-cache scales (`registry.loaders.KV_RULES`)."""
+
+    verdict: KvVerdict
+    reason: str
+    evidence: str
+
+
+@dataclass(frozen=True)
 class LoaderVerdict:
     verdict: Verdict
     reason: str
     evidence: str  # the loader source or real-loader test behind it, or the notes it is cited from
+    kv_cache: KvCacheVerdict | None = None  # None: the checkpoint has no kv-cache scales
 
     @property
     def loads(self) -> bool:
@@ -143,8 +163,9 @@ class LoaderVerdict:
 
 
 def verdicts_json(verdicts: dict[str, LoaderVerdict]) -> dict[str, dict[str, object]]:
-    """The verdicts as JSON: `loads` (kept from schema 1), `verdict`, `reason`, `evidence`, and the row's
-    `call` (the call it models), `measured` (the real loader runs in the test suite) and `how` (where)."""
+    """The verdicts as JSON: `loads` (kept from schema 1), `verdict`, `reason`, `evidence`, the row's
+    `call` (the call it models), `measured` (the real loader runs in the test suite) and `how` (where), and
+    `kv_cache_scales`: what that call does with the checkpoint's kv-cache scales (null: it has none)."""
     return {
         loader: {
             "loads": v.loads,
@@ -154,6 +175,9 @@ def verdicts_json(verdicts: dict[str, LoaderVerdict]) -> dict[str, dict[str, obj
             "call": CALLS[loader].call,
             "measured": CALLS[loader].measured,
             "how": CALLS[loader].how,
+            "kv_cache_scales": None
+            if v.kv_cache is None
+            else {"verdict": v.kv_cache.verdict, "reason": v.kv_cache.reason, "evidence": v.kv_cache.evidence},
         }
         for loader, v in verdicts.items()
     }
@@ -163,6 +187,16 @@ def verdict_line(loader: str, verdict: str, reason: str) -> str:
     """One loader row of the text output; a row no real loader measured says so."""
     mark = "" if CALLS[loader].measured else " [from source, not run]"
     return f"  {verdict:<11}  {loader}: {reason}{mark}"
+
+
+def kv_cache_line(kv: dict[str, str]) -> str | None:
+    """What each row's call does with the kv-cache scales (loader -> used / ignored / not-judged), in one line;
+    None without kv-cache scales."""
+    if not kv:
+        return None
+    groups = {v: [name for name, got in kv.items() if got == v] for v in ("used", "ignored", "not-judged")}
+    said = "; ".join(f"{v.replace('-', ' ')}: {', '.join(names)}" for v, names in groups.items() if names)
+    return f"  kv-cache scales: {said}"
 
 
 def calls_line() -> str:
@@ -236,7 +270,27 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         targets_unquantized_linears=bool(
             ignore_linears(model.checkpoint.config, unquantized_linears(model.checkpoint.tensors))[1]
         ),
+        kv_scales=bool(model.kv_cache_scales),
+        kv_cache_declared=bool(model.kv_cache_scales) and _declares_kv_cache(model),
+        kv_scales_under_fp8=bool(model.kv_cache_scales) and fmt is not None and fmt.name == "fp8",
+        kv_cache_scheme=bool(model.kv_cache_scales)
+        and fmt is not None
+        and fmt.name == "compressed-tensors"
+        and _declares_kv_cache(model),
     )
+
+
+def _declares_kv_cache(model: CheckpointModel) -> bool:
+    """The quantization config declares an FP8 kv cache that vLLM's default call reads: compressed-tensors'
+    `kv_cache_scheme`, ModelOpt's `kv_cache_quant_algo` (hf_quant_config.json's `quantization`)."""
+    fmt = model.format
+    if fmt is None:
+        return False
+    if fmt.name == "compressed-tensors":
+        return isinstance((quantization_config(model.checkpoint.config) or {}).get("kv_cache_scheme"), dict)
+    if fmt.name == "modelopt":
+        return modelopt_kv_cache(model.checkpoint.config, model.checkpoint.root)
+    return False
 
 
 def packed_groups(model: CheckpointModel) -> list[list[Fp8Weight]]:
@@ -312,4 +366,18 @@ def loader_verdicts(model: CheckpointModel) -> dict[str, LoaderVerdict]:
             verdicts[loader] = LoaderVerdict("not-judged", reason, DEFAULT_EVIDENCE[loader])
         else:
             verdicts[loader] = LoaderVerdict("loads", LOADS_BECAUSE[loader][facts.layout], DEFAULT_EVIDENCE[loader])
+        if facts.kv_scales:
+            verdicts[loader] = replace(verdicts[loader], kv_cache=kv_cache_verdict(facts, loader, verdicts[loader]))
     return verdicts
+
+
+def kv_cache_verdict(facts: Facts, loader: str, load: LoaderVerdict) -> KvCacheVerdict:
+    """The first kv-cache rule of `loader` that holds; none: not judged (no real load measured it). A
+    checkpoint that does not load (or whose load is not judged) has no kv-cache verdict either."""
+    if load.verdict in ("fails", "not-judged"):
+        return KvCacheVerdict("not-judged", f"the checkpoint's load {load.verdict}: not judged", load.evidence)
+    rule = next((r for r in KV_RULES if r.loader == loader and getattr(facts, r.condition)), None)
+    if rule is None:
+        how = "this row is not run" if not CALLS[loader].measured else "no real load here measured this format's"
+        return KvCacheVerdict("not-judged", f"{how}: not judged", DEFAULT_EVIDENCE[loader])
+    return KvCacheVerdict(rule.verdict, rule.reason, rule.evidence)

@@ -54,6 +54,8 @@ Grammar = Literal["exact", "exact-or-re", "transformers", "fnmatch"]
 #: run here nor read from its source (vLLM on ROCm, a GPU-only quantizer, a model's remote code); the
 #: reason says why.
 Verdict = Literal["loads", "fails", "loads-wrong", "not-judged"]
+#: What a loader's call does with a checkpoint's kv-cache scales: an FP8 cache at those scales, or not.
+KvVerdict = Literal["used", "ignored", "not-judged"]
 
 #: Which loaders a conversion is for: `auto` picks the output that loads correctly in the most
 #: loaders, the current ones (vLLM >= 0.20, transformers) first.

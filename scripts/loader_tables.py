@@ -18,6 +18,7 @@ from pathlib import Path
 from fp8fix.registry.loaders import (
     CALLS,
     DEFAULT_EVIDENCE,
+    KV_RULES,
     LOADERS,
     LOADS_BECAUSE,
     PLAIN_MODEL,
@@ -55,6 +56,18 @@ def render() -> str:
         lines.append(
             f"| {loader} | otherwise, no fused modules | **loads** | no fused modules | {DEFAULT_EVIDENCE[loader]} |"
         )
+    lines += [
+        "",
+        "| loader | kv-cache scales, when the checkpoint has | verdict | why | evidence |",
+        "|---|---|---|---|---|",
+    ]
+    for rule in KV_RULES:
+        when = FACT_DESCRIPTIONS[rule.condition]
+        lines.append(f"| {rule.loader} | {when} | **{rule.verdict}** | {rule.reason} | {rule.evidence} |")
+    lines.append(
+        "| every loader | kv-cache scales no rule above covers, or a load that fails or is not judged | **not-judged** "
+        "| no real load here measured it | the row's default evidence |"
+    )
     return "\n".join(lines)
 
 

@@ -368,6 +368,22 @@ def _quark(qc: dict[str, Any]) -> FormatSpec:
     return QUARK
 
 
+def modelopt_kv_cache(config: dict[str, Any], root: Path) -> bool:
+    """A ModelOpt checkpoint declares an FP8 kv cache (`kv_cache_quant_algo` or `kv_cache_scheme`, in
+    config.json's quantization_config or hf_quant_config.json's `quantization`, where vLLM 0.32 looks:
+    utils/torch_utils.py get_kv_cache_quant_algo_string)."""
+    qc = quantization_config(config) or {}
+    if qc.get("kv_cache_quant_algo") or qc.get("kv_cache_scheme"):
+        return True
+    path = root / MODELOPT_CONFIG
+    try:
+        data = read_json(path) if path.is_file() else None
+    except InvalidCheckpoint:
+        return False
+    inner = data.get("quantization") if isinstance(data, dict) else None
+    return isinstance(inner, dict) and bool(inner.get("kv_cache_quant_algo") or inner.get("kv_cache_scheme"))
+
+
 def _modelopt(path: Path) -> FormatSpec:
     data = read_json(path)
     quantization = data.get("quantization") if isinstance(data, dict) else None

@@ -7,7 +7,7 @@ from typing import Any
 
 from fp8fix.inspection import Report
 from fp8fix.report.text import human_size, name_pattern
-from fp8fix.verdicts import calls_line, verdict_line
+from fp8fix.verdicts import calls_line, kv_cache_line, verdict_line
 
 
 def report_lines(report: Report, verbose: bool = False) -> list[str]:
@@ -58,6 +58,10 @@ def report_lines(report: Report, verbose: bool = False) -> list[str]:
     lines.append("loaders:")
     for loader, row in report.loaders.items():
         lines.append(verdict_line(loader, row["verdict"], row["reason"]))
+    kv = kv_cache_line(
+        {name: row["kv_cache_scales"]["verdict"] for name, row in report.loaders.items() if row["kv_cache_scales"]}
+    )
+    lines += [kv] if kv else []
     lines.append(calls_line())
     return lines + tensor_parallel_lines(report.tensor_parallel)
 
