@@ -36,6 +36,10 @@ VLLM_REMOVED = frozenset({"BaichuanForCausalLM", "BaiChuanForCausalLM"})
 #: Architectures whose checkpoints load in transformers only through their repository's modeling code
 #: (`auto_map`, trust_remote_code): ChatGLM2/3 and GLM-4's first releases (THUDM).
 REMOTE_CODE = frozenset({"ChatGLMModel", "ChatGLMForConditionalGeneration"})
+#: Architectures whose SGLang 0.5.23 loading the real-loader suite runs (its other model classes: not judged).
+SGLANG_MEASURED = frozenset({"LlamaForCausalLM", "Phi3ForCausalLM", "GlmForCausalLM"})
+#: ... of which SGLang serves through its Transformers backend (srt/models/transformers.py): GLM-4 (hf).
+SGLANG_TRANSFORMERS_BACKEND = frozenset({"GlmForCausalLM"})
 #: Architectures transformers 5.24 has no model for (models/auto: MiMo-V2.5's `mimo_v2` is absent, only
 #: `mimo_v2_flash`); loading needs the repository's own code.
 TRANSFORMERS_MISSING = frozenset({"MiMoV2ForCausalLM"})
@@ -81,6 +85,11 @@ FACT_DESCRIPTIONS = {
     "quark_without_layer_type_config": "a Quark config without layer_type_quant_config",
     "unquantized": "no FP8 tensor and no quantization config: a plain (BF16 / F16) model",
     "kv_scales": "kv-cache scales (k_scale / v_scale, or the format's names)",
+    "sglang_unmeasured_architecture": "an architecture whose SGLang model class the suite does not run (not Llama, "
+    "Phi-3 or GLM)",
+    "sglang_transformers_backend": "an architecture SGLang serves through its Transformers backend (GLM)",
+    "unquantized_packed_shards": "a compressed-tensors or Quark checkpoint with FP8 weights whose q / k / v (gate / "
+    "up), apart on disk, are plain BF16 / F16 modules (left unquantized, `--dequantize`)",
     "kv_cache_declared": "kv-cache scales, and a quantization config that declares an FP8 kv cache "
     "(compressed-tensors kv_cache_scheme, ModelOpt kv_cache_quant_algo)",
     "kv_scales_under_fp8": "kv-cache scales under quant_method fp8 (AutoFP8, AMD's exports)",
@@ -128,6 +137,9 @@ class Facts:
     quark_without_layer_type_config: bool = False
     unquantized: bool = False  # no FP8 tensor, no quantization_config: a plain model (`convert --to bf16`)
     kv_scales: bool = False  # kv-cache scales (model.kv_cache_scales)
+    sglang_unmeasured_architecture: bool = False
+    sglang_transformers_backend: bool = False
+    unquantized_packed_shards: bool = False  # compressed-tensors / Quark: plain q / k / v beside FP8 weights
     kv_cache_declared: bool = False  # ... and the config declares an FP8 kv cache vLLM reads
     kv_scales_under_fp8: bool = False  # ... under quant_method fp8, which declares none vLLM reads
     kv_cache_scheme: bool = False  # ... declared by compressed-tensors' kv_cache_scheme
@@ -271,6 +283,16 @@ def _derive_facts(model: CheckpointModel) -> Facts:
             ignore_linears(model.checkpoint.config, unquantized_linears(model.checkpoint.tensors))[1]
         ),
         kv_scales=bool(model.kv_cache_scales),
+        sglang_unmeasured_architecture=architecture not in SGLANG_MEASURED,
+        sglang_transformers_backend=architecture in SGLANG_TRANSFORMERS_BACKEND,
+        unquantized_packed_shards=bool(weights)
+        and fmt is not None
+        and fmt.name in ("compressed-tensors", "quark")
+        and any(
+            m.rpartition(".")[2] in group
+            for m in unquantized_linears(model.checkpoint.tensors)
+            for group in PACKED_SHARDS
+        ),
         kv_cache_declared=bool(model.kv_cache_scales) and _declares_kv_cache(model),
         kv_scales_under_fp8=bool(model.kv_cache_scales) and fmt is not None and fmt.name == "fp8",
         kv_cache_scheme=bool(model.kv_cache_scales)

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Make the two venvs the real-loader tests (pytest -m loaders) run the loaders in, and print the
+# Make the venvs the real-loader tests (pytest -m loaders) run the loaders in, and print the
 # variables that point the tests at them. Idempotent: an existing venv is kept.
 #   vLLM 0.32 CPU build: it pins its own transformers (< 5.20) and compressed-tensors (0.17);
-#   transformers 5.x + compressed-tensors, as users load FP8 checkpoints on CPU.
+#   transformers 5.x + compressed-tensors, as users load FP8 checkpoints on CPU;
+#   SGLang 0.5.23: its wheel without dependencies (they pin torch 2.14.1 and CUDA kernels), beside the CPU
+#   torch, its own transformers / compressed-tensors pins and what its weight-loading modules import
+#   (tests/loaders/sglang_load.py stubs its GPU kernels the way its CPU tests stub sgl_kernel).
 # Both take torch==2.13.0, the CPU build (the local file on these machines). The vLLM wheel
 # also pulls torchvision/torchaudio/torchcodec, which fail to import beside the CPU torch and
 # which weight loading does not use: they are uninstalled.
@@ -20,5 +23,14 @@ if [ ! -x "$root/transformers/bin/python" ] || ! "$root/transformers/bin/python"
   "$root/transformers/bin/pip" install -q torch==2.13.0
   "$root/transformers/bin/pip" install -q transformers==5.24.0 compressed-tensors==0.20.1 accelerate==1.15.0
 fi
+if [ ! -x "$root/sglang/bin/python" ] || ! "$root/sglang/bin/python" -c "import sglang.srt.layers.linear" 2>/dev/null; then
+  python3 -m venv "$root/sglang"
+  "$root/sglang/bin/pip" install -q torch==2.13.0
+  "$root/sglang/bin/pip" install -q transformers==5.19.0 compressed-tensors==0.18.0 apache-tvm-ffi==0.1.11 \
+    openai==2.8.0 triton orjson pybase64 requests pillow starlette fastapi uvicorn msgspec pyzmq ipython aiohttp \
+    dill sentencepiece gguf partial-json-parser einops
+  "$root/sglang/bin/pip" install -q --no-deps sglang==0.5.23
+fi
 echo "export FP8FIX_VLLM_PYTHON=$root/vllm/bin/python"
 echo "export FP8FIX_TRANSFORMERS_PYTHON=$root/transformers/bin/python"
+echo "export FP8FIX_SGLANG_PYTHON=$root/sglang/bin/python"

@@ -18,11 +18,12 @@ DOWN = "model.layers.0.mlp.down_proj"
 # section 2a (vLLM >= 0.20 also run for real in tests/loaders); transformers as run for real in
 # tests/loaders: 5.x reads only weight_scale_inv for quant_method fp8, so every layout computes
 # with the raw codes.
-#: Per loader row: vLLM <= 0.5.0, 0.5.1 - 0.19, >= 0.20, >= 0.20 on ROCm (AutoFP8 e4m3fn: as on CUDA), transformers.
+#: Per loader row: vLLM <= 0.5.0, 0.5.1 - 0.19, >= 0.20, >= 0.20 on ROCm (AutoFP8 e4m3fn: as on CUDA), SGLang 0.5.23,
+#: transformers.
 EXPECTED_LOADS = {
-    "single-scale fused": ("fails", "loads", "loads", "loads", "loads-wrong"),
-    "per-shard": ("loads", "fails", "fails", "fails", "loads-wrong"),
-    "unfused": ("loads", "loads", "loads", "loads", "loads-wrong"),
+    "single-scale fused": ("fails", "loads", "loads", "loads", "loads", "loads-wrong"),
+    "per-shard": ("loads", "fails", "fails", "fails", "fails", "loads-wrong"),
+    "unfused": ("loads", "loads", "loads", "loads", "loads", "loads-wrong"),
 }
 
 
@@ -77,7 +78,7 @@ def test_single_scale_fused_finding_and_loaders(tmp_path: Path) -> None:
     assert run_cli("convert", src, tmp_path / "out", "-q").exit_code == 0
     fixed = inspect(tmp_path / "out")
     assert not [f for f in fixed["findings"] if f["fix"] and f["default_target"]]
-    assert loads(fixed) == ("fails", "loads", "loads", "loads", "loads")  # compressed-tensors, fused
+    assert loads(fixed) == ("fails", "loads", "loads", "loads", "loads", "loads")  # compressed-tensors, fused
     assert run_cli("inspect", tmp_path / "out", "--strict").exit_code == 0
     # unfused (AutoFP8 kept): what vLLM <= 0.5.0 needs too
     assert run_cli("convert", src, tmp_path / "unfused", "--layout", "unfused", "-q").exit_code == 0
@@ -167,6 +168,7 @@ def test_missing_scale(tmp_path: Path) -> None:
         "vLLM 0.5.1 - 0.19": "not-judged",
         "vLLM >= 0.20": "loads-wrong",
         "vLLM >= 0.20 on ROCm": "loads-wrong",
+        "SGLang 0.5.23": "loads-wrong",
         "transformers": "loads-wrong",
     }
 

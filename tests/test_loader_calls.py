@@ -42,6 +42,10 @@ def test_the_harnesses_make_the_calls_the_rows_claim() -> None:
     assert "dtype auto" in CALLS["vLLM >= 0.20"].call and "dtype auto" in CALLS["transformers"].call
     assert "run_compressed=False" in CALLS["transformers"].call  # the non-default argument that changes outcomes
     assert "--allow-deprecated-quantization" in CALLS["vLLM >= 0.20"].call
+    sglang = (HARNESS / "sglang_load.py").read_text()  # launch_server's defaults: nothing but the path and CPU
+    call = re.search(r"ServerArgs\(([^)]*)\)", sglang)
+    assert call and call.group(1) == 'model_path=str(folder), device="cpu", skip_tokenizer_init=True'
+    assert "ServerArgs(model_path=path)" in CALLS["SGLang 0.5.23"].call
 
 
 @pytest.mark.parametrize("command", ["inspect", "convert"])
@@ -60,7 +64,8 @@ def test_rows_say_their_call_and_unmeasured_rows_are_marked(tmp_path: Path, comm
     if command == "inspect":
         assert (
             "as called: vLLM >= 0.20: LLM(path) / vllm serve, defaults, TP 1; vLLM >= 0.20 on ROCm: "
-            "LLM(path) on MI300, defaults, TP 1; transformers:"
+            "LLM(path) on MI300, defaults, TP 1; SGLang 0.5.23: launch_server --model-path, defaults, TP 1; "
+            "transformers:"
         ) in text
 
 

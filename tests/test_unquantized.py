@@ -152,7 +152,10 @@ def test_every_format_and_shape_to_bf16(tmp_path: Path, shape: str, fmt: str, sc
     assert {m["dtype"] for m in report["dequantized"]} == {"BF16"}
     assert all(m["max_error_steps"] <= 0.5 for m in report["dequantized"])
     if shape in BASIC:  # architectures every loader serves: a plain model loads everywhere
-        assert {v["verdict"] for v in report["loaders"].values()} == {"loads"}, report["loaders"]
+        verdicts = {name: v["verdict"] for name, v in report["loaders"].items()}
+        if shape == "glm":  # but SGLang, whose Transformers backend refuses GLM, plain or not (measured)
+            assert verdicts.pop("SGLang 0.5.23") == "fails"
+        assert set(verdicts.values()) == {"loads"}, report["loaders"]
     card = (tmp_path / "out" / "README.md").read_text()
     assert "- fp8fix" in card and "- fp8\n" not in card and "- bf16" in card
 

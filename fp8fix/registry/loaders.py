@@ -20,8 +20,9 @@ VLLM_LEGACY = "vLLM <= 0.5.0"
 VLLM_OLD = "vLLM 0.5.1 - 0.19"
 VLLM = "vLLM >= 0.20"
 VLLM_ROCM = "vLLM >= 0.20 on ROCm"
+SGLANG = "SGLang 0.5.23"
 TRANSFORMERS = "transformers"
-LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM, VLLM_ROCM, TRANSFORMERS)
+LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM, VLLM_ROCM, SGLANG, TRANSFORMERS)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,14 @@ CALLS: dict[str, LoaderCall] = {
         "e4m3fnuz: FP8FIX_VLLM_ROCM=1, tests/loaders/vllm_load.py), so weight loading and "
         "process_weights_after_loading take their ROCm branches; the ROCm kernels themselves: not run",
         "LLM(path) on MI300, defaults, TP 1",
+    ),
+    SGLANG: LoaderCall(
+        "`python -m sglang.launch_server --model-path path` with defaults (ServerArgs(model_path=path): "
+        "--tp-size 1, the quantization config.json names, SGLANG_ENABLE_WEIGHT_LOADER_V2 off)",
+        "measured: SGLang 0.5.23's model classes, weight loaders and process_weights_after_loading on CPU, its "
+        "CUDA kernels stubbed (tests/loaders/sglang_load.py), for the architectures the suite builds (Llama, "
+        "Phi-3, GLM); other architectures and TP N: not run",
+        "launch_server --model-path, defaults, TP 1",
     ),
     TRANSFORMERS: LoaderCall(
         "AutoModelForCausalLM.from_pretrained(path) with defaults: dtype auto (config.json's), "
@@ -269,6 +278,118 @@ ROCM_RULES: tuple[Rule, ...] = tuple(
     for rocm in ((ROCM_MODELOPT, _on_rocm(rule)) if rule is FNUZ_RULE else (_on_rocm(rule),))
 )
 
+SGLANG_LOADER = "sglang 0.5.23 srt/models/llama.py LlamaForCausalLM._legacy_load_weights"
+SGLANG_TESTS = REAL_LOADER_TESTS + " (SGLang 0.5.23)"
+#: SGLang 0.5.23, in priority order: measured on the Llama, Phi-3 and GLM shapes of the real-loader suite
+#: (the rules of vLLM it shares were measured again on it, not copied).
+SGLANG_RULES: tuple[Rule, ...] = (
+    Rule(
+        SGLANG,
+        "sglang_unmeasured_architecture",
+        "not-judged",
+        "SGLang's model class for {architecture} is not run here (the suite runs its Llama, Phi-3 and GLM "
+        "loading): not judged",
+        "sglang 0.5.23 srt/models/registry.py ModelRegistry (a model class and weight loader per architecture); "
+        "from source, not run",
+    ),
+    Rule(
+        SGLANG,
+        "sglang_transformers_backend",
+        "fails",
+        "serves {architecture} through its Transformers backend, which refuses the model's tensor-parallel plan "
+        "(ValueError: Unsupported TP style 'colwise_gather_output' for Transformers backend), FP8 or not",
+        "sglang 0.5.23 srt/models/transformers.py; " + SGLANG_TESTS,
+    ),
+    Rule(
+        SGLANG,
+        "fbgemm",
+        "fails",
+        "has no fbgemm_fp8 quantization (ValueError: Unknown quantization method: fbgemm_fp8)",
+        "sglang 0.5.23 srt/layers/quantization/__init__.py (QUANTIZATION_METHODS); " + SGLANG_TESTS,
+    ),
+    Rule(
+        SGLANG,
+        "quark_without_layer_type_config",
+        "fails",
+        "reads the Quark config's layer_type_quant_config, which this one lacks (TypeError: 'NoneType' object is "
+        "not iterable)",
+        "sglang 0.5.23 srt/layers/quantization/quark/quark.py; " + SGLANG_TESTS,
+    ),
+    Rule(
+        SGLANG,
+        "block_scales",
+        "loads-wrong",
+        "its Llama-family loader renames weight_scale_inv to weight_scale, a parameter its block-FP8 layers do not "
+        "have: every block scale is dropped (a 'not found in params_dict' warning) and the layers compute with "
+        "the scales' initial float32 max, without an error",
+        SGLANG_LOADER + " (SGLANG_ENABLE_WEIGHT_LOADER_V2 off by default), quantization/fp8.py "
+        "(weight_scale_inv); " + SGLANG_TESTS,
+    ),
+    Rule(
+        SGLANG,
+        "odd_scales",
+        "fails",
+        "an FP8 weight scale of a shape its layer does not have (AssertionError in the weight loader)",
+        "sglang 0.5.23 srt/layers/parameter.py; " + DAMAGED_SCALE_TESTS + " (SGLang 0.5.23)",
+    ),
+    Rule(
+        SGLANG,
+        "channel_scales_under_fp8",
+        "fails",
+        "quant_method fp8 takes per-tensor or block weight scales, not per-channel ones (AssertionError)",
+        "sglang 0.5.23 srt/layers/quantization/fp8.py Fp8LinearMethod; " + SGLANG_TESTS,
+    ),
+    Rule(
+        SGLANG,
+        "per_shard_fused",
+        "fails",
+        "takes one scale for a fused-on-disk module (ValueError: Expected scalar scale for fused-in-checkpoint "
+        "merged-column checkpoint load)",
+        "sglang 0.5.23 srt/layers/linear.py; " + SGLANG_TESTS,
+    ),
+    Rule(
+        SGLANG,
+        "missing_scales",
+        "loads-wrong",
+        "an FP8 weight has no scale: SGLang keeps the scale parameter's initial value and computes with infinite "
+        "weights, without an error",
+        "sglang 0.5.23 srt/layers/quantization/fp8.py create_weights; " + DAMAGED_SCALE_TESTS + " (SGLang 0.5.23)",
+    ),
+    Rule(
+        SGLANG,
+        "legacy_names",
+        "not-judged",
+        "loads the weights of the legacy AutoFP8 names; what it does with act_scale (not an input_scale it knows) "
+        "is not measured here: not judged",
+        SGLANG_LOADER + " (activation_scale is renamed, act_scale is not); " + SGLANG_TESTS,
+    ),
+    Rule(
+        SGLANG,
+        "unquantized_packed_shards",
+        "loads-wrong",
+        "packs q / k / v (gate / up) into one layer and does not match the config's unquantized list against it: "
+        "the packed layer is built FP8 and the plain shards compute as FP8 codes with the scale parameter's "
+        "initial value, without an error",
+        "sglang 0.5.23 srt/layers/quantization/compressed_tensors/compressed_tensors.py, quark/quark.py (layer "
+        "skipping); tests/loaders/test_unquantized_loads.py (SGLang 0.5.23, --dequantize on Llama)",
+    ),
+    Rule(
+        SGLANG,
+        "fnuz_weights",
+        "loads-wrong",
+        "creates e4m3fn weight parameters and casts e4m3fnuz codes into them, rounding each odd subnormal code",
+        "sglang 0.5.23 srt/layers/quantization/fp8.py create_weights (float8_e4m3fn); " + SGLANG_TESTS,
+    ),
+    Rule(
+        SGLANG,
+        "packed_per_tensor",
+        "loads",
+        "packs q / k / v and gate / up into one layer and requantizes the shards whose per-tensor scales differ to "
+        "their largest at load (within 0.52 fp8 step; exact where they are equal): --layout channel is exact",
+        "sglang 0.5.23 srt/layers/quantization/utils.py requantize_with_max_scale; " + SGLANG_TESTS,
+    ),
+)
+
 #: In priority order per loader: the first rule that holds decides.
 RULES: tuple[Rule, ...] = (
     # the older vLLMs: a weight whose scale is missing or of no known shape, not run
@@ -324,6 +445,7 @@ RULES: tuple[Rule, ...] = (
     Rule(VLLM_OLD, "per_shard_fused", "fails", "asserts a fused-on-disk module carries one scale", VLLM_051_LOADER),
     *VLLM_RULES,
     *ROCM_RULES,
+    *SGLANG_RULES,
     Rule(
         TRANSFORMERS,
         "transformers_missing_architecture",
@@ -461,6 +583,7 @@ DEFAULT_EVIDENCE: dict[str, str] = {
     VLLM_OLD: VLLM_051_LOADER,
     VLLM: REAL_LOADER_TESTS,
     VLLM_ROCM: REAL_LOADER_TESTS + " (FP8FIX_VLLM_ROCM=1)",
+    SGLANG: SGLANG_TESTS,
     TRANSFORMERS: REAL_LOADER_TESTS,
 }
 
@@ -473,6 +596,8 @@ PLAIN_MODEL_RULES = frozenset(
         "remote_code_architecture",
         "unfused_on_transformers_backend",
         "unfused_names",
+        "sglang_unmeasured_architecture",
+        "sglang_transformers_backend",
     }
 )
 PLAIN_MODEL = "no FP8 weights and no quantization config: a plain model, built and loaded unquantized"
@@ -485,6 +610,7 @@ UNQUANTIZED_EVIDENCE: dict[str, str] = {
     "from source, not run",
     VLLM: BF16_LOADER_TESTS + " (vLLM 0.32: no quantization method, every weight OUTPUT's)",
     VLLM_ROCM: BF16_LOADER_TESTS + " (vLLM 0.32, FP8FIX_VLLM_ROCM=1: no quantization method, every weight OUTPUT's)",
+    SGLANG: BF16_LOADER_TESTS + " (SGLang 0.5.23: no quantization method, every weight OUTPUT's)",
     TRANSFORMERS: BF16_LOADER_TESTS + " (transformers 5.24: no quantizer, every weight OUTPUT's)",
 }
 
@@ -502,6 +628,7 @@ LOADS_BECAUSE: dict[str, dict[str, str]] = {
     },
     VLLM: _VLLM_LOADS,
     VLLM_ROCM: _VLLM_LOADS,  # the same weight loading, normalized to e4m3fnuz after it
+    SGLANG: _VLLM_LOADS,  # the same packing of per-shard names into fused layers (measured)
     TRANSFORMERS: {
         "fused": "one scale per module, fused names",
         "channel": "one scale per row, fused names",

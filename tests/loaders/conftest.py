@@ -25,6 +25,8 @@ LOADERS = {
     "transformers": ("FP8FIX_TRANSFORMERS_PYTHON", HERE / "transformers_load.py"),
     # vLLM's ROCm weight loading (MI300: e4m3fnuz), the same venv with the platform's FP8 switches (vllm_load.py)
     "vllm-rocm": ("FP8FIX_VLLM_PYTHON", HERE / "vllm_load.py"),
+    # SGLang 0.5.23's weight loading on CPU, its GPU kernels stubbed (sglang_load.py)
+    "sglang": ("FP8FIX_SGLANG_PYTHON", HERE / "sglang_load.py"),
 }
 #: Variables a loader's harness runs with.
 LOADER_ENV = {"vllm-rocm": {"FP8FIX_VLLM_ROCM": "1"}}

@@ -131,6 +131,9 @@ def test_plain_outputs_load_as_plain_models(
             module = weight.removesuffix(".weight")
             assert torch.equal(written[module].double(), round_once(values, DTYPES[to])), module
     record(loader, case, verdict, real)
+    if loader == "sglang" and name.startswith("glm"):  # SGLang's Transformers backend refuses GLM, plain or not
+        assert (real, verdict) == ("fails", "fails") and "Unsupported TP style" in result.error, result.error
+        return
     assert result.loaded, result.error
     assert result.quantization is None, f"{loader} chose {result.quantization} for a plain model"
     assert not result.missing, result.missing
@@ -170,7 +173,9 @@ def test_dequantized_modules_load_unquantized(
     real, why = outcome(result, truth, out)
     verdict = said(out, loader)
     record(loader, f"{case}/dequantize", verdict, real)
-    if result.loaded:
+    # SGLang builds Llama's packed qkv_proj FP8 although compressed-tensors / Quark list q / k / v unquantized
+    packed_anyway = loader == "sglang" and shape == "llama" and DEQUANTIZE[case][1] in ("compressed-tensors", "quark")
+    if result.loaded and not packed_anyway:
         for layer, expected in as_loaded(bf16, result.weights).items():
             assert torch.equal(result.weights[layer], expected), (layer, why)
     assert verdict == real, why
