@@ -43,7 +43,7 @@ def test_the_harnesses_make_the_calls_the_rows_claim() -> None:
     assert "run_compressed=False" in CALLS["transformers"].call  # the non-default argument that changes outcomes
     assert "--allow-deprecated-quantization" in CALLS["vLLM >= 0.20"].call
     sglang = (HARNESS / "sglang_load.py").read_text()  # launch_server's defaults: nothing but the path and CPU
-    call = re.search(r"ServerArgs\(([^)]*)\)", sglang)
+    call = re.search(r"args = ServerArgs\((.*)\)\n", sglang)
     assert call and call.group(1) == 'model_path=str(folder), device="cpu", skip_tokenizer_init=True'
     assert "ServerArgs(model_path=path)" in CALLS["SGLang 0.5.23"].call
 
