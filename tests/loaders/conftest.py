@@ -1,8 +1,9 @@
 """Running the real loaders: each in its own venv (vLLM's CPU build pins its own transformers and
 compressed-tensors), as a subprocess over a batch of checkpoints, once per test session.
 
-`FP8FIX_VLLM_PYTHON` and `FP8FIX_TRANSFORMERS_PYTHON` name the two interpreters
-(`scripts/setup_loader_venvs.sh` makes them and prints the exports). Without them the
+`FP8FIX_VLLM_PYTHON`, `FP8FIX_SGLANG_PYTHON` and `FP8FIX_TRANSFORMERS_PYTHON` name the interpreters
+(`scripts/setup_loader_venvs.sh` makes them and prints the exports; `vllm-rocm` is the vLLM venv run with
+`FP8FIX_VLLM_ROCM=1`). Without them the
 `loaders` tests skip, unless `FP8FIX_REQUIRE_LOADERS=1` (CI), where they fail.
 """
 
