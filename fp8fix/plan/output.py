@@ -7,12 +7,13 @@ time: `--dry-run` prints the same verdicts a real run does.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fp8fix.io.checkpoint import Checkpoint
 from fp8fix.io.safetensors_file import SafetensorsHeader, TensorInfo
 from fp8fix.io.source_files import SourceFiles
-from fp8fix.numerics.dtypes import decode_floats
+from fp8fix.numerics.dtypes import INPUT_SCALE_DTYPES, decode_floats
 from fp8fix.plan.pieces import ConversionPlan, CopyRange, Fill, OutputTensor, RepeatRange, Rescale
 
 #: The most values `planned_values` decodes for one tensor: scales per tensor or per shard, not grids.
@@ -20,7 +21,8 @@ MAX_PLANNED_VALUES = 64
 
 
 def planned_checkpoint(plan: ConversionPlan, source: Checkpoint, config: dict[str, Any]) -> Checkpoint:
-    """OUTPUT as headers only (no data) with its `config`, in the source's folder for its side files."""
+    """OUTPUT as headers only (no data) with its `config`, in the source's folder for its side files; the
+    values of its small scales come from the source bytes the plan makes them of (`planned_values`)."""
     shards: dict[str, SafetensorsHeader] = {}
     tensors: dict[str, TensorInfo] = {}
     for shard in plan.shards:
@@ -47,10 +49,8 @@ def planned_checkpoint(plan: ConversionPlan, source: Checkpoint, config: dict[st
 def planned_values(tensor: OutputTensor) -> list[float] | None:
     """The values of a small float tensor OUTPUT will hold (a weight scale), from the source bytes its pieces
     copy, repeat or rescale; None for any other piece or a bigger tensor."""
-    count = 1
-    for n in tensor.shape:
-        count *= n
-    if count > MAX_PLANNED_VALUES or tensor.dtype not in ("F32", "BF16", "F16", "F64"):
+    count = math.prod(tensor.shape)
+    if count > MAX_PLANNED_VALUES or tensor.dtype not in INPUT_SCALE_DTYPES:  # plain floats
         return None
     values: list[float] = []
     with SourceFiles() as files:
