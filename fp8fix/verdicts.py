@@ -234,12 +234,14 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         s.unfused for spec in (model.spec.fused_modules if model.spec else ()) for s in spec.shards if s.unfused
     )
     unquantized = not model.weights and quantization_config(model.checkpoint.config) is None
-    modules = unquantized_linears(model.checkpoint.tensors) if unquantized else [w.module for w in weights]
+    plain = unquantized_linears(model.checkpoint.tensors)  # one pass over every tensor name, for three facts
+    modules = plain if unquantized else [w.module for w in weights]
     unfused = not model.fused and bool(unfused_suffixes) and any(m.endswith(unfused_suffixes) for m in modules)
     fmt = None if unquantized else model.format  # a ModelOpt side file beside a plain config is not read
     fnuz = any(w.tensor.dtype == E4M3FNUZ for w in weights)
     chunked = any(w.fused is not None and w.fused.spec.block_grid == "per-group" for w in fused)
     modelopt = fmt is not None and fmt.name == "modelopt"
+    kv_declared = bool(model.kv_cache_scales) and _declares_kv_cache(model)  # may read hf_quant_config.json
     fp8 = model.is_autofp8
     architecture = model.architecture or ""
     at_tp_1 = _at_tp_1(model)
@@ -279,26 +281,17 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         misaligned_block_shards="wrong-scales" in at_tp_1,
         **_transformers_block_reading(model),
         unquantized=unquantized,
-        targets_unquantized_linears=bool(
-            ignore_linears(model.checkpoint.config, unquantized_linears(model.checkpoint.tensors))[1]
-        ),
+        targets_unquantized_linears=bool(ignore_linears(model.checkpoint.config, plain)[1]),
         kv_scales=bool(model.kv_cache_scales),
         sglang_unmeasured_architecture=architecture not in SGLANG_MEASURED,
         sglang_transformers_backend=architecture in SGLANG_TRANSFORMERS_BACKEND,
         unquantized_packed_shards=bool(weights)
         and fmt is not None
         and fmt.name in ("compressed-tensors", "quark")
-        and any(
-            m.rpartition(".")[2] in group
-            for m in unquantized_linears(model.checkpoint.tensors)
-            for group in PACKED_SHARDS
-        ),
-        kv_cache_declared=bool(model.kv_cache_scales) and _declares_kv_cache(model),
+        and any(m.rpartition(".")[2] in group for m in plain for group in PACKED_SHARDS),
+        kv_cache_declared=kv_declared,
         kv_scales_under_fp8=bool(model.kv_cache_scales) and fmt is not None and fmt.name == "fp8",
-        kv_cache_scheme=bool(model.kv_cache_scales)
-        and fmt is not None
-        and fmt.name == "compressed-tensors"
-        and _declares_kv_cache(model),
+        kv_cache_scheme=kv_declared and fmt is not None and fmt.name == "compressed-tensors",
     )
 
 
