@@ -1,6 +1,6 @@
 """What both loader harnesses share: the command line, the result files, and scale expansion.
 
-Imported by `vllm_load.py` and `transformers_load.py`, each run as a script with its
+Imported by `vllm_load.py`, `sglang_load.py` and `transformers_load.py`, each run as a script with its
 own venv's Python (this folder is then first on sys.path); needs only torch and
 safetensors, which both venvs have.
 """
@@ -12,6 +12,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -33,6 +34,23 @@ def scaled(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | No
         grid = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
         return codes.float() * grid
     raise ValueError(f"scale {tuple(scale.shape)} of unknown layout for a [{rows}, {cols}] weight")
+
+
+def scale_of(layer: torch.nn.Module) -> torch.Tensor:
+    """An FP8 linear layer's weight scale: `weight_scale_inv` (block FP8) or `weight_scale`."""
+    scale = getattr(layer, "weight_scale_inv", None)
+    return layer.weight_scale if scale is None else scale
+
+
+def dequantized_layer(layer: torch.nn.Module, rows: int, cols: int, block: Any) -> torch.Tensor:
+    """The layer's FP8 weight times its scale, [rows, cols] float32: vLLM's and SGLang's kernels keep a
+    transposed view of the loaded [out, in] weight, read back as it was loaded."""
+    w = layer.weight
+    if tuple(w.shape) == (cols, rows) and w.stride() == (1, cols):
+        w = w.t()
+    if tuple(w.shape) != (rows, cols):
+        raise ValueError(f"weight {tuple(w.shape)} is not [{rows}, {cols}]")
+    return scaled(w, scale_of(layer), tuple(block) if block else None)
 
 
 def run(load: Load) -> None:

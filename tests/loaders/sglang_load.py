@@ -95,7 +95,7 @@ sglang.srt.utils.get_device_capability = sglang.srt.utils.common.get_device_capa
     torch.cuda.get_device_capability
 )
 import sglang.kernels.ops.quantization.fp8_kernel as fp8_kernel  # noqa: E402
-from harness import run, scaled  # noqa: E402  (this folder, first on sys.path when run as a script)
+from harness import dequantized_layer, run, scale_of  # noqa: E402  (this folder, first on sys.path when run as a script)
 from sglang.srt.configs.device_config import DeviceConfig  # noqa: E402
 from sglang.srt.configs.load_config import LoadConfig  # noqa: E402
 from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
@@ -134,24 +134,12 @@ def server_args(folder: Path) -> ServerArgs:
 
 
 def dequantized(layer: torch.nn.Module) -> torch.Tensor:
-    """The layer's weight as SGLang multiplies with it, [out, in] in float32 (its FP8 methods keep a transposed
-    view of the loaded [out, in] weight)."""
-    w = layer.weight
+    """The layer's weight as SGLang multiplies with it, [out, in] in float32."""
     # column-parallel layers split the output (output_size_per_partition), row-parallel ones the input
     rows = getattr(layer, "output_size_per_partition", None) or layer.output_size
     cols = getattr(layer, "input_size_per_partition", None) or layer.input_size
-    if tuple(w.shape) == (cols, rows) and w.stride() == (1, cols):
-        w = w.t()
-    if tuple(w.shape) != (rows, cols):
-        raise ValueError(f"weight {tuple(w.shape)} is not [{rows}, {cols}]")
     config = getattr(getattr(layer, "quant_method", None), "quant_config", None)
-    block = getattr(config, "weight_block_size", None)
-    return scaled(w, scale_of(layer), tuple(block) if block else None)
-
-
-def scale_of(layer: torch.nn.Module) -> torch.Tensor:
-    scale = getattr(layer, "weight_scale_inv", None)  # block FP8
-    return layer.weight_scale if scale is None else scale
+    return dequantized_layer(layer, rows, cols, getattr(config, "weight_block_size", None))
 
 
 def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:

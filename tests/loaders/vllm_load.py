@@ -57,7 +57,7 @@ import torch  # noqa: E402
 
 torch.cpu._is_amx_tile_supported = lambda: False  # before vLLM looks (module docstring)
 import vllm._custom_ops as ops  # noqa: E402
-from harness import run, scaled  # noqa: E402  (this folder, first on sys.path when run as a script)
+from harness import dequantized_layer, run, scale_of  # noqa: E402  (this folder, first on sys.path when run as a script)
 from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.distributed import parallel_state  # noqa: E402
 from vllm.distributed.parallel_state import (  # noqa: E402
@@ -117,19 +117,8 @@ UnquantizedLinearMethod.process_weights_after_loading = keep_loaded_weight
 
 def dequantized(layer: torch.nn.Module) -> torch.Tensor:
     """The layer's weight as vLLM multiplies with it, [out, in] in float32."""
-    w = layer.weight
-    rows, cols = layer.output_size_per_partition, layer.input_size_per_partition
-    if tuple(w.shape) == (cols, rows) and w.stride() == (1, cols):
-        w = w.t()  # the kernels keep a transposed view
-    if tuple(w.shape) != (rows, cols):
-        raise ValueError(f"weight {tuple(w.shape)} is not [{rows}, {cols}]")
     block = getattr(layer, "weight_block_size", None)  # Fp8LinearMethod's, from the checkpoint's config
-    return scaled(w, scale_of(layer), tuple(block) if block else None)
-
-
-def scale_of(layer: torch.nn.Module) -> torch.Tensor:
-    scale = getattr(layer, "weight_scale_inv", None)  # block FP8
-    return layer.weight_scale if scale is None else scale
+    return dequantized_layer(layer, layer.output_size_per_partition, layer.input_size_per_partition, block)
 
 
 _DISTRIBUTED: list[bool] = []
