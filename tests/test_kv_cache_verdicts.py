@@ -18,8 +18,8 @@ import pytest
 from tests.builders import build, llama, phi3
 from tests.conftest import run_cli
 
-CUDA, ROCM, TRANSFORMERS = "vLLM >= 0.20", "vLLM >= 0.20 on ROCm", "transformers"
-OLD = ("vLLM <= 0.5.0", "vLLM 0.5.1 - 0.19")
+CUDA, ROCM, TRANSFORMERS = "vLLM >= 0.32", "vLLM >= 0.32 on ROCm", "transformers"
+OLD = ("vLLM <= 0.5.0", "vLLM 0.5.1 - 0.18")
 #: format -> vLLM's default call uses the kv-cache scales
 VLLM_USES = {"fp8": False, "fp8-amd-kv": False, "compressed-tensors": True, "modelopt": True}
 
@@ -79,8 +79,9 @@ def test_a_checkpoint_that_does_not_load_has_no_kv_verdict(tmp_path: Path) -> No
 def test_the_text_output_says_it_and_convert_shows_the_change(tmp_path: Path) -> None:
     src = build(tmp_path / "src", phi3(), fmt="fp8", kv_scales=True)
     line = next(x for x in run_cli("inspect", src).output.splitlines() if x.startswith("  kv-cache scales: "))
-    assert line.startswith("  kv-cache scales: ignored: vLLM >= 0.20, vLLM >= 0.20 on ROCm, transformers")
+    vllm = "vLLM 0.19 - 0.20, vLLM 0.21 - 0.31, vLLM >= 0.32, vLLM >= 0.32 on ROCm"
+    assert line.startswith(f"  kv-cache scales: ignored: {vllm}, transformers")
     out = run_cli("convert", src, tmp_path / "out", "--format", "compressed-tensors", "--dry-run").output
     flat = out.replace("\n      ", " ")
-    assert "kv-cache scales: used: vLLM >= 0.20, vLLM >= 0.20 on ROCm; ignored: transformers" in flat
-    assert "(SOURCE: ignored: vLLM >= 0.20, vLLM >= 0.20 on ROCm, transformers" in flat
+    assert f"kv-cache scales: used: {vllm}; ignored: transformers" in flat
+    assert f"(SOURCE: ignored: {vllm}, transformers" in flat

@@ -39,9 +39,9 @@ def test_the_harnesses_make_the_calls_the_rows_claim() -> None:
     assert re.search(r'EngineArgs\((?:[^()]|\([^()]*\))*dtype="auto"', vllm)
     call = re.search(r"AutoModelForCausalLM\.from_pretrained\(([^)]*)\)", transformers)
     assert call and "dtype" not in call.group(1) and "quantization_config" not in call.group(1)
-    assert "dtype auto" in CALLS["vLLM >= 0.20"].call and "dtype auto" in CALLS["transformers"].call
+    assert "dtype auto" in CALLS["vLLM >= 0.32"].call and "dtype auto" in CALLS["transformers"].call
     assert "run_compressed=False" in CALLS["transformers"].call  # the non-default argument that changes outcomes
-    assert "--allow-deprecated-quantization" in CALLS["vLLM >= 0.20"].call
+    assert "--allow-deprecated-quantization" in CALLS["vLLM >= 0.32"].call
     sglang = (HARNESS / "sglang_load.py").read_text()  # launch_server's defaults: nothing but the path and CPU
     call = re.search(r"args = ServerArgs\((.*)\)\n", sglang)
     assert call and call.group(1) == 'model_path=str(folder), device="cpu", skip_tokenizer_init=True'
@@ -63,7 +63,8 @@ def test_rows_say_their_call_and_unmeasured_rows_are_marked(tmp_path: Path, comm
         assert line.endswith("[from source, not run]") == (not CALLS[name].measured), line
     if command == "inspect":
         assert (
-            "as called: vLLM >= 0.20: LLM(path) / vllm serve, defaults, TP 1; vLLM >= 0.20 on ROCm: "
+            "as called: vLLM 0.19 - 0.20, vLLM 0.21 - 0.31, vLLM >= 0.32: LLM(path) / vllm serve, defaults, TP 1; "
+            "vLLM >= 0.32 on ROCm: "
             "LLM(path) on MI300, defaults, TP 1; SGLang 0.5.23: launch_server --model-path, defaults, TP 1; "
             "transformers:"
         ) in text

@@ -314,8 +314,8 @@ def test_tp_1_fixes_shards_that_shift_the_next_ones_scales(tmp_path: Path) -> No
     assert result.exit_code == 0, result.output
     record = json.loads(result.output)
     assert record["tensor_parallel"]["config"] == {"intermediate_size": 4736}
-    assert record["loaders"]["vLLM >= 0.20"]["verdict"] == "loads"
-    assert record["source_loaders"]["vLLM >= 0.20"]["verdict"] == "fails"
+    assert record["loaders"]["vLLM >= 0.32"]["verdict"] == "loads"
+    assert record["source_loaders"]["vLLM >= 0.32"]["verdict"] == "fails"
     src = partial_q(tmp_path / "src")
     refused = run_cli("convert", src, tmp_path / "no", "--tp", "1")
     assert refused.exit_code == 3 and "--tp-bf16" in refused.output
@@ -325,7 +325,7 @@ def test_tp_1_fixes_shards_that_shift_the_next_ones_scales(tmp_path: Path) -> No
     assert sorted(m["module"] for m in record["tensor_parallel"]["bf16"]) == [
         f"model.layers.0.self_attn.{m}" for m in ("k_proj", "q_proj", "v_proj")
     ]
-    assert record["loaders"]["vLLM >= 0.20"]["verdict"] == "loads"
+    assert record["loaders"]["vLLM >= 0.32"]["verdict"] == "loads"
 
 
 def test_tp_bf16_refuses_nan_codes_naming_the_weight(tmp_path: Path) -> None:

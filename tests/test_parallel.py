@@ -262,14 +262,14 @@ def test_packed_shards_not_whole_blocks_shift_the_next_ones_scales_at_tp_1(tmp_p
     assert "exceeds" not in found["model.layers.0.self_attn.q_proj"]["message"]
     loaders = json.loads(run_cli("inspect", src, "--json").output)["loaders"]
     # transformers on CPU reads q's 192 rows over 2 grid rows as blocks of 96 (issue 24, tests/loaders)
-    assert loaders["vLLM >= 0.20"]["verdict"] == "loads-wrong" and loaders["transformers"]["verdict"] == "loads-wrong"
+    assert loaders["vLLM >= 0.32"]["verdict"] == "loads-wrong" and loaders["transformers"]["verdict"] == "loads-wrong"
     dense = deepseek_dense(tmp_path / "dense", intermediate=4608 + 64)  # 36.5 blocks
     found = groups(tp_report(dense, 1), 1)
     assert [(k, g["behaviour"]) for k, g in found.items()] == [("model.layers.0.mlp.gate_proj", "refuses")]
     # up's 37 scale rows would start at row ceil(4672 / 128) = 37 of a packed grid of ceil(9344 / 128) = 73
     assert "start (37) + length (37) exceeds dimension size (73)." in found["model.layers.0.mlp.gate_proj"]["message"]
     loaders = json.loads(run_cli("inspect", dense, "--json").output)["loaders"]
-    assert loaders["vLLM >= 0.20"]["verdict"] == "fails"
+    assert loaders["vLLM >= 0.32"]["verdict"] == "fails"
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 3), (8, 8)])

@@ -1,4 +1,4 @@
-"""The `vLLM >= 0.20 on ROCm` row (issue 29, part 3): what vLLM's ROCm weight loading does, as measured by
+"""The `vLLM >= 0.32 on ROCm` row (issue 29, part 3): what vLLM's ROCm weight loading does, as measured by
 tests/loaders/test_real_loaders.py with FP8FIX_VLLM_ROCM=1, judged here from the checkpoints' construction.
 
 Expectations come from vLLM 0.32's source, not from fp8fix: every FP8 weight parameter is created as
@@ -19,7 +19,7 @@ import pytest
 from tests.builders import build, llama, phi3
 from tests.conftest import run_cli
 
-CUDA, ROCM = "vLLM >= 0.20", "vLLM >= 0.20 on ROCm"
+CUDA, ROCM = "vLLM >= 0.32", "vLLM >= 0.32 on ROCm"
 #: (format, scale) the builders write in e4m3fn, each a format vLLM reads.
 E4M3FN_SOURCES = [
     ("fp8", "tensor"),

@@ -22,7 +22,7 @@ from tests.builders import build, glm, llama, phi3
 from tests.conftest import run_cli
 from tests.test_registry import MODELS
 
-SGLANG, VLLM = "SGLang 0.5.23", "vLLM >= 0.20"
+SGLANG, VLLM = "SGLang 0.5.23", "vLLM >= 0.32"
 
 
 def verdict(folder: Path) -> dict[str, str]:

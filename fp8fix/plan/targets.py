@@ -23,14 +23,14 @@ from fp8fix.errors import Fp8fixError, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import check_scale_values
 from fp8fix.model import CheckpointModel
 from fp8fix.plan.pieces import ConversionPlan
-from fp8fix.registry.loaders import TRANSFORMERS, VLLM, VLLM_LEGACY
+from fp8fix.registry.loaders import TRANSFORMERS, VLLM_LEGACY, VLLM_ROWS
 from fp8fix.verdicts import LoaderVerdict, packed_groups
 from fp8fix.vocab import LAYOUTS, OUTPUT_FORMATS, Layout, OutputFormat, Target
 
 #: The loaders each target is for, counted first.
 TARGET_LOADERS: dict[Target, tuple[str, ...]] = {
-    "auto": (VLLM, TRANSFORMERS),
-    "vllm": (VLLM,),
+    "auto": (*VLLM_ROWS, TRANSFORMERS),  # every vLLM since 0.20 (one row per era), transformers
+    "vllm": VLLM_ROWS,
     "vllm-legacy": (VLLM_LEGACY,),
     "transformers": (TRANSFORMERS,),
 }

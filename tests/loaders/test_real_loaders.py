@@ -29,8 +29,13 @@ pytestmark = pytest.mark.loaders
 
 #: fp8fix's loader rows that these real loaders answer for.
 VERDICT_ROWS = {
-    "vllm": "vLLM >= 0.20",
-    "vllm-rocm": "vLLM >= 0.20 on ROCm",
+    # the vLLM era rows, each run on its oldest and newest release (conftest.VLLM_ERAS)
+    "vllm-0.19.0": "vLLM 0.19 - 0.20",
+    "vllm-0.20.2": "vLLM 0.19 - 0.20",
+    "vllm-0.21.0": "vLLM 0.21 - 0.31",
+    "vllm-0.31.0": "vLLM 0.21 - 0.31",
+    "vllm": "vLLM >= 0.32",
+    "vllm-rocm": "vLLM >= 0.32 on ROCm",
     "sglang": "SGLang 0.5.23",
     "transformers": "transformers",
 }
@@ -398,7 +403,14 @@ def test_fp8fix_says_what_the_loader_does(
     assert said == real, f"fp8fix inspect says {said}, the real {loader} {real}: {why[:300]}"
 
 
-@pytest.mark.parametrize("target,loaders", [("auto", tuple(VERDICT_ROWS)), *((t, (t[7:],)) for t in TARGETS)])
+#: The real loaders each `--target` is for: vllm is every vLLM row since 0.20 (on CUDA), transformers itself.
+TARGET_RUNS = {
+    "target-vllm": tuple(r for r in VERDICT_ROWS if r.startswith("vllm") and r != "vllm-rocm"),
+    "target-transformers": ("transformers",),
+}
+
+
+@pytest.mark.parametrize("target,loaders", [("auto", tuple(VERDICT_ROWS)), *TARGET_RUNS.items()])
 @pytest.mark.parametrize("source", list(SOURCES))
 def test_the_default_conversion_never_loads_in_fewer_loaders(
     cases: dict[tuple[str, str], Case], loaded: dict[str, dict], source: str, target: str, loaders: tuple[str, ...]
@@ -431,7 +443,7 @@ def test_channel_loads_bit_identical_where_every_other_layout_requantizes(
     assert result.loaded, result.error
     for module, expected in as_loaded(case.truth, result.weights).items():
         assert bf16_exact(result.weights[module], expected), module
-    if loader == "vllm":  # vLLM keeps float32 weights here: bit-identical, not merely within bf16
+    if loader in TARGET_RUNS["target-vllm"]:  # vLLM keeps float32 weights here: bit-identical, not merely within bf16
         assert all(torch.equal(result.weights[m], e) for m, e in as_loaded(case.truth, result.weights).items())
     if (source, "auto") in cases:  # `convert SOURCE OUTPUT` chose the channel layout
         auto = json.loads((cases[(source, "auto")].folder / "config.json").read_text())["quantization_config"]

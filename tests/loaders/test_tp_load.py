@@ -271,7 +271,7 @@ def test_shards_not_whole_blocks_shift_the_next_ones_scales_at_tp_1(tmp_path: Pa
         load_ranks(folder, 1, tmp_path / f"vllm-{folder.name}")[0]
         for folder in (src, tmp_path / "bf16", dense, tmp_path / "padded")
     )
-    said = json.loads(run_cli("inspect", src, "--json").output)["loaders"]["vLLM >= 0.20"]["verdict"]
+    said = json.loads(run_cli("inspect", src, "--json").output)["loaders"]["vLLM >= 0.32"]["verdict"]
     assert said == "loads-wrong"
     s, o = load_tensors(src), load_tensors(tmp_path / "bf16")
     true = torch.cat([dequant(s, f"{ATTENTION}.{m}") for m in QKV])
@@ -283,7 +283,7 @@ def test_shards_not_whole_blocks_shift_the_next_ones_scales_at_tp_1(tmp_path: Pa
     assert torch.equal(w_bf16[f"{ATTENTION}.qkv_proj"], torch.cat([o[f"{ATTENTION}.{m}.weight"] for m in QKV]).float())
     mlp = "model.layers.0.mlp"
     report = json.loads(run_cli("inspect", dense, "--tp", "1", "--json").output)
-    assert report["loaders"]["vLLM >= 0.20"]["verdict"] == "fails"
+    assert report["loaders"]["vLLM >= 0.32"]["verdict"] == "fails"
     (gate,) = report["tensor_parallel"]["sizes"]["1"]["modules"]
     assert not r_dense["loaded"] and r_dense["error"].removeprefix("RuntimeError: ") in gate["message"]
     padded = load_tensors(tmp_path / "padded")

@@ -39,6 +39,17 @@ loading:
   utils/deep_gemm.py is_deep_gemm_e8m0_used: DeepGEMM present and VLLM_USE_DEEP_GEMM_E8M0, default on): for
   float32 block scales, vLLM's own `requant_weight_ue8m0_inplace` on the loaded weight and scale. The
   condition, which needs a GPU with DeepGEMM, is what is forced; the requantization is vLLM's code.
+- Releases before 0.32 (the era rows, each in its own venv: scripts/setup_loader_venvs.sh), only what their CPU
+  build lacks that a GPU has, so weight loading takes the path an H100 takes: the platform reports compute
+  capability 9.0 (without it compressed-tensors picks its W8A16 scheme, which has no CPU kernel, where a GPU
+  takes W8A8); the CPU attention backend and platform check accept an FP8 kv cache (they refuse it, or fall
+  back to BF16, where a GPU backend keeps it); where the CPU build has no block-FP8 kernel (0.20), the Triton
+  one a GPU selects is allowed (its `process_weights_after_loading` is vLLM's own: the ROCm normalization and
+  padding); 0.17 and earlier build block FP8 without kernel selection. Their compiled ops need not load (0.21's
+  do not beside this torch): every op weight loading uses on CPU is either Python or replaced above
+  (`scaled_fp8_quant`). 0.17 - 0.18 probe `torch._C._cpu._is_avx512_supported`, which torch 2.13 moved to
+  `torch.cpu`: it is put back; 0.17 inspects model classes in a subprocess, which would not have it: in
+  process (the subprocess only keeps CUDA out of the parent).
 - `UnquantizedLinearMethod.process_weights_after_loading` keeps a copy of each plain layer's loaded weight
   (`_fp8fix_loaded`) before the CPU build repacks it for its GEMM and drops it
   (`dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`), so unquantized layers (`convert --to bf16`,
@@ -56,6 +67,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import torch  # noqa: E402
 
 torch.cpu._is_amx_tile_supported = lambda: False  # before vLLM looks (module docstring)
+if not hasattr(torch._C._cpu, "_is_avx512_supported"):  # vLLM 0.17 - 0.18 probe it; torch 2.13 dropped it
+    torch._C._cpu._is_avx512_supported = torch.cpu._is_avx512_supported
+import vllm  # noqa: E402
 import vllm._custom_ops as ops  # noqa: E402
 from harness import dequantized_layer, run, scale_of  # noqa: E402  (this folder, first on sys.path when run as a script)
 from vllm.config import set_current_vllm_config  # noqa: E402
@@ -65,7 +79,6 @@ from vllm.distributed.parallel_state import (  # noqa: E402
     init_distributed_environment,
 )
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel  # noqa: E402
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod  # noqa: E402
 from vllm.model_executor.model_loader import get_model  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
@@ -87,8 +100,36 @@ def static_scaled_fp8_quant(input, scale=None, *args, **kwargs):  # type: ignore
 
 torch.accelerator.empty_cache = lambda: None
 ops.scaled_fp8_quant = static_scaled_fp8_quant
-CPUFp8BlockScaledMMKernel.is_supported = classmethod(lambda cls, compute_capability=None: (True, None))
-CPUFp8BlockScaledMMKernel.can_implement = classmethod(lambda cls, config: (True, None))
+RELEASE = tuple(int(part) for part in vllm.__version__.split(".")[:2])
+if RELEASE < (0, 32):  # what an H100 selects (module docstring)
+    import vllm.platforms.cpu as cpu_platform
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+    from vllm.platforms.interface import DeviceCapability
+
+    type(current_platform).get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(9, 0))
+    for module in (cpu_attn, cpu_platform):
+        if hasattr(module, "is_quantized_kv_cache"):
+            module.is_quantized_kv_cache = lambda kv_cache_dtype: False
+if RELEASE < (0, 18):  # it inspects model classes in a subprocess (to keep CUDA out), without the patch above
+    import vllm.model_executor.models.registry as model_registry
+
+    model_registry._run_in_subprocess = lambda fn: fn()
+BlockKernel: type | None
+try:
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel as BlockKernel
+except ImportError:  # vLLM 0.20: no CPU block-FP8 kernel; a GPU's Triton one (module docstring)
+    try:
+        import vllm.model_executor.kernels.linear as linear_kernels
+        from vllm.model_executor.kernels.linear.scaled_mm.triton import TritonFp8BlockScaledMMKernel as BlockKernel
+        from vllm.platforms.interface import PlatformEnum
+    except ImportError:  # before 0.20: block FP8 through W8A8BlockFp8LinearOp, no kernel selection
+        BlockKernel = None
+    else:
+        linear_kernels._POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU] = [BlockKernel]
+else:
+    BlockKernel.can_implement = classmethod(lambda cls, config: (True, None))
+if BlockKernel is not None:
+    BlockKernel.is_supported = classmethod(lambda cls, compute_capability=None: (True, None))
 
 
 def block_weights_after_loading(self, layer):  # type: ignore[no-untyped-def]
@@ -103,7 +144,8 @@ def block_weights_after_loading(self, layer):  # type: ignore[no-untyped-def]
         requant_weight_ue8m0_inplace(params.weight.data, scale.data, block_size=tuple(layer.weight_block_size))
 
 
-CPUFp8BlockScaledMMKernel.process_weights_after_loading = block_weights_after_loading
+if BlockKernel is not None and BlockKernel.__name__ == "CPUFp8BlockScaledMMKernel":  # Triton's: a GPU's own
+    BlockKernel.process_weights_after_loading = block_weights_after_loading
 _process_unquantized = UnquantizedLinearMethod.process_weights_after_loading
 
 
