@@ -356,7 +356,7 @@ or unsupported checkpoint, 4 Hub error (the conversion record is printed first).
     type=click.Choice(TARGETS),
     default="auto",
     show_default=True,
-    help="The loaders OUTPUT is for; picks the layout they load correctly (auto: every vLLM since 0.20 and "
+    help="The loaders OUTPUT is for; picks the layout they load correctly (auto: every vLLM since 0.19 and "
     "transformers first, then the older vLLMs).",
 )
 @click.option(

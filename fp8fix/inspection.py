@@ -38,7 +38,7 @@ NOT_UE8M0 = (
     "requant_weight_ue8m0_inplace, for float32 scales when utils/deep_gemm.py is_deep_gemm_e8m0_used); SGLang's "
     "DeepGEMM path does too, through bfloat16 (srt/layers/quantization/fp8_utils.py requant_weight_ue8m0; not run)"
 )
-#: float16's smallest normal: vLLM (since 0.20) requantizes through float16, which loses weights below it.
+#: float16's smallest normal: vLLM (since 0.19) requantizes through float16, which loses weights below it.
 FLOAT16_MIN_NORMAL = 2.0**-14
 
 
@@ -64,7 +64,7 @@ class Finding:
     #: loaders that load this checkpoint correctly but would not load the fix's output correctly (the fix
     #: for vLLM <= 0.5.0 is a layout current loaders refuse): the price of the fix, said with it
     trade_off: list[str] = field(default_factory=list)
-    #: a problem for the loaders `convert`'s default target serves (every vLLM since 0.20, transformers); one that
+    #: a problem for the loaders `convert`'s default target serves (every vLLM since 0.19, transformers); one that
     #: only an older loader has is reported with its fix, but `--strict` does not fail on it
     default_target: bool = True
 
@@ -324,7 +324,7 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
                 add(
                     "tiny-scale",
                     module,
-                    "weight scales below float16's normal range: vLLM (since 0.20) requantizes through float16 and "
+                    "weight scales below float16's normal range: vLLM (since 0.19) requantizes through float16 and "
                     "loses some of these weights",
                     None,
                 )

@@ -8,7 +8,7 @@ rank's share and what vLLM 0.32 does when it is not whole blocks: refuses with i
 refines the MoE block grid onto slower kernels, skips the check, or (layers vLLM packs from
 several modules, worked out layer by layer) loads the shards with misaligned scales; attention
 whose heads do not split is refused first. Also which sizes load with every share whole. Headers
-and config.json only. What it says at TP 1 is also the verdict of the vLLM rows since 0.20 (`verdicts`).
+and config.json only. What it says at TP 1 is also the verdict of the vLLM rows since 0.19 (`verdicts`).
 """
 
 from __future__ import annotations

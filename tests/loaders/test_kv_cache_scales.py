@@ -19,13 +19,14 @@ are held to the same expectations (measured: they do the same).
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from tests.builders import FORMATS, build, llama
 from tests.conftest import run_cli
-from tests.loaders.conftest import Loaded, run_loader
+from tests.loaders.conftest import Loaded, in_parallel, run_loader
 from tests.loaders.test_real_loaders import VERDICT_ROWS
 
 pytestmark = pytest.mark.loaders
@@ -74,11 +75,14 @@ def loads(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) ->
         **{f"{loader}/default": (loader, {}) for loader in ROWS},
         "vllm/fp8": ("vllm", {"FP8FIX_VLLM_KV_CACHE_DTYPE": "fp8"}),
     }
-    out = {}
-    for run, (loader, env) in runs.items():
-        ran = run_loader(loader, [folders[n] for n in names], root / run.replace("/", "-"), env)
-        out[run] = dict(zip(names, ran, strict=True))
-    return out
+    checkpoints = [folders[n] for n in names]
+    ran = in_parallel(
+        {
+            run: partial(run_loader, loader, checkpoints, root / run.replace("/", "-"), env)
+            for run, (loader, env) in runs.items()
+        }
+    )
+    return {run: dict(zip(names, results, strict=True)) for run, results in ran.items()}
 
 
 def kv_verdict(folder: Path, row: str) -> str:

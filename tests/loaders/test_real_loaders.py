@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from tests.builders import Model, build, glm, llama, phi3
 from tests.conftest import patch_bytes, run_cli
-from tests.loaders.conftest import Loaded, interpreter, record, run_loader
+from tests.loaders.conftest import Loaded, interpreter, record, run_loaders
 
 pytestmark = pytest.mark.loaders
 
@@ -276,8 +276,7 @@ def loaded(cases: dict[tuple[str, str], Case], tmp_path_factory: pytest.TempPath
     root = tmp_path_factory.mktemp("loader-output")
     keys = list(cases)
     results = {}
-    for loader in VERDICT_ROWS:
-        ran = run_loader(loader, [cases[k].folder for k in keys], root / loader)
+    for loader, ran in run_loaders(VERDICT_ROWS, [cases[k].folder for k in keys], root).items():
         results[loader] = dict(zip(keys, ran, strict=True))
     return results
 

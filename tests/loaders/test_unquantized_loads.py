@@ -22,7 +22,7 @@ import torch
 
 from tests.builders import FORMATS, build, glm, llama, phi3
 from tests.conftest import run_cli
-from tests.loaders.conftest import Loaded, record, run_loader
+from tests.loaders.conftest import Loaded, record, run_loaders
 from tests.loaders.test_real_loaders import (
     BUILD_OPTIONS,
     SOURCES,
@@ -71,7 +71,7 @@ def said(folder: Path, loader: str) -> str:
 def load_outputs(folders: dict[str, tuple[Path, Path]], root: Path) -> dict[str, tuple[Path, Path, dict[str, Loaded]]]:
     """Each (SOURCE, OUTPUT) with what every real loader made of OUTPUT (one process per loader)."""
     names = list(folders)
-    results = {loader: run_loader(loader, [folders[n][1] for n in names], root / loader) for loader in VERDICT_ROWS}
+    results = run_loaders(VERDICT_ROWS, [folders[n][1] for n in names], root)
     return {n: (*folders[n], {loader: results[loader][i] for loader in VERDICT_ROWS}) for i, n in enumerate(names)}
 
 

@@ -42,12 +42,13 @@ loading:
 - Releases before 0.32 (the era rows, each in its own venv: scripts/setup_loader_venvs.sh), only what their CPU
   build lacks that a GPU has, so weight loading takes the path an H100 takes: the platform reports compute
   capability 9.0 (without it compressed-tensors picks its W8A16 scheme, which has no CPU kernel, where a GPU
-  takes W8A8); the CPU attention backend and platform check accept an FP8 kv cache (they refuse it, or fall
-  back to BF16, where a GPU backend keeps it); where the CPU build has no block-FP8 kernel (0.20), the Triton
-  one a GPU selects is allowed (its `process_weights_after_loading` is vLLM's own: the ROCm normalization and
-  padding); 0.17 and earlier build block FP8 without kernel selection. Their compiled ops need not load (0.21's
-  do not beside this torch): every op weight loading uses on CPU is either Python or replaced above
-  (`scaled_fp8_quant`). 0.17 - 0.18 probe `torch._C._cpu._is_avx512_supported`, which torch 2.13 moved to
+  takes W8A8); the CPU attention backend and platform check accept an FP8 kv cache (they refuse it, or set it
+  back to BF16, where a GPU backend keeps it: the dtype the call resolved is kept after the check); where the
+  CPU build has no block-FP8 kernel (0.20), the Triton one a GPU selects is allowed (its
+  `process_weights_after_loading` is vLLM's own: the ROCm normalization and padding); 0.19 and earlier build
+  block FP8 without kernel selection. Their compiled ops need not load (0.21's do not beside this torch):
+  every op weight loading uses on CPU is either Python or replaced above (`scaled_fp8_quant`). 0.17 - 0.18
+  (measured once, not in CI) probe `torch._C._cpu._is_avx512_supported`, which torch 2.13 moved to
   `torch.cpu`: it is put back; 0.17 inspects model classes in a subprocess, which would not have it: in
   process (the subprocess only keeps CUDA out of the parent).
 - `UnquantizedLinearMethod.process_weights_after_loading` keeps a copy of each plain layer's loaded weight
@@ -71,7 +72,7 @@ if not hasattr(torch._C._cpu, "_is_avx512_supported"):  # vLLM 0.17 - 0.18 probe
     torch._C._cpu._is_avx512_supported = torch.cpu._is_avx512_supported
 import vllm  # noqa: E402
 import vllm._custom_ops as ops  # noqa: E402
-from harness import dequantized_layer, run, scale_of  # noqa: E402  (this folder, first on sys.path when run as a script)
+from harness import dequantized_layer, local_address, run, scale_of  # noqa: E402  (this folder, first on sys.path when run as a script)
 from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.distributed import parallel_state  # noqa: E402
 from vllm.distributed.parallel_state import (  # noqa: E402
@@ -110,6 +111,16 @@ if RELEASE < (0, 32):  # what an H100 selects (module docstring)
     for module in (cpu_attn, cpu_platform):
         if hasattr(module, "is_quantized_kv_cache"):
             module.is_quantized_kv_cache = lambda kv_cache_dtype: False
+    check_config = type(current_platform).check_and_update_config.__func__
+
+    def keep_kv_cache_dtype(cls, vllm_config):  # type: ignore[no-untyped-def]
+        """The CPU platform's own config check, but the kv cache dtype stays what the call resolved (0.19's
+        check sets an FP8 one back to "auto"; a GPU platform keeps it)."""
+        dtype = vllm_config.cache_config.cache_dtype
+        check_config(cls, vllm_config)
+        vllm_config.cache_config.cache_dtype = dtype
+
+    type(current_platform).check_and_update_config = classmethod(keep_kv_cache_dtype)
 if RELEASE < (0, 18):  # it inspects model classes in a subprocess (to keep CUDA out), without the patch above
     import vllm.model_executor.models.registry as model_registry
 
@@ -187,7 +198,7 @@ def build_model(folder: Path, tp: int = 1, rank: int = 0) -> torch.nn.Module:
     with set_current_vllm_config(config):
         if not _DISTRIBUTED:  # one process group of one rank for every checkpoint
             init_distributed_environment(
-                world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:29533", local_rank=0, backend="gloo"
+                world_size=1, rank=0, distributed_init_method=local_address(), local_rank=0, backend="gloo"
             )
             ensure_model_parallel_initialized(1, 1)
             _DISTRIBUTED.append(True)
