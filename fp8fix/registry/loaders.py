@@ -34,6 +34,11 @@ VLLM_ROWS = (VLLM_019, VLLM_021, VLLM)
 ERA_RELEASES = {VLLM_019: ("0.19.0", "0.20.2"), VLLM_021: ("0.21.0", "0.31.0")}
 
 
+def measured_on(era: str) -> str:
+    """'vLLM 0.19.0 and 0.20.2': the releases an era row is run on, for its evidence."""
+    return "vLLM " + " and ".join(ERA_RELEASES[era])
+
+
 @dataclass(frozen=True)
 class LoaderCall:
     """The call a loader row models (what its users run, with defaults, and the non-default arguments
@@ -66,12 +71,12 @@ CALLS: dict[str, LoaderCall] = {
     **{
         era: LoaderCall(
             "LLM(path) / `vllm serve path` with defaults, as the row below",
-            f"measured: vLLM {' and '.join(releases)}'s CPU builds (tests/loaders/vllm_load.py, with what an H100 "
+            f"measured: {measured_on(era)}'s CPU builds (tests/loaders/vllm_load.py, with what an H100 "
             "selects where the CPU build lacks it), over the main matrix, damaged scales, unquantized outputs and "
             "kv-cache scales; TP N, MiMo-V2 and UE8M0: measured on 0.32 only",
             "LLM(path) / vllm serve, defaults, TP 1",
         )
-        for era, releases in ERA_RELEASES.items()
+        for era in ERA_RELEASES
     },
     VLLM: LoaderCall(
         "LLM(path) / `vllm serve path` with defaults: dtype auto (config.json's), the quantization config.json "
@@ -313,11 +318,12 @@ def _in_era(rule: Rule, era: str) -> Rule | None:
     suite runs the era releases over the same checkpoints); None where they do not."""
     if rule.condition == "unfused_on_transformers_backend":
         return None  # GLM and GPT-NeoX have model classes of their own before 0.32: per-shard names load
-    releases = " and ".join(ERA_RELEASES[era])
+    if rule.condition == "vllm_removed_architecture":
+        return None  # still registered in these releases: ERA_FIRST says what they do
     if rule.condition in _ERA_UNRUN:
-        note = f"; vLLM {releases}: the same function, from source, not run"
+        note = f"; {measured_on(era)}: the same function, from source, not run"
     else:
-        note = f"; vLLM {releases}: the same ({REAL_LOADER_TESTS})"
+        note = f"; {measured_on(era)}: the same ({REAL_LOADER_TESTS})"
     return replace(rule, loader=era, evidence=rule.evidence + note)
 
 
@@ -366,14 +372,7 @@ ERA_FIRST: tuple[Rule, ...] = (
 #: The era rows: their own rules first, then 0.32's where the era does the same.
 ERA_RULES: tuple[Rule, ...] = (
     *ERA_FIRST,
-    *(
-        copied
-        for era in ERA_RELEASES
-        for rule in VLLM_RULES
-        if rule.condition != "vllm_removed_architecture"
-        for copied in (_in_era(rule, era),)
-        if copied is not None
-    ),
+    *(copied for era in ERA_RELEASES for rule in VLLM_RULES for copied in (_in_era(rule, era),) if copied is not None),
 )
 
 SGLANG_LOADER = "sglang 0.5.23 srt/models/llama.py LlamaForCausalLM._legacy_load_weights"
@@ -699,7 +698,7 @@ RULES: tuple[Rule, ...] = (
 DEFAULT_EVIDENCE: dict[str, str] = {
     VLLM_LEGACY: VLLM_050_LOADER,
     VLLM_OLD: VLLM_051_LOADER,
-    **{era: f"{REAL_LOADER_TESTS} (vLLM {' and '.join(releases)})" for era, releases in ERA_RELEASES.items()},
+    **{era: f"{REAL_LOADER_TESTS} ({measured_on(era)})" for era in ERA_RELEASES},
     VLLM: REAL_LOADER_TESTS,
     VLLM_ROCM: REAL_LOADER_TESTS + " (FP8FIX_VLLM_ROCM=1)",
     SGLANG: SGLANG_TESTS,
@@ -728,8 +727,8 @@ UNQUANTIZED_EVIDENCE: dict[str, str] = {
     VLLM_OLD: "vllm 0.5.1-0.18 config.py ModelConfig._verify_quantization (no quantization config: none); "
     "from source, not run",
     **{
-        era: f"{BF16_LOADER_TESTS} (vLLM {' and '.join(releases)}: no quantization method, every weight OUTPUT's)"
-        for era, releases in ERA_RELEASES.items()
+        era: f"{BF16_LOADER_TESTS} ({measured_on(era)}: no quantization method, every weight OUTPUT's)"
+        for era in ERA_RELEASES
     },
     VLLM: BF16_LOADER_TESTS + " (vLLM 0.32: no quantization method, every weight OUTPUT's)",
     VLLM_ROCM: BF16_LOADER_TESTS + " (vLLM 0.32, FP8FIX_VLLM_ROCM=1: no quantization method, every weight OUTPUT's)",
@@ -798,7 +797,7 @@ KV_RULES: tuple[KvRule, ...] = (
     *(
         rule
         for loader, note in (
-            *((era, f" (vLLM {' and '.join(releases)})") for era, releases in ERA_RELEASES.items()),
+            *((era, f" ({measured_on(era)})") for era in ERA_RELEASES),
             (VLLM, ""),
             (VLLM_ROCM, " (FP8FIX_VLLM_ROCM=1; ModelOpt's doubled for e4m3fnuz)"),
         )

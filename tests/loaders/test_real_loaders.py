@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from fp8fix.registry.loaders import ERA_RELEASES
 from tests.builders import Model, build, glm, llama, phi3
 from tests.conftest import patch_bytes, run_cli
 from tests.loaders.conftest import Loaded, interpreter, record, run_loaders
@@ -30,10 +31,7 @@ pytestmark = pytest.mark.loaders
 #: fp8fix's loader rows that these real loaders answer for.
 VERDICT_ROWS = {
     # the vLLM era rows, each run on its oldest and newest release (conftest.VLLM_ERAS)
-    "vllm-0.19.0": "vLLM 0.19 - 0.20",
-    "vllm-0.20.2": "vLLM 0.19 - 0.20",
-    "vllm-0.21.0": "vLLM 0.21 - 0.31",
-    "vllm-0.31.0": "vLLM 0.21 - 0.31",
+    **{f"vllm-{release}": era for era, releases in ERA_RELEASES.items() for release in releases},
     "vllm": "vLLM >= 0.32",
     "vllm-rocm": "vLLM >= 0.32 on ROCm",
     "sglang": "SGLang 0.5.23",
