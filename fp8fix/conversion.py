@@ -13,8 +13,9 @@ import errno
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fp8fix.collector import collector_paused
 from fp8fix.errors import OutputWriteFailed, VerificationFailed
 from fp8fix.io.checkpoint import CARD, CONFIG, INDEX, Checkpoint, open_checkpoint
 from fp8fix.io.staging import (
@@ -31,8 +32,10 @@ from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.plan.planner import plan_for_target
 from fp8fix.registry.architectures import Registry
 from fp8fix.report.model_card import commit_title, write_card
-from fp8fix.verification import VerifyReport, verify
 from fp8fix.vocab import ConvertTo, Layout, OutputFormat, Target
+
+if TYPE_CHECKING:
+    from fp8fix.verification import VerifyReport
 
 
 @dataclass(frozen=True)
@@ -90,12 +93,13 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
     registry = registry or Registry.builtin()
     output = output_path(output)
     check_output(source, output, options.overwrite)
-    ckpt = open_checkpoint(source)
-    model = describe_checkpoint(ckpt, registry)
-    plan = plan_with(model, options)
-    rewritten = plan.config_files
-    edits = [edit for _, file_edits in rewritten.values() for edit in file_edits]
-    copies = ckpt.copied_files([*rewritten, *plan.dropped_files])
+    with collector_paused():
+        ckpt = open_checkpoint(source)
+        model = describe_checkpoint(ckpt, registry)
+        plan = plan_with(model, options)
+        rewritten = plan.config_files
+        edits = [edit for _, file_edits in rewritten.values() for edit in file_edits]
+        copies = ckpt.copied_files([*rewritten, *plan.dropped_files])
     result = ConvertResult(plan, output, written=False, config_edits=edits, copied_files=copies)
     result.warnings += ckpt.warnings
     if options.dry_run:
@@ -150,6 +154,8 @@ def _write(
         result.processes = stats.processes
         write_repo_files(ckpt, plan, staging, options, result)
         if options.verify:
+            from fp8fix.verification import verify  # numpy: only a --verify run needs it before writing
+
             result.verification = verify(ckpt.root, staging, quiet=options.quiet, registry=registry, jobs=options.jobs)
             if not result.verification.ok:
                 raise VerificationFailed(

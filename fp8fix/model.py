@@ -20,10 +20,10 @@ from functools import cached_property
 from typing import Any
 
 from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
-from fp8fix.io.checkpoint import Checkpoint, check_scale_values
+from fp8fix.io.checkpoint import Checkpoint, check_scales
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.io.source_files import SourceFiles
-from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, INPUT_SCALE_DTYPES, SCALE_DTYPES, is_fp8
+from fp8fix.numerics.dtypes import FP8_DTYPES, FP8_WEIGHT_DTYPES, INPUT_SCALE_DTYPES, SCALE_DTYPES, is_fp8
 from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, Registry, architecture_name
 from fp8fix.registry.formats import (
     AUTOFP8,
@@ -159,7 +159,7 @@ class Fp8Weight:
     @property
     def is_module_weight(self) -> bool:
         """A linear module's `.weight` or stacked experts: what the module tables list."""
-        return self.name.endswith(".weight") or self.stacked
+        return self.tensor.name.endswith(".weight") or self.stacked
 
 
 @dataclass(frozen=True)
@@ -225,13 +225,12 @@ class CheckpointModel:
                 f"{ckpt.root.name}: no FP8 tensor in {len(ckpt.shards)} safetensors file(s); not an FP8 checkpoint"
             )
         ordered = sorted(self.weights.values(), key=lambda w: w.stacked)
-        with SourceFiles() as files:
-            for w in ordered:
-                if w.problem is not None:
-                    raise w.problem
-                for scale in (w.scale, w.input_scale) if self.checkpoint.has_data else ():  # Hub headers: no values
-                    if scale is not None:
-                        check_scale_values(scale, files)
+        first = next((i for i, w in enumerate(ordered) if w.problem is not None), len(ordered))
+        if self.checkpoint.has_data:  # Hub headers: no values; the weights before the first problem, first
+            with SourceFiles() as files:
+                check_scales([s for w in ordered[:first] for s in (w.scale, w.input_scale) if s is not None], files)
+        if first < len(ordered):
+            raise ordered[first].problem  # type: ignore[misc]
         self._convertible.append(True)
 
 
@@ -302,16 +301,18 @@ def describe_checkpoint(ckpt: Checkpoint, registry: Registry) -> CheckpointModel
     spec = registry.get(name)
     fused = {m.path: m for m in _find_fused_modules(ckpt, spec)} if spec else {}
     describe = _WeightReader(ckpt, registry, spec, fmt, fused)
-    weights = {t.name: describe(t) for t in ckpt.tensors.values() if is_fp8(t.dtype)}
+    weights = {t.name: describe(t) for t in ckpt.tensors.values() if t.dtype in FP8_DTYPES}
     kv = [t for t in ckpt.tensors.values() if t.name.endswith(KV_SCALE_SUFFIXES)]
     return CheckpointModel(ckpt, registry, name, spec, fmt, format_error, fused, weights, kv)
 
 
 def _find_fused_modules(ckpt: Checkpoint, arch: ArchitectureSpec) -> list[FusedModule]:
+    leaves = tuple(spec.module.rpartition(".")[2] for spec in arch.fused_modules)
     by_module: dict[str, dict[str, TensorInfo]] = {}
     for t in ckpt.tensors.values():
         module, _, param = t.name.rpartition(".")
-        by_module.setdefault(module, {})[param] = t
+        if module.endswith(leaves):  # (a cheap first look: fused_spec_for decides below)
+            by_module.setdefault(module, {})[param] = t
     found = []
     for path, params in by_module.items():
         spec = arch.fused_spec_for(path)

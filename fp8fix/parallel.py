@@ -153,6 +153,8 @@ def _packed_layers(weights: dict[str, Fp8Weight], tp: int, heads_split: bool) ->
             continue
         for module in weights:
             parent, _, leaf = module.rpartition(".")
+            if leaf != group[0]:
+                continue
             shards = [f"{parent}.{shard}" for shard in group]
             # routed experts' gate / up are the fused-MoE layer's, not a packed linear layer
             if leaf == group[0] and all(s in weights for s in shards) and _role_name(module) != "fused-moe":

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix import __version__
+from fp8fix.collector import collector_paused
 from fp8fix.conversion import ConvertOptions, ConvertResult, plan_with, record_stats, write_repo_files
 from fp8fix.errors import UsageError
 from fp8fix.io.checkpoint import Checkpoint, open_checkpoint
@@ -173,6 +174,13 @@ def _plan_from_stand_ins(
 ) -> tuple[Checkpoint, ConversionPlan]:
     """The checkpoint of the stand-ins and its plan: described from the headers alone first, to learn which
     tensors are scales, whose values are then fetched, as planning reads them."""
+    with collector_paused():
+        return _plan_stand_ins(remote, source, options, registry)
+
+
+def _plan_stand_ins(
+    remote: RemoteRepo, source: Path, options: ConvertOptions, registry: Registry
+) -> tuple[Checkpoint, ConversionPlan]:
     ckpt = open_checkpoint(source)
     ckpt.has_data = False  # headers only: which tensors are scales, before their values are there
     fill_values(remote, source, _scales(describe_checkpoint(ckpt, registry)))

@@ -13,6 +13,7 @@ is shuffled each round; the page cache is warm (the source was just written) and
     python scripts/bench_convert.py --baseline /tmp/fp8fix-main   # also time another checkout, same run
     python scripts/bench_convert.py --codes random --to e4m3fnuz --jobs 1 --baseline /tmp/fp8fix-main
     python scripts/bench_convert.py --suite --size-gb 1.3 --repeats 3   # every row of docs/benchmarks.md's table
+    python scripts/bench_convert.py --suite --baseline /tmp/fp8fix-main  # and the planning series, both checkouts
 """
 
 from __future__ import annotations
@@ -300,6 +301,16 @@ def suite(args: argparse.Namespace, work: Path) -> None:
         group = {"convert (byte moves)": convert(flat), "convert --to e4m3fnuz": convert(flat, "--to", "e4m3fnuz")}
         rows += run_group("sparse, memory flatness", flat, work, group, 1, envs)
     print("\n".join(rows))
+    if args.tensor_counts:  # planning at scale: header-only commands, DeepSeek-V3-shaped, ~625 tensors per shard
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_tensor_count import series
+
+        counts = args.tensor_counts
+        checkouts = {"this": Path(__file__).resolve().parent.parent}
+        if args.baseline:
+            checkouts["baseline"] = args.baseline.resolve()
+        shards_of = {n: max(1, n // 625) for n in counts}
+        print("\n" + "\n".join(series(counts, shards_of, args.repeats, checkouts, work)))
 
 
 def main() -> None:
@@ -317,6 +328,13 @@ def main() -> None:
     parser.add_argument("--requant-gb", type=float, default=0.35, help="--suite: the requantizing checkpoint's size")
     parser.add_argument("--large-gb", type=float, default=4.0, help="--suite: the large checkpoint (0: skip)")
     parser.add_argument("--flat-gb", type=float, default=20.0, help="--suite: the sparse checkpoint (0: skip)")
+    parser.add_argument(
+        "--tensor-counts",
+        type=int,
+        nargs="*",
+        default=[10_000, 30_000, 100_000],
+        help="--suite: the planning series' tensor counts (none: skip); with --baseline, both checkouts",
+    )
     parser.add_argument("--build-only", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--shard-gb", type=float, default=0.5, help=argparse.SUPPRESS)
     parser.add_argument("--codes", default="normal", choices=["normal", "random"], help="realistic or random codes")

@@ -4,11 +4,13 @@
     python scripts/bench_tensor_count.py                            # 10k, 20k, 40k tensors, this checkout
     python scripts/bench_tensor_count.py --baseline ../fp8fix-main   # and another checkout, in the same run
     python scripts/bench_tensor_count.py --counts 10000 40000 --repeats 5
+    python scripts/bench_tensor_count.py --counts 100000 --shards 160 --baseline ../fp8fix-main  # DeepSeek-V3-sized
 
 Each checkpoint is one safetensors file of N/2 tiny e4m3fn weights with their F32 scales (a real header,
 real bytes), so the time is fp8fix's own per-tensor work: `inspect --json` and `convert --dry-run`.
 Checkouts run alternately, round by round (these machines are noisy); the table gives medians and the
-ratio baseline / this checkout.
+ratio of CPU seconds, baseline / this checkout. `scripts/bench_convert.py --suite` runs the 10k / 30k / 100k
+series with its other rows.
 """
 
 from __future__ import annotations
@@ -95,6 +97,37 @@ def timed(checkout: Path, args: list[str]) -> tuple[float, float, float]:
     return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
+def series(
+    counts: list[int], shards_of: dict[int, int], repeats: int, checkouts: dict[str, Path], work: Path
+) -> list[str]:
+    """The table's rows: for each tensor count, each header-only command, each checkout's medians (alternately)."""
+    heads = " | ".join(f"{k}: wall s / CPU s / peak MB" for k in checkouts)
+    rows = [
+        f"| tensors | shards | command | {heads} | ratio (CPU) |",
+        "|---|---|---|" + "---|" * len(checkouts) + "---|",
+    ]
+    for count in counts:
+        shards = shards_of[count]
+        src = checkpoint(work / f"n{count}", count, shards)
+        out = work / f"n{count}-out"
+        commands = {
+            "inspect --json": ["inspect", str(src), "--json", "-q"],
+            "convert --dry-run": ["convert", str(src), str(out), "--dry-run", "-q"],
+            "convert": ["convert", str(src), str(out), "-q", "--overwrite"],
+        }
+        for label, command in commands.items():
+            runs: dict[str, list[tuple[float, float, float]]] = {k: [] for k in checkouts}
+            for _ in range(repeats):
+                for name, checkout in checkouts.items():  # alternately, round by round
+                    runs[name].append(timed(checkout, command))
+            medians = {k: [statistics.median(r[i] for r in v) for i in range(3)] for k, v in runs.items()}
+            ratio = f"{medians['baseline'][1] / medians['this'][1]:.1f}x" if "baseline" in medians else "-"
+            cells = " | ".join(f"{m[0]:.2f} / {m[1]:.2f} / {m[2]:.0f}" for m in medians.values())
+            rows.append(f"| {count:,} | {shards} | {label} | {cells} | {ratio} |")
+            print(rows[-1], file=sys.stderr, flush=True)  # progress: the table is printed at the end
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--counts", type=int, nargs="+", default=[10_000, 20_000, 40_000])
@@ -104,26 +137,8 @@ def main() -> None:
     args = parser.parse_args()
     checkouts = {"this": HERE, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     with tempfile.TemporaryDirectory() as tmp:
-        heads = " | ".join(f"{k}: wall s / CPU s / peak MB" for k in checkouts)
-        print(f"| tensors | shards | command | {heads} | ratio (wall) |")
-        print("|---|---|---|" + "---|" * len(checkouts) + "---|")
-        for count in args.counts:
-            src = checkpoint(Path(tmp) / f"n{count}", count, args.shards)
-            out = Path(tmp) / f"n{count}-out"
-            commands = {
-                "inspect --json": ["inspect", str(src), "--json", "-q"],
-                "convert --dry-run": ["convert", str(src), str(out), "--dry-run", "-q"],
-                "convert": ["convert", str(src), str(out), "-q", "--overwrite"],
-            }
-            for label, command in commands.items():
-                runs: dict[str, list[tuple[float, float, float]]] = {k: [] for k in checkouts}
-                for _ in range(args.repeats):
-                    for name, checkout in checkouts.items():  # alternately, round by round
-                        runs[name].append(timed(checkout, command))
-                medians = {k: [statistics.median(r[i] for r in v) for i in range(3)] for k, v in runs.items()}
-                ratio = f"{medians['baseline'][0] / medians['this'][0]:.1f}x" if "baseline" in medians else "-"
-                cells = " | ".join(f"{m[0]:.2f} / {m[1]:.2f} / {m[2]:.0f}" for m in medians.values())
-                print(f"| {count:,} | {args.shards} | {label} | {cells} | {ratio} |", flush=True)
+        shards_of = dict.fromkeys(args.counts, args.shards)
+        print("\n".join(series(args.counts, shards_of, args.repeats, checkouts, Path(tmp))))
 
 
 if __name__ == "__main__":

@@ -284,3 +284,24 @@ def test_inspect_tp_names_the_heads_refusal_without_block_scales(tmp_path: Path,
         splits = heads % tp == 0 and (kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0)
         (note,) = [n for n in notes if n.startswith(f"--tp {tp}:")]
         assert ("vLLM refuses it" in note) == (not splits), note
+
+
+def test_role_lookup_by_the_last_three_components_is_the_full_search():
+    """role_of looks roles up by a module's last three path components (a cache over 45k expert modules):
+    for every ending the patterns know, under prefixes that could fool a shorter look, it answers what
+    searching every pattern over the whole path does."""
+    import itertools
+    import re
+
+    from fp8fix.registry.parallel import ROLES, role_of
+
+    leaves = {leaf for r in ROLES for leaf in re.findall(r"[a-z_0-9]+_proj|w[123]|dense_4h_to_h", r.pattern.pattern)}
+    prefixes = ["", "model.layers.3.", "x", "experts.", "model.experts.", "mlp.experts.7.", "a.b.c.d."]
+    middles = ["", "experts.12.", "xexperts.1.", "experts.x.", "mlp.", "shared_experts.", "experts.", "12."]
+    checked = 0
+    for prefix, middle, leaf in itertools.product(prefixes, middles, sorted(leaves)):
+        module = f"{prefix}{middle}{leaf}"
+        full = next((r for r in ROLES if r.pattern.search(module)), None)
+        assert role_of(module) is full, module
+        checked += 1
+    assert checked > 500 and any(role_of(f"model.layers.1.mlp.experts.{e}.w1") for e in range(3))

@@ -15,6 +15,7 @@ import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,7 @@ def read_header(path: Path) -> SafetensorsHeader:
         raise InvalidCheckpoint(f"{where}: __metadata__ must map strings to strings; the file is corrupt")
     buffer_start = 8 + header_len
     entries = [_parse_entry(where, path, name, entry, buffer_start) for name, entry in header.items()]
-    entries.sort(key=lambda t: (t.start, t.end))
+    entries.sort(key=attrgetter("start", "end"))
     expected = buffer_start
     for t in entries:
         if t.start != expected:
@@ -135,13 +136,14 @@ def _may_hold_duplicates(raw: bytes, header: dict[str, Any]) -> bool:
 U64_MAX = 2**64 - 1
 
 
+_INTS = {int}
+
+
 def _u64s(values: object) -> bool:
     """A JSON list of unsigned integers as serde reads usize: no bool, no float (2.0, 1e3, -0), none past u64."""
-    return (
-        type(values) is list
-        and all(type(v) is int for v in values)
-        and (not values or (min(values) >= 0 and max(values) <= U64_MAX))
-    )
+    if type(values) is not list:
+        return False
+    return not values or (set(map(type, values)) == _INTS and 0 <= min(values) and max(values) <= U64_MAX)
 
 
 def _parse_entry(where: str, path: Path, name: str, entry: object, buffer_start: int) -> TensorInfo:
@@ -149,11 +151,12 @@ def _parse_entry(where: str, path: Path, name: str, entry: object, buffer_start:
     with safe_open). Kept lean: a DeepSeek-sized checkpoint has ~90,000 entries."""
     if not isinstance(entry, dict):
         raise InvalidCheckpoint(f"{where}: tensor '{name}' has no dtype/shape/data_offsets entry")
-    twice = getattr(entry, "duplicates", None)
-    if twice and twice & FIELD_SET:
-        raise InvalidCheckpoint(
-            f"{where}: tensor '{name}' gives {sorted(twice & FIELD_SET)[0]} twice; the file is corrupt"
-        )
+    if type(entry) is not dict:  # a KeyedObject: the header may hold a field twice
+        twice = getattr(entry, "duplicates", None)
+        if twice and twice & FIELD_SET:
+            raise InvalidCheckpoint(
+                f"{where}: tensor '{name}' gives {sorted(twice & FIELD_SET)[0]} twice; the file is corrupt"
+            )
     if entry.keys() != FIELD_SET:  # a missing field, or ignored ones (which may nest, up to serde's limit)
         missing = [f for f in ENTRY_FIELDS if f not in entry]
         if missing:

@@ -10,6 +10,7 @@ resident set is bounded by the window, not the file.
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,9 @@ from fp8fix.errors import SourceChanged
 CHUNK = 16 * 1024 * 1024
 #: Bytes read at a time by a scan.
 WINDOW = 64 * 1024 * 1024
+#: `SourceFiles.prefetch`: ranges closer than this are read together; at most this many bytes are held.
+PREFETCH_GAP = 1024 * 1024
+PREFETCH_BYTES = 64 * 1024 * 1024
 
 
 def source_changed(path: Path, offset: int) -> SourceChanged:
@@ -36,6 +40,8 @@ class SourceFiles:
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
+        # one file's prefetched spans (`prefetch`): the path, each span's start, and its bytes
+        self._spans: tuple[Path | None, list[int], list[bytes]] = (None, [], [])
 
     def __enter__(self) -> SourceFiles:
         return self
@@ -58,7 +64,35 @@ class SourceFiles:
             os.close(fd)
 
     def read(self, path: Path, start: int, end: int) -> bytes:
+        cached, starts, spans = self._spans
+        if cached == path:
+            i = bisect.bisect_right(starts, start) - 1
+            if i >= 0 and end <= starts[i] + len(spans[i]):
+                return spans[i][start - starts[i] : end - starts[i]]
         return read_exactly(self.fd(path), path, start, end)
+
+    def prefetch(self, path: Path, ranges: list[tuple[int, int]]) -> None:
+        """Read the small ranges `ranges` of `path` (a shard's scales) in a few large reads, for `read` to
+        answer from until the next prefetch: ranges less than PREFETCH_GAP apart share a read, and no more
+        than PREFETCH_BYTES are held (the rest is read range by range). Exporters write a shard's scales
+        side by side (safetensors orders tensors by dtype), so a shard's scales are mostly one read."""
+        starts: list[int] = []
+        spans: list[tuple[int, int]] = []
+        held = 0
+        for start, end in sorted(ranges):
+            if spans and start - spans[-1][1] <= PREFETCH_GAP:
+                held += max(end, spans[-1][1]) - spans[-1][1]
+                spans[-1] = (spans[-1][0], max(end, spans[-1][1]))
+            else:
+                held += end - start
+                spans.append((start, end))
+            if held > PREFETCH_BYTES:
+                spans.pop()
+                break
+        self._spans = (None, [], [])  # the old spans freed before the new are read
+        data = [read_exactly(self.fd(path), path, a, b) for a, b in spans]
+        starts = [a for a, _ in spans]
+        self._spans = (path, starts, data)
 
     def chunks(self, path: Path, start: int, end: int, size: int = CHUNK) -> Iterator[bytes]:
         """[start, end) of `path` in pieces of at most `size` bytes."""

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from fp8fix.collector import collector_running
 from fp8fix.errors import InvalidCheckpoint
 from fp8fix.io.checkpoint import first_invalid_scale
 from fp8fix.io.progress import NoProgress, Progress, progress_bar
@@ -91,7 +92,7 @@ class _Sources(SourceFiles):
 def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False, jobs: int = 1) -> WriteStats:
     """Write every shard of `plan` into `out_dir`, in up to `jobs` processes where the work is CPU-bound."""
     workers = worker_count(jobs, len(plan.shards)) if _cpu_bound(plan) else 1
-    with progress_bar(plan.total_bytes, "fp8fix convert", quiet) as bar:
+    with collector_running(), progress_bar(plan.total_bytes, "fp8fix convert", quiet) as bar:
         stats = WriteStats(processes=workers)
         if workers > 1:
             order = sorted(plan.shards, key=lambda s: -s.nbytes)  # biggest first: the last to start is small
@@ -109,7 +110,8 @@ def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False, jobs: i
 
 def write_shard(plan: ConversionPlan, shard: OutputShard, path: Path, bar: Progress) -> WriteStats:
     """One shard of `plan` written to `path` (a streamed conversion writes them one at a time)."""
-    return _write_shard_job(bar, shard, path, plan.sources)
+    with collector_running():
+        return _write_shard_job(bar, shard, path, plan.sources)
 
 
 def shard_inputs(shard: OutputShard) -> set[Path]:

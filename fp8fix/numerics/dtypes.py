@@ -64,6 +64,10 @@ def is_fp8(dtype: str) -> bool:
     return dtype.startswith("F8_") and dtype != "F8_E8M0"
 
 
+#: Every FP8 value type safetensors knows (`is_fp8`), for a set lookup in loops over every tensor.
+FP8_DTYPES = frozenset(d for d in BITS if is_fp8(d))
+
+
 def tensor_nbytes(dtype: str, shape: list[int] | tuple[int, ...]) -> int:
     """Bytes of a tensor of `dtype` and `shape` (the size its header entry must span).
 

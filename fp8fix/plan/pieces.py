@@ -222,6 +222,15 @@ class OutputTensor:
         got = self.pieces[0].nbytes if len(self.pieces) == 1 else sum(p.nbytes for p in self.pieces)
         assert expected == got, f"{self.name}: planned {got} bytes for {self.dtype} {self.shape} ({expected})"
 
+    @classmethod
+    def copy_of(cls, t: TensorInfo) -> OutputTensor:
+        """Source tensor `t` written as it is: its own bytes, which span its dtype and shape by the header
+        checks (`io/safetensors_file.py`), so unchecked here: a 100k-tensor checkpoint is mostly these."""
+        out = cls.__new__(cls)
+        out.name, out.dtype, out.shape, out.source, out.reshaped = t.name, t.dtype, t.shape, t.name, False
+        out.pieces = [CopyRange(t.path, t.start, t.end)]
+        return out
+
     @property
     def nbytes(self) -> int:
         return tensor_nbytes(self.dtype, self.shape)
@@ -306,6 +315,7 @@ class ConversionPlan:
     unquantized: str | None = None  # `--to bf16` / `float16`: the whole model's dtype, written unquantized
     dropped_files: list[str] = field(default_factory=list)  # SOURCE files OUTPUT leaves out (a plain model's)
     ue8m0: Any = None  # plan.ue8m0.Ue8m0Change with `--scales ue8m0`
+    sketch: bool = False  # a `--target` candidate whose shards were not planned (`planner.plan_conversion`)
 
     @property
     def total_bytes(self) -> int:

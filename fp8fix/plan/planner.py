@@ -76,7 +76,8 @@ def plan_for_target(
             lay = layout or arch.default_layout
             return plan_conversion(model, lay, encoding, output_format or "keep", tp, tp_bf16, dequantize, scales)
         chosen = best(found, target, arch.default_layout)
-        if encoding is None and tp is None and not tp_bf16 and not dequantize and not scales:  # the whole conversion
+        whole = encoding is None and tp is None and not tp_bf16 and not dequantize and not scales
+        if whole and not chosen.plan.sketch:  # the candidate is the whole conversion, planned
             plan = chosen.plan
         else:
             lay, fmt = chosen.layout, chosen.output_format
@@ -97,10 +98,15 @@ def plan_conversion(
     tp_bf16: bool = False,
     dequantize: tuple[str, ...] = (),
     scales: str | None = None,
+    sketch: bool = False,
 ) -> ConversionPlan:
     """The whole conversion in `layout` and `output_format`: fused-module layout first (but for the modules
     `dequantize` patterns name, written in BF16), then (with `tp`) MLP padding (and with `tp_bf16` BF16
-    modules), then (with `to`) the FP8 encoding, then the tensor names and shapes of the output format."""
+    modules), then (with `to`) the FP8 encoding, then the tensor names and shapes of the output format.
+
+    `sketch`: a candidate of `--target`, judged before one is chosen. Where it writes every tensor as it is
+    and config.json too, its shards are not planned (`ConversionPlan.sketch`; the verdicts are SOURCE's):
+    planning 100k tensors' outputs takes seconds, and only the chosen candidate is written."""
     ckpt = model.checkpoint
     fmt = model.require_format()
     arch_name, arch = model.require_architecture()
@@ -152,8 +158,15 @@ def plan_conversion(
                 "MLP out of the --dequantize patterns"
             )
         replacements.update(padding.outputs)
-    shards = [plan_shard(name, header.metadata, header.tensors, replacements) for name, header in ckpt.shards.items()]
-    _check_unique_names(shards)
+    replacements = {name: out for name, out in replacements.items() if not _kept(name, out, ckpt.tensors)}
+    # every tensor copied as it is, under its own name (SOURCE's names are unique, its ranges its tensors'): the
+    # checks below pass by construction, and are not run over 100k tensors
+    copies_only = not replacements and scales != "ue8m0" and not to and output_format != "compressed-tensors"
+    sketched = sketch and copies_only
+    headers = {} if sketched else ckpt.shards
+    shards = [plan_shard(name, header.metadata, header.tensors, replacements) for name, header in headers.items()]
+    if not copies_only:
+        _check_unique_names(shards)
     ue8m0 = plan_ue8m0(model, shards) if scales == "ue8m0" else None  # before the encoding: fn codes first
     encoding = plan_encoding(model, shards, to) if to else None
     strategy = None
@@ -162,7 +175,8 @@ def plan_conversion(
         if strategy is None:
             raise _no_compressed_tensors(arch_name, chosen)
         compressed_tensors.rewrite_tensors(shards, model)
-    check_pieces_inside_sources(shards, ckpt.tensors)
+    if not copies_only:
+        check_pieces_inside_sources(shards, ckpt.tensors)
     plan = ConversionPlan(
         source=ckpt.root,
         architecture=arch_name,
@@ -193,13 +207,16 @@ def plan_conversion(
         padding=padding,
         dequantized=written_bf16,
         ue8m0=ue8m0,
+        sketch=sketched,
     )
     if selection is not None:
         plan.notes += selection.notes
     if model.spec is None:
         plan.notes.append(unregistered_note(arch_name))
     plan.source_loaders = loader_verdicts(model)
-    if CONFIG not in plan.config_files and _tensors_unchanged(plan, ckpt):
+    if sketched and CONFIG in plan.config_files:  # config.json changes: the output's verdicts need its headers
+        return plan_conversion(model, layout, to, output_format, tp, tp_bf16, dequantize, scales)
+    if CONFIG not in plan.config_files and (copies_only or _tensors_unchanged(plan, ckpt)):
         plan.loaders = plan.source_loaders  # what verdicts read (config.json, tensor names, dtypes, shapes) is SOURCE's
     else:
         config = plan.config_files.get(CONFIG, (ckpt.config, []))[0]
@@ -207,15 +224,29 @@ def plan_conversion(
     return plan
 
 
+def _kept(name: str, outputs: list[OutputTensor], sources: dict[str, TensorInfo]) -> bool:
+    """A replacement that writes source tensor `name` as `plan_shard` copies it (a fused module kept as it is)."""
+    source = sources.get(name)
+    if source is None or len(outputs) != 1 or not outputs[0].unchanged or outputs[0].source != name:
+        return False
+    t, piece = outputs[0], outputs[0].pieces[0]
+    if not isinstance(piece, CopyRange) or (t.dtype, tuple(t.shape)) != (source.dtype, source.shape):
+        return False
+    return (piece.path, piece.start, piece.end) == (source.path, source.start, source.end)
+
+
 def _tensors_unchanged(plan: ConversionPlan, ckpt: Checkpoint) -> bool:
     """Every SOURCE tensor written as it is, under its name, and nothing else: the output's headers say
     what SOURCE's do (a DeepSeek-V3 kept as it is: 91k tensors not described a second time)."""
     written = [t for shard in plan.shards for t in shard.tensors]
     source = ckpt.tensors
-    return len(written) == len(source) and all(
-        t.unchanged and (t.dtype, tuple(t.shape)) == (source[t.name].dtype, tuple(source[t.name].shape))
-        for t in written
-    )
+    if len(written) != len(source):
+        return False
+    for t in written:
+        s = source.get(t.name)
+        if s is None or not t.unchanged or t.dtype != s.dtype or tuple(t.shape) != s.shape:
+            return False
+    return True
 
 
 def _no_compressed_tensors(arch_name: str, layout: Layout) -> UnsupportedCheckpoint:
@@ -261,7 +292,7 @@ def plan_shard(
         if t.name in replacements:  # rewritten, or dropped (an empty list: the scale of a BF16 module)
             out.extend(replacements[t.name])
         else:
-            out.append(OutputTensor(t.name, t.dtype, t.shape, [CopyRange(t.path, t.start, t.end)], t.name))
+            out.append(OutputTensor.copy_of(t))
     return OutputShard(name, {**metadata, "format": "pt"}, out)
 
 
@@ -278,6 +309,11 @@ def check_pieces_inside_sources(shards: list[OutputShard], sources: dict[str, Te
     starts = {path: [t.start for t in ts] for path, ts in ordered.items()}  # once per file, not per piece
     for shard in shards:
         for out in shard.tensors:
+            own = sources.get(out.source)
+            if len(out.pieces) == 1 and type(out.pieces[0]) is CopyRange and own is not None:
+                copied = out.pieces[0]
+                if (copied.path, copied.start, copied.end) == (own.path, own.start, own.end):
+                    continue  # the source tensor's own bytes (most tensors of most plans)
             pieces = [r for p in out.pieces for r in (p.rows if isinstance(p, Ue8m0Scales) else (p,))]
             for piece in pieces:  # (a power-of-two scale tensor is made from its weight's rows)
                 if isinstance(piece, Fill):  # written from nothing
@@ -296,6 +332,9 @@ def check_pieces_inside_sources(shards: list[OutputShard], sources: dict[str, Te
 
 
 def _check_unique_names(shards: list[OutputShard]) -> None:
+    names = [t.name for shard in shards for t in shard.tensors]
+    if len(set(names)) == len(names):
+        return
     seen: dict[str, str] = {}
     for shard in shards:
         for t in shard.tensors:

@@ -2,11 +2,12 @@
 candidate output.
 
 Every layout the planner accepts (that can differ: see `_distinct_layouts`) is planned and judged by
-`fp8fix.verdicts` as the output it would write. The target's loaders are counted
-first; then exactness: where a fused module's shards carry different scales, every layout
-but `channel` leaves them to be requantized (by fp8fix for `fused`, by the runtime at load
-for the others), so `channel` comes first among outputs the target's loaders take; then
-every loader; ties go to `unfused` (splitting fused modules into the
+`fp8fix.verdicts` as the output it would write; one that writes every tensor and config.json as they are
+is judged by SOURCE's verdicts without planning its shards (a sketch, planned whole only if chosen).
+The target's loaders are counted first; then exactness: where a fused module's shards carry
+different scales, every layout but `channel` leaves them to be requantized (by fp8fix for
+`fused`, by the runtime at load for the others), so `channel` comes first among outputs the
+target's loaders take; then every loader; ties go to `unfused` (splitting fused modules into the
 per-shard modules runtimes know by name: the job fp8fix was made for), then to the
 architecture's default layout (what the registry says fused-MoE loaders and old vLLMs
 expect, which no verdict tells apart), then to the layout that leaves the checkpoint as
@@ -66,7 +67,7 @@ def candidates(
     for lay in [layout] if layout else _distinct_layouts(model):
         for fmt in [output_format] if output_format else OUTPUT_FORMATS:
             try:
-                plan = plan_conversion(model, lay, output_format=fmt)
+                plan = plan_conversion(model, lay, output_format=fmt, sketch=True)
             except (UnsupportedCheckpoint, OSError):  # no unfused names; no such format; Hub headers only
                 continue
             unchanged = fmt == "keep" and all(m.action == "keep" for m in plan.modules)

@@ -12,6 +12,7 @@ about them.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -121,7 +122,19 @@ PARTIAL_REFINED_MESSAGE = "The size of tensor a ({a}) must match the size of ten
 
 
 def role_of(module: str) -> ParallelRole | None:
-    return next((r for r in ROLES if r.pattern.search(module)), None)
+    """The first role whose pattern matches `module`. Every pattern of `ROLES` reads at most the module's
+    last three path components (`experts.N.leaf`), so the answer is looked up by those: a DeepSeek-V3
+    has 45k expert modules and a few hundred distinct endings (tests/test_parallel.py checks the claim)."""
+    return _role_of_ending(".".join(module.rsplit(".", ROLE_COMPONENTS)[-ROLE_COMPONENTS:]))
+
+
+#: How many trailing path components `ROLES`' patterns read.
+ROLE_COMPONENTS = 3
+
+
+@functools.lru_cache(maxsize=4096)
+def _role_of_ending(ending: str) -> ParallelRole | None:
+    return next((r for r in ROLES if r.pattern.search(ending)), None)
 
 
 #: The column-parallel role, for a `q_proj` that vLLM builds as a plain ColumnParallelLinear (no k_proj

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fp8fix.collector import collector_paused, collector_running
 from fp8fix.io.checkpoint import open_checkpoint
 from fp8fix.io.progress import Progress, progress_bar
 from fp8fix.io.source_files import SourceFiles
@@ -75,8 +76,9 @@ def verify(
     each run one, and together they check every tensor once.
     """
     global _checks
-    model = describe_checkpoint(open_checkpoint(source, "SOURCE"), registry or Registry.builtin())
-    out = open_checkpoint(output, "OUTPUT")
+    with collector_paused():
+        model = describe_checkpoint(open_checkpoint(source, "SOURCE"), registry or Registry.builtin())
+        out = open_checkpoint(output, "OUTPUT")
     fmt = model.require_format()
     jobs = 1 if files is not None else jobs
     with files or SourceFiles() as files:
@@ -87,7 +89,7 @@ def verify(
         ctx.ue8m0 = ue8m0_weights(ctx)
         checks = _TensorChecks(ctx, map_tensors(ctx), part)
         ctx.report.part = list(part) if part else None
-        with progress_bar(checks.total, "fp8fix verify", quiet) as bar:
+        with collector_running(), progress_bar(checks.total, "fp8fix verify", quiet) as bar:
             runs = checks.runs(RUNS_PER_JOB * jobs)
             workers = worker_count(jobs, len(runs))
             if workers > 1:
