@@ -11,6 +11,7 @@ Expressions are small by nature, so their size and nesting are capped: a hostile
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,15 +39,22 @@ def evaluate(text: str, lookup: Callable[[str], Any]) -> Any:
     if not isinstance(text, str) or len(text) > MAX_TEXT:
         raise ExpressionError(f"an expression must be text of at most {MAX_TEXT} characters")
     try:
+        return _eval(_parsed(text).body, lookup, text)
+    except ZeroDivisionError as e:
+        raise ExpressionError(f"{text!r} divides by zero") from e
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(text: str) -> ast.Expression:
+    """`text`'s syntax tree, checked for size; parsed once per text (a checkpoint of 30k fused modules sizes
+    each from the same few expressions; a refusal is not cached, it is raised again)."""
+    try:
         tree = ast.parse(text, mode="eval")
     except (SyntaxError, RecursionError, MemoryError) as e:
         raise ExpressionError(f"invalid expression {text!r}") from e
     if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
         raise ExpressionError(f"expression {text[:40]!r}... has more than {MAX_NODES} terms")
-    try:
-        return _eval(tree.body, lookup, text)
-    except ZeroDivisionError as e:
-        raise ExpressionError(f"{text!r} divides by zero") from e
+    return tree
 
 
 def _eval(node: ast.AST, lookup: Callable[[str], Any], text: str) -> Any:
