@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from fp8fix import __version__
-from fp8fix.collector import collector_paused
 from fp8fix.errors import DEBUG_VARIABLE, EXIT_BUG, EXIT_HUB, RegistryEntryError, UsageError, bug_line, user_error
 from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, PRECISIONS, SCALES, SCHEMA_VERSION, TARGETS
 
@@ -132,8 +131,7 @@ def reports_errors(func: F) -> F:
         try:
             if kwargs.get("quiet") and kwargs.get("verbose"):
                 raise UsageError("-q and -v: -q prints nothing but errors, -v more detail; give one of them")
-            with collector_paused():  # a command is headers and reports; streaming turns it back on
-                return func(*args, **kwargs)
+            return func(*args, **kwargs)
         except BrokenPipeError:
             quiet_exit()
         except (Exception, KeyboardInterrupt) as e:

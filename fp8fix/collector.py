@@ -3,8 +3,10 @@
 Planning makes a few objects per tensor (about a million for a 100k-tensor checkpoint), none of them in
 cycles and all freed by reference counting; CPython 3.11's collector still walks the growing heap each time
 the objects that outlived a collection grow by a quarter: 40% of the CPU time of `convert --dry-run` on a
-100k-tensor DeepSeek-V3-shaped checkpoint (issue 30). It is paused for the header work only, and back on
-while tensors are streamed, so a long conversion's memory never waits on it.
+100k-tensor DeepSeek-V3-shaped checkpoint (issue 30). It is paused for the header work only (reading,
+describing, planning: `conversion.convert`, `inspect_checkpoint`, `verify`'s opening, a streamed conversion's
+planning), and on while tensors are streamed and files go to or come from the Hub, so a long conversion's
+memory never waits on it.
 """
 
 from __future__ import annotations
