@@ -213,3 +213,24 @@ def test_the_worst_requantization_error_counts_the_first_code() -> None:
     assert table.abs_error[worst] > 0 and table.abs_error[0] == 0.0
     assert table.worst(bytes([worst]) + bytes(10)).max_abs == table.abs_error[worst]
     assert table.worst(bytes(10)).max_abs == 0.0
+
+
+def test_present_codes_are_the_distinct_bytes_for_every_length_and_code() -> None:
+    """`present_codes` (marks byte pairs, issue 30) finds exactly the distinct bytes: every single code alone and
+    at each position of short runs (odd and even lengths, the last byte on its own), and random data of many
+    lengths against a plain set."""
+    import random
+
+    from fp8fix.numerics.requantize import present_codes
+
+    for code in range(256):
+        for length in (1, 2, 3, 4, 7):
+            for at in range(length):
+                data = bytearray([7]) * length
+                data[at] = code
+                assert present_codes(bytes(data)) == sorted(set(data)), (code, length, at)
+    rng = random.Random(0)
+    for length in [0, 1, 2, 3, 255, 256, 1001, 65_537]:
+        alphabet = rng.sample(range(256), rng.randint(1, 40))
+        data = bytes(rng.choice(alphabet) for _ in range(length))
+        assert present_codes(data) == sorted(set(data))

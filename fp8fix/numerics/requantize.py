@@ -19,8 +19,8 @@ from fp8fix.numerics.dtypes import E4M3FN, REQUANT_CLAMP
 from fp8fix.numerics.fp8 import e4m3_value, nearest_code, step_at
 
 _F32 = struct.Struct("<f")
-#: Codes counted at a time: numpy's bincount makes an int64 copy of its input (8 bytes per code).
-_COUNT_SLICE = 1 << 20
+#: Codes looked at a time by `present_codes` (its pairs' index is a view: no copy of the data).
+_PRESENCE_SLICE = 1 << 24
 
 
 @dataclass
@@ -47,17 +47,30 @@ class RequantizeMap:
 
     def worst(self, data: bytes | bytearray) -> RoundingStats:
         """The worst errors among the codes `data` holds."""
-        import numpy as np
-
-        codes = np.frombuffer(data, dtype=np.uint8)
-        counts = np.zeros(256, dtype=np.int64)
-        for start in range(0, len(codes), _COUNT_SLICE):  # bincount widens to int64: slices keep that small
-            counts += np.bincount(codes[start : start + _COUNT_SLICE], minlength=256)
-        present = counts.nonzero()[0].tolist()
+        present = present_codes(data)
         return RoundingStats(
             max_abs=max((self.abs_error[c] for c in present), default=0.0),
             max_steps=max((self.steps[c] for c in present), default=0.0),
         )
+
+
+def present_codes(data: bytes | bytearray) -> list[int]:
+    """The distinct byte values of `data`, ascending. Marked two at a time: each pair of bytes, read as one
+    uint16, sets one flag of a 65,536-entry table (numpy's scatter: about 1 GB/s of codes here, where
+    `bincount` widens every code to int64 first: 0.3-0.65 GB/s); a code is present where its row or column
+    of the table holds a flag. An odd last byte is marked on its own."""
+    import numpy as np
+
+    codes = np.frombuffer(data, dtype=np.uint8)
+    pairs = np.zeros(1 << 16, dtype=bool)
+    even = len(codes) - len(codes) % 2
+    for start in range(0, even, _PRESENCE_SLICE):
+        pairs[codes[start : min(start + _PRESENCE_SLICE, even)].view(np.uint16)] = True
+    table = pairs.reshape(256, 256)  # [high byte, low byte] of each little- or big-endian pair alike
+    present = np.logical_or(table.any(axis=0), table.any(axis=1))
+    if even < len(codes):
+        present[codes[-1]] = True
+    return [int(c) for c in present.nonzero()[0]]
 
 
 def f32(x: float) -> float:
