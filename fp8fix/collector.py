@@ -18,8 +18,8 @@ from contextlib import contextmanager
 
 @contextmanager
 def collector_paused() -> Iterator[None]:
-    """No cyclic collection inside the block (reference counting still frees everything it can); the
-    collector is back as it was after it, nested blocks included."""
+    """No cyclic collection inside the block, or the function it decorates (reference counting still frees
+    everything it can); the collector is back as it was after it, nested blocks included."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

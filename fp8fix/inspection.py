@@ -16,8 +16,7 @@ from typing import Any
 
 from fp8fix.collector import collector_paused
 from fp8fix.errors import Fp8fixError
-from fp8fix.io.checkpoint import Checkpoint, first_invalid_scale, open_checkpoint
-from fp8fix.io.safetensors_file import read_values
+from fp8fix.io.checkpoint import Checkpoint, first_invalid_scale, open_checkpoint, scale_values
 from fp8fix.io.source_files import SourceFiles
 from fp8fix.model import CheckpointModel, Fp8Weight, describe_checkpoint
 from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_DTYPES
@@ -108,15 +107,11 @@ def _copied(shape: list[int] | None) -> list[int] | None:
     return None if shape is None else list(shape)
 
 
+@collector_paused()
 def inspect_checkpoint(
     root: Path | Checkpoint, scan_data: bool = False, registry: Registry | None = None, tp: Sequence[int] = ()
 ) -> Report:
     """Inspect a local folder, or a checkpoint whose headers came from the Hub (no data: scale values unread)."""
-    with collector_paused():
-        return _inspect(root, scan_data, registry, tp)
-
-
-def _inspect(root: Path | Checkpoint, scan_data: bool, registry: Registry | None, tp: Sequence[int]) -> Report:
     ckpt = root if isinstance(root, Checkpoint) else open_checkpoint(root)
     model = describe_checkpoint(ckpt, registry or Registry.builtin())
     qc = quantization_config(ckpt.config) or {}
@@ -312,18 +307,13 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
             )
     block_scales = {w.scale.name: w.module for w in model.weights.values() if w.scale and w.scale_kind == "block"}
     scales = [
-        (name, t)
+        t
         for name, t in (ckpt.tensors.items() if ckpt.has_data else ())
         if name.endswith(("_scale", "_scale_inv")) and t.dtype in SCALE_DTYPES and t.numel <= 1_000_000
     ]
-    by_file: dict[Path, list[tuple[int, int]]] = {}
-    for _, t in scales:
-        by_file.setdefault(t.path, []).append((t.start, t.end))
     with SourceFiles() as files:  # a shard's scales in a few reads (100k scales: 160 files)
-        for name, t in scales:
-            if t.path in by_file:  # the first of its file (the tensors are in file order)
-                files.prefetch(t.path, by_file.pop(t.path))
-            values = read_values(t, files)
+        for t, values in scale_values(scales, files):
+            name = t.name
             stacked = name.rsplit("_scale", 1)[0]  # experts.gate_up_proj_scale belongs to experts.gate_up_proj
             is_stacked = stacked in ckpt.tensors and len(ckpt.tensors[stacked].shape) == 3
             module = stacked if is_stacked else name.rsplit(".", 1)[0]

@@ -169,18 +169,12 @@ def _scales(model: CheckpointModel) -> list[TensorInfo]:
     return list(found.values())
 
 
+@collector_paused()
 def _plan_from_stand_ins(
     remote: RemoteRepo, source: Path, options: ConvertOptions, registry: Registry
 ) -> tuple[Checkpoint, ConversionPlan]:
     """The checkpoint of the stand-ins and its plan: described from the headers alone first, to learn which
     tensors are scales, whose values are then fetched, as planning reads them."""
-    with collector_paused():
-        return _plan_stand_ins(remote, source, options, registry)
-
-
-def _plan_stand_ins(
-    remote: RemoteRepo, source: Path, options: ConvertOptions, registry: Registry
-) -> tuple[Checkpoint, ConversionPlan]:
     ckpt = open_checkpoint(source)
     ckpt.has_data = False  # headers only: which tensors are scales, before their values are there
     fill_values(remote, source, _scales(describe_checkpoint(ckpt, registry)))

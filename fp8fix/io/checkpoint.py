@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import posixpath
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,28 +76,39 @@ def first_invalid_scale(values: list[float]) -> float | None:
     return next((v for v in values if not 0 < v < math.inf), None)
 
 
-def check_scales(scales: list[TensorInfo], files: SourceFiles) -> None:
-    """`check_scale_values` for many scales, each file's read in a few large reads (`SourceFiles.prefetch`):
-    a DeepSeek-V3 has 45k block grids."""
+def scale_values(scales: list[TensorInfo], files: SourceFiles) -> Iterator[tuple[TensorInfo, list[float]]]:
+    """Each scale with its values, file by file (in the order each file first appears: a checkpoint's tensors
+    are in file order), each file's read in a few large reads (`SourceFiles.prefetch`): a DeepSeek-V3 has 45k
+    block grids."""
     by_file: dict[Path, list[TensorInfo]] = {}
     for scale in scales:
         by_file.setdefault(scale.path, []).append(scale)
     for path, in_file in by_file.items():
         files.prefetch(path, [(s.start, s.end) for s in in_file])
         for scale in in_file:
-            check_scale_values(scale, files)
+            yield scale, read_values(scale, files)
+
+
+def check_scales(scales: list[TensorInfo], files: SourceFiles) -> None:
+    """`check_scale_values` for many scales, read by `scale_values`."""
+    for scale, values in scale_values(scales, files):
+        _refuse_invalid(scale, values)
 
 
 def check_scale_values(scale: TensorInfo, files: SourceFiles | None = None) -> list[float]:
     """The scale's values, each finite and positive, or a clear error naming the first that is not."""
     values = read_values(scale, files)
+    _refuse_invalid(scale, values)
+    return values
+
+
+def _refuse_invalid(scale: TensorInfo, values: list[float]) -> None:
     bad = first_invalid_scale(values)
     if bad is not None:
         raise InvalidCheckpoint(
             f"{scale.path.name}: scale '{scale.name}' holds {bad}; scales must be finite and positive "
             "(fp8fix inspect lists every such scale)"
         )
-    return values
 
 
 def known_values(ckpt: Checkpoint, scale: TensorInfo) -> list[float] | None:

@@ -229,9 +229,15 @@ def _kept(name: str, outputs: list[OutputTensor], sources: dict[str, TensorInfo]
     source = sources.get(name)
     if source is None or len(outputs) != 1 or not outputs[0].unchanged or outputs[0].source != name:
         return False
-    t, piece = outputs[0], outputs[0].pieces[0]
-    if not isinstance(piece, CopyRange) or (t.dtype, tuple(t.shape)) != (source.dtype, source.shape):
+    t = outputs[0]
+    return (t.dtype, tuple(t.shape)) == (source.dtype, source.shape) and _own_bytes(t, source)
+
+
+def _own_bytes(out: OutputTensor, source: TensorInfo | None) -> bool:
+    """`out` is one copy of exactly `source`'s bytes."""
+    if source is None or len(out.pieces) != 1 or type(out.pieces[0]) is not CopyRange:
         return False
+    piece = out.pieces[0]
     return (piece.path, piece.start, piece.end) == (source.path, source.start, source.end)
 
 
@@ -309,11 +315,8 @@ def check_pieces_inside_sources(shards: list[OutputShard], sources: dict[str, Te
     starts = {path: [t.start for t in ts] for path, ts in ordered.items()}  # once per file, not per piece
     for shard in shards:
         for out in shard.tensors:
-            own = sources.get(out.source)
-            if len(out.pieces) == 1 and type(out.pieces[0]) is CopyRange and own is not None:
-                copied = out.pieces[0]
-                if (copied.path, copied.start, copied.end) == (own.path, own.start, own.end):
-                    continue  # the source tensor's own bytes (most tensors of most plans)
+            if _own_bytes(out, sources.get(out.source)):
+                continue  # the source tensor's own bytes (most tensors of most plans)
             pieces = [r for p in out.pieces for r in (p.rows if isinstance(p, Ue8m0Scales) else (p,))]
             for piece in pieces:  # (a power-of-two scale tensor is made from its weight's rows)
                 if isinstance(piece, Fill):  # written from nothing
