@@ -33,6 +33,7 @@ from fp8fix.errors import (  # the errors the API raises, public as fp8fix.<name
     VerificationFailed,
 )
 from fp8fix.vocab import (
+    AUTO_JOBS,
     LAYOUTS,
     OUTPUT_FORMATS,
     PRECISIONS,
@@ -40,6 +41,7 @@ from fp8fix.vocab import (
     SCHEMA_VERSION,
     TARGETS,
     TO_NAMES,
+    AutoJobs,
     ConvertTo,
     Layout,
     OutputFormat,
@@ -93,7 +95,7 @@ def convert(
     verify: bool = False,
     dry_run: bool = False,
     overwrite: bool = False,
-    jobs: int = 1,
+    jobs: int | AutoJobs = 1,
     revision: str | None = None,
     token: str | None = None,
     arch_files: Sequence[PathArg] = (),
@@ -108,7 +110,7 @@ def convert(
     """
     from fp8fix.conversion import convert as run_convert
 
-    _count("jobs", jobs)
+    _jobs(jobs)
     with api_errors(), _hub_progress(progress, source):
         base = _conversion(layout, to, target, output_format, tp, tp_bf16, dequantize, scales)
         reg = _registry(registry, arch_files)
@@ -268,7 +270,7 @@ def verify(
     source: PathArg,
     output: PathArg,
     *,
-    jobs: int = 1,
+    jobs: int | AutoJobs = 1,
     max_disk: int | None = None,
     part: tuple[int, int] | None = None,
     revision: str | None = None,
@@ -286,14 +288,14 @@ def verify(
     from fp8fix.io.hub import is_repo_id
     from fp8fix.verification import verify as run_verify
 
-    _count("jobs", jobs)
+    _jobs(jobs)
     _shares(max_disk, part)
     with api_errors(), _hub_progress(progress, source):
         reg = _registry(registry, arch_files)
         if isinstance(output, str) and is_repo_id(output):
             from fp8fix.verification.remote import verify_remote
 
-            if jobs != 1:
+            if jobs not in (1, AUTO_JOBS):
                 raise UsageError(
                     "--jobs applies to a local OUTPUT: a Hub repo OUTPUT is checked in one process, shard by shard "
                     "as it downloads (for several machines: --part K/N)"
@@ -460,6 +462,12 @@ def _shares(max_disk: object, part: object) -> None:
         isinstance(part, tuple) and len(part) == 2 and all(type(x) is int for x in part) and 1 <= part[0] <= part[1]
     ):
         raise ValueError(f"part must be (K, N) with 1 <= K <= N, not {part!r}")
+
+
+def _jobs(jobs: object) -> None:
+    """`jobs`: a count of processes, or "auto" (the cores the machine's load leaves idle)."""
+    if jobs != AUTO_JOBS:
+        _count("jobs", jobs, f"or {AUTO_JOBS!r}")
 
 
 def _count(name: str, value: object, alternative: str = "") -> None:

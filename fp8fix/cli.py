@@ -29,7 +29,7 @@ import click
 
 from fp8fix import __version__
 from fp8fix.errors import DEBUG_VARIABLE, EXIT_BUG, EXIT_HUB, RegistryEntryError, UsageError, bug_line, user_error
-from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, PRECISIONS, SCALES, SCHEMA_VERSION, TARGETS
+from fp8fix.vocab import AUTO_JOBS, ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, PRECISIONS, SCALES, SCHEMA_VERSION, TARGETS
 
 if TYPE_CHECKING:
     from fp8fix.registry.architectures import Registry
@@ -244,19 +244,21 @@ def jobs_option(help_text: str) -> Callable[[F], F]:
     """--jobs for the commands whose work can run in several processes (convert, verify)."""
     return click.option(
         "--jobs",
-        type=click.IntRange(min=1),
-        default=os.cpu_count() or 1,
-        show_default="the machine's cores",
-        help=help_text,
+        type=JobCount(),
+        metavar="N|auto",
+        default=AUTO_JOBS,
+        show_default=True,
+        help=help_text + " auto: as many as the machine's load leaves cores idle (1 on a busy machine).",
     )
 
 
 if TYPE_CHECKING:
     IntParam = click.ParamType[int]  # generic in click >= 8.2's typing; a plain class at run time before
+    JobsParam = click.ParamType[int | str]
     SizesParam = click.ParamType[tuple[int, ...]]
     PairParam = click.ParamType[tuple[int, int]]
 else:
-    IntParam = SizesParam = PairParam = click.ParamType
+    IntParam = SizesParam = PairParam = JobsParam = click.ParamType
 
 
 class SizeList(SizesParam):
@@ -274,6 +276,22 @@ class SizeList(SizesParam):
         if any(n < 1 for n in sizes):
             self.fail(f"{value!r} is not a list of sizes such as 4,8", param, ctx)
         return sizes
+
+
+class JobCount(JobsParam):
+    """A number of processes, at least 1, or "auto"."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip()
+        if text == AUTO_JOBS:
+            return AUTO_JOBS
+        if not re.fullmatch(r"\d{1,6}", text) or int(text) < 1:
+            self.fail(f"{value!r:.40} is not a number of processes (1 or more) or 'auto'", param, ctx)
+        return int(text)
 
 
 class PartOfN(PairParam):

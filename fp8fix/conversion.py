@@ -26,6 +26,7 @@ from fp8fix.io.staging import (
     staging_folder,
     write_json,
 )
+from fp8fix.io.workers import Jobs
 from fp8fix.io.writer import WriteStats, write_plan
 from fp8fix.model import CheckpointModel, describe_checkpoint
 from fp8fix.plan.pieces import ConversionPlan
@@ -48,7 +49,8 @@ class ConvertOptions:
     overwrite: bool = False
     quiet: bool = False
     verify: bool = False
-    jobs: int = 1  # processes writing shards where the work is CPU-bound (recoding, requantizing), and verifying
+    jobs: Jobs = 1  # processes writing shards where the work is CPU-bound (recoding, requantizing), and verifying;
+    # "auto": the cores the machine's load leaves idle
     tp: int | None = None  # pad MLP intermediates so every share is whole blocks at this tensor-parallel size
     tp_bf16: bool = False  # with tp: write attention modules that padding cannot fix in BF16 instead of refusing
     dequantize: tuple[str, ...] = ()  # shell-style module patterns: those modules written in BF16, unquantized

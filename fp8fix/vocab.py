@@ -65,3 +65,7 @@ TARGETS: tuple[Target, ...] = get_args(Target)
 #: The checkpoint format OUTPUT is written in: the source's, or (from AutoFP8, Quark, ModelOpt) compressed-tensors.
 OutputFormat = Literal["keep", "compressed-tensors"]
 OUTPUT_FORMATS: tuple[OutputFormat, ...] = get_args(OutputFormat)
+
+#: `--jobs` / `jobs=`: a number of processes, or this word: as many as the machine's load leaves idle cores.
+AutoJobs = Literal["auto"]
+AUTO_JOBS: AutoJobs = "auto"

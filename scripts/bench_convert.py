@@ -190,9 +190,18 @@ def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, flo
 
 
 def run_group(
-    title: str, src: Path, work: Path, contenders: dict[str, list[str]], repeats: int, envs: dict[str, dict[str, str]]
+    title: str,
+    src: Path,
+    work: Path,
+    contenders: dict[str, list[str]],
+    repeats: int,
+    envs: dict[str, dict[str, str]],
+    rewritten: dict[str, int] | None = None,
 ) -> list[str]:
-    """Time each contender `repeats` times, shuffled round-robin; markdown rows with medians, spreads, ratios."""
+    """Time each contender `repeats` times, shuffled round-robin; markdown rows with medians, spreads, ratios.
+
+    "GB/s" divides SOURCE's bytes by the time; "rewritten GB/s" the bytes a contender rewrites (`rewritten`,
+    by contender name; absent: "-"), the figure a per-core rewriting speed is about."""
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     order = list(contenders)
     for round_ in range(repeats):
@@ -211,22 +220,137 @@ def run_group(
         wall = statistics.median(walls)
         ratio = f"{wall / base:.2f}" if base else "-"
         rate = f"{size / wall / 1e9:.2f}"
+        done = (rewritten or {}).get(name.removesuffix(BEFORE))
+        rewrite_rate = f"{done / wall / 1e9:.2f} ({done / 1e9:.2f} GB)" if done else "-"
         rss = max(r for _, r in runs)
         rows.append(
             f"| {title} ({size / 1e9:.2f} GB, {shards} shards) | {name} | {wall:.2f} "
-            f"| {min(walls):.2f}-{max(walls):.2f} | {ratio} | {rate} | {rss:.0f} |"
+            f"| {min(walls):.2f}-{max(walls):.2f} | {ratio} | {rate} | {rewrite_rate} | {rss:.0f} |"
         )
     return rows
 
 
 HEADER = [
-    "| checkpoint | command | median s | min-max s | x cp -r | GB/s | peak RSS MB |",
-    "|---|---|---|---|---|---|---|",
+    "| checkpoint | command | median s | min-max s | x cp -r | GB/s of SOURCE | rewritten GB/s (bytes) | peak RSS MB |",
+    "|---|---|---|---|---|---|---|---|",
 ]
+#: The suffix of a contender run from `--baseline`'s checkout.
+BEFORE = " [before]"
+
+
+def tensor_bytes(root: Path, wanted) -> int:  # type: ignore[no-untyped-def]
+    """Bytes of the tensors of `root`'s shards for which `wanted(name, dtype)` is true (headers only)."""
+    total = 0
+    for path in root.glob("*.safetensors"):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__" and wanted(name, entry["dtype"]):
+                total += entry["data_offsets"][1] - entry["data_offsets"][0]
+    return total
+
+
+def fp8_bytes(root: Path) -> int:
+    return tensor_bytes(root, lambda name, dtype: dtype.startswith("F8"))
+
+
+def fused_bytes(root: Path) -> int:
+    return tensor_bytes(
+        root,
+        lambda name, dtype: (
+            dtype.startswith("F8") and "_proj.weight" in name and ("qkv_proj" in name or "gate_up_proj" in name)
+        ),
+    )
+
+
+def with_before(group: dict[str, list[str]], envs: dict[str, dict[str, str]], baseline: Path | None) -> None:
+    """Add each fp8fix contender of `group` again, run from `baseline`'s checkout (same command, same run)."""
+    if baseline is None:
+        return
+    for name, cmd in list(group.items()):
+        if name.startswith(("convert", "verify")):
+            group[name + BEFORE] = cmd
+            envs[name + BEFORE] = {**BASE_ENV, "PYTHONPATH": str(baseline)}
+
+
+#: A process that keeps one core busy (the busy-machine group's other user).
+SPIN = "import time\nend = time.monotonic() + float(__import__('sys').argv[1])\nwhile time.monotonic() < end: pass"
+
+
+def busy_group(args: argparse.Namespace, work: Path, src: Path, envs: dict[str, dict[str, str]]) -> list[str]:
+    """`--to e4m3fnuz` with one core kept busy by another process, once the 1-minute load average shows
+    it: the default `--jobs auto` against `--jobs 1` and `--jobs` of every core (the old default)."""
+    cores = len(os.sched_getaffinity(0))
+    spinner = subprocess.Popen([sys.executable, "-c", SPIN, "3600"])
+    try:
+        deadline = time.monotonic() + 150
+        while os.getloadavg()[0] < 0.9 and time.monotonic() < deadline:
+            time.sleep(2)
+        load = os.getloadavg()[0]
+        py = [sys.executable, "-m", "fp8fix", "convert", str(src), str(work / "out"), "-q", "--to", "e4m3fnuz"]
+        group = {
+            "convert --to e4m3fnuz (default: --jobs auto)": py,
+            "convert --to e4m3fnuz --jobs 1": [*py, "--jobs", "1"],
+            f"convert --to e4m3fnuz --jobs {cores} (every core)": [*py, "--jobs", str(cores)],
+        }
+        title = f"one of {cores} cores busy (load {load:.2f})"
+        return run_group(title, src, work, group, args.repeats, envs, dict.fromkeys(group, fp8_bytes(src)))
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def bf16_group(args: argparse.Namespace, work: Path, envs: dict[str, dict[str, str]]) -> list[str]:
+    """Block FP8 -> BF16 (every weight): fp8fix against DeepSeek's fp8_cast_bf16 arithmetic (bench_bf16.py)
+    and, with `--peer-python`, compressed-tensors' model-free FP8BlockDequantizer."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_bf16 import DEEPSEEK
+
+    src = work / "block-fp8"
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); from pathlib import Path; "
+        f"from bench_bf16 import build; build(Path({str(src)!r}), {args.bf16_gb}, 4)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env=BASE_ENV)
+    (work / "deepseek.py").write_text(DEEPSEEK)
+    out = str(work / "out")
+    py = [sys.executable, "-m", "fp8fix", "convert", str(src), out, "-q", "--to", "bf16"]
+    group = {
+        "convert --to bf16": py,
+        "convert --to bf16 --jobs 1": [*py, "--jobs", "1"],
+        "DeepSeek fp8_cast_bf16 arithmetic (torch, CPU, 1 thread)": [
+            sys.executable,
+            str(work / "deepseek.py"),
+            str(src),
+            out,
+        ],
+    }
+    envs["DeepSeek fp8_cast_bf16 arithmetic (torch, CPU, 1 thread)"] = {**BASE_ENV, "OMP_NUM_THREADS": "1"}
+    if args.peer_python:
+        peer = "compressed-tensors FP8BlockDequantizer (convert_checkpoint)"
+        group[peer] = [str(args.peer_python), "-c", CT_DEQUANTIZE, str(src), out]
+        envs[peer] = {**BASE_ENV, "OMP_NUM_THREADS": "1"}
+    with_before(group, envs, args.baseline)
+    out_bytes = 2 * fp8_bytes(src)
+    rows = run_group("block FP8 -> BF16", src, work, group, args.repeats, envs, dict.fromkeys(group, out_bytes))
+    shutil.rmtree(src)
+    return rows
+
+
+#: compressed-tensors' model-free converter (compressed_tensors.entrypoints.convert), dequantizing every
+#: block-FP8 weight to BF16, one worker; run with `--peer-python`, an interpreter that has it.
+CT_DEQUANTIZE = """
+import sys, torch
+torch.set_num_threads(1)
+from compressed_tensors.entrypoints.convert import convert_checkpoint
+from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
+convert_checkpoint(sys.argv[1], sys.argv[2], FP8BlockDequantizer(targets=["re:.*"]), max_workers=1)
+"""
 
 
 def suite(args: argparse.Namespace, work: Path) -> None:
-    """Every row of the performance table (docs/benchmarks.md), in one run."""
+    """Every row of the performance table (docs/benchmarks.md), in one run; with `--baseline`, each
+    fp8fix row again from that checkout ("[before]"), round-robin with the rest."""
     py = [sys.executable, "-m", "fp8fix"]
     envs: dict[str, dict[str, str]] = {}
 
@@ -241,11 +365,16 @@ def suite(args: argparse.Namespace, work: Path) -> None:
     def cp(src: Path) -> list[str]:
         return ["cp", "-r", str(src), str(work / "out")]
 
+    def group_rows(title: str, src: Path, group: dict[str, list[str]], rewritten: dict[str, int], repeats: int):  # type: ignore[no-untyped-def]
+        with_before(group, envs, args.baseline)
+        return run_group(title, src, work, group, repeats, envs, rewritten)
+
     rows = list(HEADER)
     shard_gb = str(args.size_gb / 4)
     real = build("realistic", "--size-gb", str(args.size_gb), "--shard-gb", shard_gb)
     ref_fnuz = work / "ref-fnuz"
     subprocess.run([*py, "convert", str(real), str(ref_fnuz), "-q", "--to", "e4m3fnuz"], check=True)
+    fp8 = fp8_bytes(real)
     group = {
         "cp -r": cp(real),
         "convert (byte moves)": convert(real),
@@ -256,8 +385,11 @@ def suite(args: argparse.Namespace, work: Path) -> None:
     }
     if not args.skip_naive:
         group["naive load_file/save_file"] = [sys.executable, "-c", NAIVE, str(real), str(work / "out")]
-    rows += run_group("realistic weights", real, work, group, args.repeats, envs)
+    recoded = {"convert --to e4m3fnuz": fp8, "convert --to e4m3fnuz --jobs 1": fp8}
+    rows += group_rows("realistic weights", real, group, recoded, args.repeats)
     shutil.rmtree(ref_fnuz)
+    if args.busy and len(os.sched_getaffinity(0)) > 1:
+        rows += busy_group(args, work, real, envs)
 
     rand = build("random", "--size-gb", str(args.size_gb), "--shard-gb", shard_gb, "--codes", "random")
     group = {
@@ -265,7 +397,7 @@ def suite(args: argparse.Namespace, work: Path) -> None:
         "convert --to e4m3fnuz": convert(rand, "--to", "e4m3fnuz"),
         "convert --to e4m3fnuz --jobs 1": convert(rand, "--to", "e4m3fnuz", "--jobs", "1"),
     }
-    rows += run_group("uniformly random codes", rand, work, group, args.repeats, envs)
+    rows += group_rows("uniformly random codes", rand, group, dict.fromkeys(group, fp8_bytes(rand)), args.repeats)
     shutil.rmtree(rand)
 
     req = build("per-shard", "--size-gb", str(args.requant_gb), "--shard-gb", str(args.requant_gb / 4), "--per-shard")
@@ -278,29 +410,36 @@ def suite(args: argparse.Namespace, work: Path) -> None:
         "verify (requantized output)": [*py, "verify", str(req), str(ref_fused), "-q"],
         "verify (requantized output) --jobs 1": [*py, "verify", str(req), str(ref_fused), "-q", "--jobs", "1"],
     }
-    rows += run_group("per-shard scales, all different", req, work, group, args.repeats, envs)
+    fused = dict.fromkeys(group, fused_bytes(req))
+    rows += group_rows("per-shard scales, all different", req, group, fused, args.repeats)
     shutil.rmtree(ref_fused)
     shutil.rmtree(req)
+
+    if args.bf16_gb:
+        rows += bf16_group(args, work, envs)
 
     example = Path(__file__).resolve().parent.parent / "examples" / "phi3-tiny-fp8"
     group = {
         "convert (start-up: imports, planning, 0.1 MB)": convert(example),
         "python -c pass": [sys.executable, "-c", "pass"],
     }
-    rows += run_group("shipped example", example, work, group, args.repeats, envs)
+    rows += group_rows("shipped example", example, group, {}, args.repeats)
 
     if args.large_gb:
         large = build("large", "--size-gb", str(args.large_gb), "--shard-gb", str(args.large_gb / 8))
-        rows += run_group(
-            "large", large, work, {"cp -r": cp(large), "convert (byte moves)": convert(large)}, args.repeats, envs
-        )
+        group = {
+            "cp -r": cp(large),
+            "convert (byte moves)": convert(large),
+            "convert --to e4m3fnuz": convert(large, "--to", "e4m3fnuz"),
+        }
+        rows += group_rows("large", large, group, {"convert --to e4m3fnuz": fp8_bytes(large)}, args.repeats)
         shutil.rmtree(large)
     if args.flat_gb:
         flat = work / "flat"
         build_sparse(flat, args.flat_gb)
         group = {"convert (byte moves)": convert(flat), "convert --to e4m3fnuz": convert(flat, "--to", "e4m3fnuz")}
         rows += run_group("sparse, memory flatness", flat, work, group, 1, envs)
-    print("\n".join(rows))
+    print("\n".join(rows), flush=True)
     if args.tensor_counts:  # planning at scale: header-only commands, DeepSeek-V3-shaped, ~625 tensors per shard
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_tensor_count import series
@@ -335,12 +474,20 @@ def main() -> None:
         default=[10_000, 30_000, 100_000],
         help="--suite: the planning series' tensor counts (none: skip); with --baseline, both checkouts",
     )
+    parser.add_argument("--bf16-gb", type=float, default=0.5, help="--suite: block-FP8 weights for --to bf16 (0: skip)")
+    parser.add_argument(
+        "--peer-python", type=Path, help="--suite: a Python with compressed-tensors, for its FP8BlockDequantizer row"
+    )
+    parser.add_argument(
+        "--no-busy", dest="busy", action="store_false", help="--suite: skip the busy-machine group (waits ~1 min)"
+    )
     parser.add_argument("--build-only", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--shard-gb", type=float, default=0.5, help=argparse.SUPPRESS)
     parser.add_argument("--codes", default="normal", choices=["normal", "random"], help="realistic or random codes")
     parser.add_argument("--jobs", type=int, default=None, help="fp8fix --jobs")
     parser.add_argument("--per-shard", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.baseline = args.baseline.resolve() if args.baseline else None
     if args.build_only:
         build_checkpoint(args.build_only, args.size_gb, args.shard_gb, args.codes, args.per_shard)
         return

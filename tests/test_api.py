@@ -72,7 +72,8 @@ def test_options_are_validated_before_any_work(tmp_path: Path) -> None:
         (dict(to="e5m2"), "to must be one of 'e4m3fn', 'e4m3fnuz', 'bf16', 'float16' or None"),
         (dict(target="sglang"), "target must be one of 'auto', 'vllm', 'vllm-legacy', 'transformers', not 'sglang'"),
         (dict(output_format="gguf"), "output_format must be one of 'keep', 'compressed-tensors' or None"),
-        (dict(jobs=0), "jobs must be a whole number of processes, at least 1, not 0"),
+        (dict(jobs=0), "jobs must be a whole number of processes, at least 1 or 'auto', not 0"),
+        (dict(jobs="all"), "jobs must be a whole number of processes, at least 1 or 'auto', not 'all'"),
         (dict(arch_files="one.json"), "arch_files must be a list of paths"),
     ]
     for options, message in cases:
@@ -169,7 +170,7 @@ API_ONLY = {"arch_files", "progress"}
 )
 def test_cli_options_are_the_api_keyword_arguments(command: str, function: str) -> None:
     """One option set: every CLI option is the API keyword of the same name, with the same choices and
-    default (`jobs`: all cores on the command line, one process from Python)."""
+    default (`jobs`: "auto" on the command line, one process from Python)."""
     from fp8fix.cli import main
 
     cli = {p.name: p for p in main.commands[command].params}  # type: ignore[attr-defined]

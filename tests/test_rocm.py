@@ -288,3 +288,38 @@ def test_workers_are_forked_only_without_torch() -> None:
     probe = "from fp8fix.io.workers import worker_count as w; print(w(3, 4), w(3, 2), w(1, 4), w(3, 1))"
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert proc.stdout.split() == ["3", "2", "1", "1"]
+
+
+def test_auto_jobs_are_the_cores_the_load_leaves_idle() -> None:
+    """`--jobs auto` (the CLI's default, issue 30): this process's cores (a cgroup quota caps them) less the
+    1-minute load average, rounded, at least 1: a busy core gets no second worker, which ran 13-27% slower
+    than one process."""
+    from fp8fix.io.workers import cores_left_idle, quota_cores
+
+    cases = {(2, 0.0): 2, (2, 0.4): 2, (2, 0.6): 1, (2, 1.0): 1, (2, 1.7): 1, (2, 40.0): 1, (8, 2.6): 5}
+    cases |= {(8, 0.0): 8, (1, 0.0): 1, (16, 3.4): 13}
+    for (cores, load), idle in cases.items():
+        assert cores_left_idle(cores, load) == idle, (cores, load)
+    quotas = {"max 100000\n": None, "200000 100000\n": 2, "150000 100000": 2, "50000 100000": 1, "": None}
+    quotas |= {"garbage": None, "100 0": None, "-5 100000": None, "200000 100000 7": None}
+    for text, allowed in quotas.items():
+        assert quota_cores(text) == allowed, text
+
+
+def test_auto_jobs_write_the_bytes_one_process_writes(tmp_path: Path) -> None:
+    """`--jobs auto` and no --jobs at all take as many processes as `idle_cores` says (at least 1, at most the
+    cores and the shards), report it in `processes`, and write what `--jobs 1` writes."""
+    import os
+
+    src = build(tmp_path / "src", phi3(layers=4), scale="shard", files=4)
+    one = run_process("convert", src, tmp_path / "one", "--jobs", "1", "--to", "e4m3fnuz", "--json")
+    assert one.returncode == 0 and json.loads(one.stdout)["processes"] == 1, one.stderr
+    for name, jobs in (("auto", ["--jobs", "auto"]), ("default", [])):
+        result = run_process("convert", src, tmp_path / name, *jobs, "--to", "e4m3fnuz", "--json")
+        assert result.returncode == 0, result.stderr
+        assert 1 <= json.loads(result.stdout)["processes"] <= min(4, len(os.sched_getaffinity(0)))
+        assert folder_digest(tmp_path / name) == folder_digest(tmp_path / "one")
+    probe = "from fp8fix.io.workers import idle_cores as i, worker_count as w; n = i(); print(n, w('auto', 99) <= n)"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    idle, capped = proc.stdout.split()
+    assert 1 <= int(idle) <= len(os.sched_getaffinity(0)) and capped == "True"

@@ -234,3 +234,35 @@ def test_present_codes_are_the_distinct_bytes_for_every_length_and_code() -> Non
         alphabet = rng.sample(range(256), rng.randint(1, 40))
         data = bytes(rng.choice(alphabet) for _ in range(length))
         assert present_codes(data) == sorted(set(data))
+
+
+def test_the_worst_requantization_error_is_the_worst_among_the_codes_held() -> None:
+    """`RequantizeMap.worst` looks codes up worst first and stops at the first held (issue 30): it must equal
+    the plain maximum over the distinct bytes, for data holding every code, few codes, only the rarest
+    (the big ones, which it skips by the largest code of each sign), codes of one sign, and data where
+    most codes it asks for are missing (it then marks every code at once)."""
+    import random
+
+    from fp8fix.numerics.requantize import requantize_map
+
+    rng = random.Random(1)
+    maps = [
+        requantize_map("F8_E4M3", s, t, out)
+        for s, t, out in [(1.0, 3.0, "F8_E4M3"), (0.001, 0.0013, "F8_E4M3"), (2.0, 0.7, "F8_E4M3FNUZ")]
+    ]
+    finite = [c for c in range(256) if c not in NAN_CODES["F8_E4M3"]]
+    cases = [bytes(finite), b"", bytes(100), bytes([0x80]) * 3, bytes(c for c in finite if c >= 0x80)]
+    cases += [bytes(c for c in finite if c < 0x80)]
+    for _ in range(200):
+        alphabet = rng.sample(finite, rng.choice([1, 2, 3, 8, 40, 200]))
+        cases.append(bytes(rng.choice(alphabet) for _ in range(rng.choice([1, 2, 17, 500]))))
+    for table in maps:  # the codes with the worst errors, each alone among zeros, at the start and the end
+        for code in sorted(finite, key=lambda c: -table.abs_error[c])[:20]:
+            cases += [bytes([code]) + bytes(300), bytes(300) + bytes([code])]
+    for table in maps:
+        for data in cases:
+            held = set(data)
+            got = table.worst(data)
+            assert got.max_abs == max((table.abs_error[c] for c in held), default=0.0), (data[:20], len(data))
+            assert got.max_steps == max((table.steps[c] for c in held), default=0.0), (data[:20], len(data))
+            assert table.worst(bytearray(data)) == got

@@ -17,14 +17,18 @@ hung in both cases, and in its own terminate about once in 650 runs).
 
 from __future__ import annotations
 
+import math
+import os
 import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fp8fix.errors import WorkerDied
 from fp8fix.io.progress import Progress
+from fp8fix.vocab import AUTO_JOBS, AutoJobs
 
 #: Bytes done by all workers, shared with the parent (which draws the one progress bar).
 _done: Any = None
@@ -42,12 +46,58 @@ TORCH_ONE_PROCESS = (
 )
 
 
-def worker_count(jobs: int, tasks: int) -> int:
-    """How many processes to use: `jobs`, capped at the task count; 1 where fork is unavailable, and
-    in a process that has loaded torch (a Python caller's: the CLI has not at this point). A child
-    forked after torch started its OpenMP threads hangs in its first parallel torch operation
-    (it did in this suite, in verify's float checks), so such a caller gets one process, and a
+#: A process count, or `AUTO_JOBS`: the cores the machine's load leaves idle (`idle_cores`).
+Jobs = int | AutoJobs
+#: cgroup v2's CPU quota of this process's group ("max 100000" or "200000 100000": quota, period in µs).
+_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def idle_cores() -> int:
+    """The cores a conversion may use without slowing itself down, on this machine now
+    (`cores_left_idle` of this process's cores and the machine's 1-minute load average)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open(_CPU_MAX, "rb") as f:
+            quota = f.read(64).decode("ascii", "replace")
+    except OSError:  # no cgroup v2 here
+        quota = ""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load figure on this platform
+        load = 0.0
+    return cores_left_idle(min(cores, quota_cores(quota) or cores), load)
+
+
+def quota_cores(cpu_max: str) -> int | None:
+    """The cores a cgroup v2 `cpu.max` text allows ("200000 100000": 2; "150000 100000": 2), as a container
+    sets it while its affinity lists every core of the host; None for no quota ("max ...") or a text this
+    does not know."""
+    parts = cpu_max.split()
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[1]) == 0:
+        return None
+    return max(1, -(-int(parts[0]) // int(parts[1])))
+
+
+def cores_left_idle(cores: int, load: float) -> int:
+    """`cores` less the `load` average, rounded; at least 1, at most `cores`. A second process on a core
+    something else keeps busy makes both slower (issue 30: the default `--jobs` of all cores ran 13-27%
+    slower than `--jobs 1` with a core busy), so a loaded machine gets one process. A load average
+    above this process's cores (a container seeing its host's) gives 1 too: the safe answer."""
+    return max(1, min(cores, math.floor(cores - load + 0.5)))
+
+
+def resolve_jobs(jobs: Jobs) -> int:
+    """`jobs` as a number: `AUTO_JOBS` is `idle_cores()`, asked now."""
+    return idle_cores() if jobs == AUTO_JOBS else int(jobs)
+
+
+def worker_count(jobs: Jobs, tasks: int) -> int:
+    """How many processes to use: `jobs` (`AUTO_JOBS`: `idle_cores()`), capped at the task count; 1 where fork
+    is unavailable, and in a process that has loaded torch (a Python caller's: the CLI has not at this
+    point). A child forked after torch started its OpenMP threads hangs in its first parallel torch
+    operation (it did in this suite, in verify's float checks), so such a caller gets one process, and a
     RuntimeWarning saying so (Python shows it once per calling line)."""
+    jobs = resolve_jobs(jobs)
     if jobs < 2 or tasks < 2:
         return 1
     if "torch" in sys.modules:

@@ -20,7 +20,7 @@ from fp8fix.io.checkpoint import first_invalid_scale
 from fp8fix.io.progress import NoProgress, Progress, progress_bar
 from fp8fix.io.safetensors_file import TensorInfo, encode_header
 from fp8fix.io.source_files import SourceFiles, read_into, source_changed, window_contains
-from fp8fix.io.workers import run_tasks, worker_count
+from fp8fix.io.workers import Jobs, run_tasks, worker_count
 from fp8fix.numerics.dequantize import dequantize_rows
 from fp8fix.numerics.dtypes import BITS, NAN_CODES, decode_floats, encode_floats
 from fp8fix.numerics.recodings import RECODINGS, inexact_codes, recode, scale_exactly
@@ -89,7 +89,7 @@ class _Sources(SourceFiles):
         self.exponents: dict[Ue8m0Codes, list[int]] = {}
 
 
-def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False, jobs: int = 1) -> WriteStats:
+def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False, jobs: Jobs = 1) -> WriteStats:
     """Write every shard of `plan` into `out_dir`, in up to `jobs` processes where the work is CPU-bound."""
     workers = worker_count(jobs, len(plan.shards)) if _cpu_bound(plan) else 1
     with collector_running(), progress_bar(plan.total_bytes, "fp8fix convert", quiet) as bar:
@@ -347,10 +347,14 @@ def _scaled(data: bytes, dtype: str, factor: float, path: Path, name: str) -> by
 
 
 def _requantize(sources: _Sources, out: int, piece: Requantize, source: str) -> RoundingStats:
+    """Map the codes window by window, as `_recode` does (one reused buffer, checked for NaN codes as it is
+    read: one pass over the bytes, not a check pass and a rewrite pass); the worst error among the codes."""
     forbidden = RECODINGS[piece.normalize].forbidden if piece.normalize else NAN_CODES[piece.dtype]
-    _refuse_codes(sources, piece, forbidden, source, "NaN codes")
     worst = RoundingStats()
-    for chunk in sources.chunks(piece.path, piece.start, piece.end):
+    for window, _, length in sources.windows(piece.path, piece.start, piece.end, RECODE_WINDOW):
+        if window_contains(window, length, forbidden):
+            _refuse_codes(sources, piece, forbidden, source, "NaN codes")
+        chunk = window if length == len(window) else bytes(memoryview(window)[:length])
         codes = recode(chunk, piece.normalize) if piece.normalize else chunk
         new, error = requantize(codes, piece.dtype, piece.scale, piece.target_scale, piece.out_dtype)
         worst.update(error)

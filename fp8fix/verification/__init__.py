@@ -36,7 +36,7 @@ from fp8fix.collector import collector_paused, collector_running
 from fp8fix.io.checkpoint import open_checkpoint
 from fp8fix.io.progress import Progress, progress_bar
 from fp8fix.io.source_files import SourceFiles
-from fp8fix.io.workers import run_tasks, worker_count
+from fp8fix.io.workers import Jobs, resolve_jobs, run_tasks, worker_count
 from fp8fix.model import describe_checkpoint
 from fp8fix.registry.architectures import Registry
 from fp8fix.verification.context import VerifyContext
@@ -62,14 +62,15 @@ def verify(
     output: Path,
     quiet: bool = False,
     registry: Registry | None = None,
-    jobs: int = 1,
+    jobs: Jobs = 1,
     files: SourceFiles | None = None,
     part: tuple[int, int] | None = None,
 ) -> VerifyReport:
     """Check OUTPUT against SOURCE; the report's `problems` say what is wrong (empty: faithful).
 
-    With `jobs` > 1 the tensors are checked in forked processes, in runs of consecutive
-    tensors; their reports are merged in order, so the report is the same whatever `jobs`.
+    With `jobs` > 1 (or `"auto"`: the cores the machine's load leaves idle) the tensors are checked in
+    forked processes, in runs of consecutive tensors; their reports are merged in order, so the report
+    is the same whatever `jobs`.
     `files`: how the shards are read (a Hub repo's, downloaded as read: `verification.remote`);
     then one process. `part` (K, N): only the K-th of N consecutive shares of SOURCE's tensors, of
     about equal bytes, is checked (the checks of index, config and card in every part): N machines
@@ -80,7 +81,7 @@ def verify(
         model = describe_checkpoint(open_checkpoint(source, "SOURCE"), registry or Registry.builtin())
         out = open_checkpoint(output, "OUTPUT")
     fmt = model.require_format()
-    jobs = 1 if files is not None else jobs
+    jobs = 1 if files is not None else resolve_jobs(jobs)
     with files or SourceFiles() as files:
         ctx = VerifyContext(model, out, fmt, VerifyReport(str(source), str(output)), files)
         ctx.padded = padded_tensors(ctx)
