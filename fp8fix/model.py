@@ -24,7 +24,7 @@ from fp8fix.io.checkpoint import Checkpoint, check_scales
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.io.source_files import SourceFiles
 from fp8fix.numerics.dtypes import FP8_DTYPES, FP8_WEIGHT_DTYPES, INPUT_SCALE_DTYPES, SCALE_DTYPES, is_fp8
-from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, Registry, architecture_name
+from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, Registry, SizeMemo, architecture_name
 from fp8fix.registry.formats import (
     AUTOFP8,
     AUTOFP8_LEGACY,
@@ -314,13 +314,14 @@ def _find_fused_modules(ckpt: Checkpoint, arch: ArchitectureSpec) -> list[FusedM
         if module.endswith(leaves):  # (a cheap first look: fused_spec_for decides below)
             by_module.setdefault(module, {})[param] = t
     found = []
+    memo = SizeMemo()  # one config.json: each spec sized once (per value of the path variables it reads)
     for path, params in by_module.items():
         spec = arch.fused_spec_for(path)
         if spec is None or "weight" not in params:
             continue
         weight = params["weight"]
         stored = (f"{weight.path.name}: '{weight.name}'", weight.shape[0] if weight.shape else 0)
-        rows, segments = arch.row_layout(spec, ckpt.config, path, stored)
+        rows, segments = arch.row_layout(spec, ckpt.config, path, stored, memo)
         bias = params.get("bias")
         if bias is not None and list(bias.shape) != [weight.shape[0]]:
             raise InvalidCheckpoint(

@@ -280,3 +280,40 @@ def test_every_loader_rule_cites_what_a_reader_can_open() -> None:
         assert tests or source.search(evidence), evidence
         assert all((root / t).is_file() for t in tests), evidence
         assert "shared/" not in evidence and "reference" not in evidence, evidence
+
+
+def test_shard_sizes_worked_out_once_per_spec_are_each_modules_own() -> None:
+    """`SizeMemo` (issue 30) sizes a module spec once per value of the path variables its expressions read:
+    for every module of a MiMo-V2.5-like config (sliding-window and full layers by `hybrid_layer_pattern[layer]`,
+    MTP layers by `mtp`, which skips `layer`), in shuffled order, its layout equals one worked out on its own
+    with a fresh memo, the memo's reuse included (a Phi-3's sizes read no variable)."""
+    import random
+
+    from fp8fix.registry.architectures import SizeMemo
+    from tests.builders import mimo_v2_config
+
+    reg = Registry.builtin()
+    config = mimo_v2_config(layers=6)
+    config["hybrid_layer_pattern"] = [1, 0, 0, 1, 1, 0]
+    config["num_key_value_heads"], config["swa_num_key_value_heads"] = 2, 4
+    paths = [f"model.layers.{i}.self_attn.qkv_proj" for i in range(6)] + ["model.mtp.layers.0.self_attn.qkv_proj"]
+    paths += ["model.mtp.layers.3.self_attn.qkv_proj", "model.layers.4.mtp.self_attn.qkv_proj"]
+    arch = reg.get("MiMoV2ForCausalLM")
+    assert arch is not None
+    phi = reg.get("Phi3ForCausalLM")
+    assert phi is not None
+    phi_config = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96}
+    cases = [(arch, config, p) for p in paths] + [
+        (phi, phi_config, f"model.layers.{i}.self_attn.qkv_proj") for i in range(4)
+    ]
+    cases += [(phi, phi_config, f"model.layers.{i}.mlp.gate_up_proj") for i in range(4)]
+    random.Random(0).shuffle(cases)
+    memos = {id(phi): SizeMemo(), id(arch): SizeMemo()}
+    distinct = set()
+    for spec_of, cfg, path in cases:
+        spec = spec_of.fused_spec_for(path)
+        assert spec is not None, path
+        alone = spec_of.row_layout(spec, cfg, path)
+        assert spec_of.row_layout(spec, cfg, path, memo=memos[id(spec_of)]) == alone, path
+        distinct.add((spec_of is arch, tuple(alone[0])))
+    assert len(distinct) >= 3  # full and sliding-window MiMo layers differ, and Phi-3's

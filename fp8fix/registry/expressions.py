@@ -113,7 +113,7 @@ def config_lookup(
     defaults: dict[str, str],
     missing: Callable[[str], Any] | None = None,
     variables: dict[str, Any] | None = None,
-) -> Callable[[str], Any]:
+) -> _ConfigLookup:
     """Resolve a name in `variables` (what a module's path says: `layer`, `mtp`), then a dotted name
     in `config`; absent names through their `defaults` expression, then `missing` (else an error).
     A default that needs itself, directly or not, is an error. Each default is worked out once per
@@ -135,9 +135,11 @@ class _ConfigLookup:
         self.config, self.defaults, self.missing, self.variables = config, defaults, missing, variables
         self.resolving: list[str] = []
         self.known: dict[str, Any] = {}
+        self.variables_read: set[str] = set()  # which of `variables` the expressions needed (`SizeMemo`)
 
     def __call__(self, name: str) -> Any:
         if self.variables and name in self.variables:
+            self.variables_read.add(name)
             return self.variables[name]
         value: Any = self.config
         for part in name.split("."):
