@@ -263,6 +263,28 @@ def fused_bytes(root: Path) -> int:
     )
 
 
+def before_after(rows: list[str]) -> list[str]:
+    """The README's table: each fp8fix row beside its `[before]` row of the same group (one suite run's
+    markdown rows, as printed)."""
+    table = [row for row in rows if row.startswith("| ") and "---" not in row]
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in table]
+    by_key = {(c[0], c[1]): c for c in cells if len(c) == 8}
+    out = [
+        "| checkpoint | command | median s: after / before | after / before | x cp -r (after) "
+        "| rewritten GB/s: after / before | peak RSS MB (after) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (group, command), after in by_key.items():
+        before = by_key.get((group, command + BEFORE))
+        if before is None:
+            continue
+        ratio = float(after[2]) / float(before[2]) if float(before[2]) else float("nan")
+        rates = f"{after[6].split(' ')[0]} / {before[6].split(' ')[0]}" if after[6] != "-" else "-"
+        times = f"{after[2]} / {before[2]}"
+        out.append(f"| {group} | {command} | {times} | {ratio:.2f} | {after[4]} | {rates} | {after[7]} |")
+    return out
+
+
 def converts(group: dict[str, list[str]], rewritten: int) -> dict[str, int]:
     """`rewritten` bytes for each of `group`'s fp8fix conversions (not cp -r, verify or naive copies)."""
     return {name: rewritten for name in group if name.startswith("convert")}
@@ -445,6 +467,8 @@ def suite(args: argparse.Namespace, work: Path) -> None:
         group = {"convert (byte moves)": convert(flat), "convert --to e4m3fnuz": convert(flat, "--to", "e4m3fnuz")}
         rows += run_group("sparse, memory flatness", flat, work, group, 1, envs)
     print("\n".join(rows), flush=True)
+    if args.baseline:
+        print("\n" + "\n".join(before_after(rows)), flush=True)
     if args.tensor_counts:  # planning at scale: header-only commands, DeepSeek-V3-shaped, ~625 tensors per shard
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_tensor_count import series
@@ -486,6 +510,9 @@ def main() -> None:
     parser.add_argument(
         "--no-busy", dest="busy", action="store_false", help="--suite: skip the busy-machine group (waits ~1 min)"
     )
+    parser.add_argument(
+        "--before-after", type=Path, metavar="FILE", help="print the before/after table of a saved --suite run"
+    )
     parser.add_argument("--build-only", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--shard-gb", type=float, default=0.5, help=argparse.SUPPRESS)
     parser.add_argument("--codes", default="normal", choices=["normal", "random"], help="realistic or random codes")
@@ -493,6 +520,9 @@ def main() -> None:
     parser.add_argument("--per-shard", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.baseline = args.baseline.resolve() if args.baseline else None
+    if args.before_after:
+        print("\n".join(before_after(args.before_after.read_text().splitlines())))
+        return
     if args.build_only:
         build_checkpoint(args.build_only, args.size_gb, args.shard_gb, args.codes, args.per_shard)
         return
