@@ -26,7 +26,7 @@ from fp8fix.io.staging import (
     staging_folder,
     write_json,
 )
-from fp8fix.io.workers import Jobs
+from fp8fix.io.workers import Jobs, resolve_jobs
 from fp8fix.io.writer import WriteStats, write_plan
 from fp8fix.model import CheckpointModel, describe_checkpoint
 from fp8fix.plan.pieces import ConversionPlan
@@ -150,15 +150,17 @@ def _write(
     result: ConvertResult,
 ) -> None:
     """Stream the plan into a staging folder, add index, config, copies and card, verify, rename into place."""
+    # "auto" asked once, before this conversion's own processes count in the load average that --verify would read
+    jobs = resolve_jobs(options.jobs)
     with staging_folder(output) as staging:
-        stats = write_plan(plan, staging, quiet=options.quiet, jobs=options.jobs)
+        stats = write_plan(plan, staging, quiet=options.quiet, jobs=jobs)
         record_stats(plan, stats)
         result.processes = stats.processes
         write_repo_files(ckpt, plan, staging, options, result)
         if options.verify:
             from fp8fix.verification import verify  # numpy: only a --verify run needs it before writing
 
-            result.verification = verify(ckpt.root, staging, quiet=options.quiet, registry=registry, jobs=options.jobs)
+            result.verification = verify(ckpt.root, staging, quiet=options.quiet, registry=registry, jobs=jobs)
             if not result.verification.ok:
                 raise VerificationFailed(
                     "verification failed, nothing written: " + "; ".join(result.verification.problems[:5])

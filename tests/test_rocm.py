@@ -323,3 +323,17 @@ def test_auto_jobs_write_the_bytes_one_process_writes(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     idle, capped = proc.stdout.split()
     assert 1 <= int(idle) <= len(os.sched_getaffinity(0)) and capped == "True"
+
+
+def test_auto_jobs_are_asked_once_per_convert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`convert --verify` with `jobs="auto"` asks the load once, before writing: verify after a long parallel
+    write would otherwise read the conversion's own processes in the load average and run in one."""
+    import fp8fix
+    from fp8fix.io import workers
+
+    asked = []
+    monkeypatch.setattr(workers, "idle_cores", lambda: asked.append(1) or 1)
+    src = build(tmp_path / "src", phi3(layers=2), scale="shard", files=2)
+    result = fp8fix.convert(src, tmp_path / "out", to="e4m3fnuz", verify=True, jobs="auto")
+    assert result.verification is not None and result.verification.ok and result.processes == 1
+    assert len(asked) == 1
