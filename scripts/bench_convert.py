@@ -178,10 +178,16 @@ def compile_sources(*roots: Path) -> None:
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(root / "fp8fix")], check=True, env=BASE_ENV)
 
 
-def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MB) of one child process."""
+#: This checkout; and the checkout each contender name runs from, where it is another (`with_before`).
+ROOT = Path(__file__).resolve().parent.parent
+CHECKOUT_OF: dict[str, Path] = {}
+
+
+def timed(cmd: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MB) of one child process, run in `cwd`: `python -m fp8fix` puts the working
+    folder first on sys.path, so a baseline's PYTHONPATH alone would still import this checkout from here."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env or BASE_ENV)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env or BASE_ENV, cwd=cwd)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
@@ -209,7 +215,7 @@ def run_group(
         for name in order:
             shutil.rmtree(work / "out", ignore_errors=True)
             subprocess.run(["sync"], check=False)
-            results[name].append(timed(contenders[name], envs.get(name)))
+            results[name].append(timed(contenders[name], envs.get(name), CHECKOUT_OF.get(name, ROOT)))
     shutil.rmtree(work / "out", ignore_errors=True)
     size = sum(p.stat().st_size for p in src.iterdir())
     shards = len(list(src.glob("*.safetensors")))
@@ -298,6 +304,7 @@ def with_before(group: dict[str, list[str]], envs: dict[str, dict[str, str]], ba
         if name.startswith(("convert", "verify")):
             group[name + BEFORE] = cmd
             envs[name + BEFORE] = {**BASE_ENV, "PYTHONPATH": str(baseline)}
+            CHECKOUT_OF[name + BEFORE] = baseline
 
 
 #: A process that keeps one core busy (the busy-machine group's other user).
@@ -548,7 +555,8 @@ def main() -> None:
         envs: dict[str, dict[str, str]] = {}
         if args.baseline:  # the same command, importing fp8fix from the other checkout first
             contenders["fp8fix convert (baseline)"] = fp8fix
-            envs["fp8fix convert (baseline)"] = {**BASE_ENV, "PYTHONPATH": str(args.baseline.resolve())}
+            envs["fp8fix convert (baseline)"] = {**BASE_ENV, "PYTHONPATH": str(args.baseline)}
+            CHECKOUT_OF["fp8fix convert (baseline)"] = args.baseline
         if not args.skip_naive:
             contenders["naive load_file/save_file"] = [sys.executable, "-c", NAIVE, str(src), str(work / "out")]
         print(f"fp8fix args: {' '.join(fp8fix[3:])}")
