@@ -465,7 +465,7 @@ def _shares(max_disk: object, part: object) -> None:
 
 
 def _jobs(jobs: object) -> None:
-    """`jobs`: a count of processes, or "auto" (the cores the machine's load leaves idle)."""
+    """`jobs`: a count of processes, or "auto" (the cores other processes leave idle)."""
     if jobs != AUTO_JOBS:
         _count("jobs", jobs, f"or {AUTO_JOBS!r}")
 

@@ -248,7 +248,7 @@ def jobs_option(help_text: str) -> Callable[[F], F]:
         metavar="N|auto",
         default=AUTO_JOBS,
         show_default=True,
-        help=help_text + " auto: as many as the machine's load leaves cores idle (1 on a busy machine).",
+        help=help_text + " auto: the cores other processes leave idle (1 on a busy machine, or under 64 MB).",
     )
 
 

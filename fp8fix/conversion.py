@@ -26,7 +26,7 @@ from fp8fix.io.staging import (
     staging_folder,
     write_json,
 )
-from fp8fix.io.workers import Jobs, resolve_jobs
+from fp8fix.io.workers import CpuReading, Jobs, read_cpu, resolve_jobs
 from fp8fix.io.writer import WriteStats, write_plan
 from fp8fix.model import CheckpointModel, describe_checkpoint
 from fp8fix.plan.pieces import ConversionPlan
@@ -50,7 +50,7 @@ class ConvertOptions:
     quiet: bool = False
     verify: bool = False
     jobs: Jobs = 1  # processes writing shards where the work is CPU-bound (recoding, requantizing), and verifying;
-    # "auto": the cores the machine's load leaves idle
+    # "auto": the cores other processes leave idle
     tp: int | None = None  # pad MLP intermediates so every share is whole blocks at this tensor-parallel size
     tp_bf16: bool = False  # with tp: write attention modules that padding cannot fix in BF16 instead of refusing
     dequantize: tuple[str, ...] = ()  # shell-style module patterns: those modules written in BF16, unquantized
@@ -95,6 +95,7 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
     registry = registry or Registry.builtin()
     output = output_path(output)
     check_output(source, output, options.overwrite)
+    started = read_cpu()  # --jobs auto: what other processes ran while this one planned
     with collector_paused():
         ckpt = open_checkpoint(source)
         model = describe_checkpoint(ckpt, registry)
@@ -110,7 +111,7 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
         check_output(source, output, options.overwrite)  # again: OUTPUT may have been written meanwhile
         result.warnings += remove_stale_staging(output)
         try:
-            _write(ckpt, plan, output, options, registry, result)
+            _write(ckpt, plan, output, options, registry, result, started)
         except OSError as e:
             if e.errno not in OUTPUT_ERRNOS:
                 raise
@@ -148,10 +149,11 @@ def _write(
     options: ConvertOptions,
     registry: Registry,
     result: ConvertResult,
+    started: CpuReading,
 ) -> None:
     """Stream the plan into a staging folder, add index, config, copies and card, verify, rename into place."""
-    # "auto" asked once, before this conversion's own processes count in the load average that --verify would read
-    jobs = resolve_jobs(options.jobs)
+    # "auto" asked once, before writing: --verify after it would see this conversion's own workers as others' load
+    jobs = resolve_jobs(options.jobs, plan.total_bytes, started)
     with staging_folder(output) as staging:
         stats = write_plan(plan, staging, quiet=options.quiet, jobs=jobs)
         record_stats(plan, stats)

@@ -66,6 +66,6 @@ TARGETS: tuple[Target, ...] = get_args(Target)
 OutputFormat = Literal["keep", "compressed-tensors"]
 OUTPUT_FORMATS: tuple[OutputFormat, ...] = get_args(OutputFormat)
 
-#: `--jobs` / `jobs=`: a number of processes, or this word: as many as the machine's load leaves idle cores.
+#: `--jobs` / `jobs=`: a number of processes, or this word: the cores other processes leave idle.
 AutoJobs = Literal["auto"]
 AUTO_JOBS: AutoJobs = "auto"

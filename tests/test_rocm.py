@@ -291,8 +291,8 @@ def test_workers_are_forked_only_without_torch() -> None:
 
 
 def test_auto_jobs_are_the_cores_the_load_leaves_idle() -> None:
-    """`--jobs auto` (the CLI's default, issue 30): this process's cores (a cgroup quota caps them) less the
-    1-minute load average, rounded, at least 1: a busy core gets no second worker, which ran 13-27% slower
+    """`--jobs auto` (the CLI's default, issue 30): this process's cores (a cgroup quota caps them) less the cores
+    other processes keep busy, rounded, at least 1: a busy core gets no second worker, which ran 13-27% slower
     than one process."""
     from fp8fix.io.workers import cores_left_idle, quota_cores
 
@@ -327,13 +327,88 @@ def test_auto_jobs_write_the_bytes_one_process_writes(tmp_path: Path) -> None:
 
 def test_auto_jobs_are_asked_once_per_convert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`convert --verify` with `jobs="auto"` asks the load once, before writing: verify after a long parallel
-    write would otherwise read the conversion's own processes in the load average and run in one."""
+    write would otherwise count the conversion's own workers as other processes' load and run in one."""
     import fp8fix
     from fp8fix.io import workers
 
     asked = []
-    monkeypatch.setattr(workers, "idle_cores", lambda: asked.append(1) or 1)
+    monkeypatch.setattr(workers, "idle_cores", lambda since=None: asked.append(since) or 1)
+    monkeypatch.setattr(workers, "PARALLEL_BYTES", 0)  # this small checkpoint asks too
     src = build(tmp_path / "src", phi3(layers=2), scale="shard", files=2)
     result = fp8fix.convert(src, tmp_path / "out", to="e4m3fnuz", verify=True, jobs="auto")
     assert result.verification is not None and result.verification.ok and result.processes == 1
-    assert len(asked) == 1
+    assert len(asked) == 1 and asked[0] is not None  # watched since the conversion started, not from now
+
+
+def test_auto_jobs_count_the_cores_other_processes_keep_busy_now() -> None:
+    """`--jobs auto` reads the kernel's CPU time per core (/proc/stat) twice and takes away this process's own: a
+    core another process spins on counts as busy at once, where the 1-minute load average lags (a conversion
+    right after other work took one process on an idle machine). The text is read as the kernel writes it."""
+    import os
+    import time
+
+    from fp8fix.io.workers import CpuReading, busy_seconds, others_busy
+
+    hz = os.sysconf("SC_CLK_TCK")
+    stat = (
+        "cpu  900 9 90 5000 50 9 9 9 0 0\n"  # the sum line: not a core
+        "cpu0 100 1 10 2000 20 1 1 1 0 0\n"  # user nice system idle iowait irq softirq steal guest guest_nice
+        "cpu1 200 2 20 3000 30 2 2 2 0 0\n"
+        "cpu7 600 6 60 0 0 6 6 6\n"
+        "intr 123 4 5\ncpufoo 1 2 3 4\ncpu2 x y z w\n"
+    )
+    assert busy_seconds(stat, {0}) == (100 + 1 + 10 + 1 + 1 + 1) / hz
+    assert busy_seconds(stat, {0, 1}) == (114 + 228) / hz
+    assert busy_seconds(stat, {1, 7}) == (228 + 684) / hz
+    assert busy_seconds(stat, {2, 3}) is None and busy_seconds("", {0}) is None
+    # two cores busy for 2 s, of which this process ran 0.5 s: 1.25 cores were others'
+    assert others_busy(CpuReading(10.0, 100.0, 3.0), CpuReading(12.0, 103.0, 3.5)) == 1.25
+    assert others_busy(CpuReading(10.0, 100.0, 3.0), CpuReading(12.0, 100.2, 3.5)) == 0.0  # never below 0
+    assert others_busy(CpuReading(10.0, None, 3.0), CpuReading(12.0, 103.0, 3.5)) is None
+    assert others_busy(CpuReading(10.0, 100.0, 3.0), CpuReading(10.0, 103.0, 3.5)) is None
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat on this platform")
+    from fp8fix.io.workers import read_cpu
+
+    spin = "import time\nend = time.monotonic() + 5\nwhile time.monotonic() < end: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)  # started
+        start = read_cpu()
+        time.sleep(0.5)
+        busy = others_busy(start, read_cpu())
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy is not None and busy >= 0.5, busy  # the spinner's core (it gets half a core at worst)
+
+
+def test_auto_jobs_watch_the_kernel_not_the_load_average(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where /proc/stat can be read the 1-minute load average is not asked (it lags); where it cannot, it is.
+    Work under `PARALLEL_BYTES` runs in one process without watching anything."""
+    import os
+
+    from fp8fix.io import workers
+
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat on this platform")
+
+    def lagging() -> tuple[float, float, float]:
+        raise AssertionError("the load average was read")
+
+    monkeypatch.setattr(os, "getloadavg", lagging)
+    assert 1 <= workers.idle_cores() <= len(os.sched_getaffinity(0))
+    monkeypatch.setattr(workers, "_PROC_STAT", Path("/nonexistent/stat"))
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 0.0, 0.0))
+    assert workers.idle_cores() == 1  # the load average says every core is busy
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert workers.idle_cores() == min(len(os.sched_getaffinity(0)), workers.quota_cores(_cpu_max()) or 99)
+    monkeypatch.setattr(workers, "idle_cores", lagging)
+    assert workers.resolve_jobs("auto", workers.PARALLEL_BYTES - 1) == 1 and workers.resolve_jobs(3, 1) == 3
+
+
+def _cpu_max() -> str:
+    try:
+        return Path("/sys/fs/cgroup/cpu.max").read_text()
+    except OSError:
+        return ""

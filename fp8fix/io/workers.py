@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,26 +47,95 @@ TORCH_ONE_PROCESS = (
 )
 
 
-#: A process count, or `AUTO_JOBS`: the cores the machine's load leaves idle (`idle_cores`).
+#: A process count, or `AUTO_JOBS`: the cores other processes leave idle (`idle_cores`).
 Jobs = int | AutoJobs
 #: cgroup v2's CPU quota of this process's group ("max 100000" or "200000 100000": quota, period in µs).
 _CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+#: The kernel's CPU time per core since boot, in clock ticks (Linux).
+_PROC_STAT = Path("/proc/stat")
+#: At most this much of /proc/stat is read (about 150 bytes a core: thousands of cores).
+_STAT_BYTES = 1 << 20
+#: The shortest time `idle_cores` watches the CPU time others spend, in seconds (10 clock ticks a core).
+WINDOW = 0.1
+#: Work smaller than this runs in one process under "auto": forking and starting workers costs more than a
+#: second core saves, and `idle_cores` need not watch the machine (bytes to write or check).
+PARALLEL_BYTES = 64 << 20
 
 
-def idle_cores() -> int:
-    """The cores a conversion may use without slowing itself down, on this machine now
-    (`cores_left_idle` of this process's cores and the machine's 1-minute load average)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+@dataclass(frozen=True)
+class CpuReading:
+    """CPU time spent so far: on this process's cores by every process (None: no /proc/stat), and by this
+    process alone; seconds, at `at` (monotonic)."""
+
+    at: float
+    busy: float | None
+    own: float
+
+
+def read_cpu() -> CpuReading:
+    """The CPU time spent now (`CpuReading`). A conversion takes one as it starts, so that `idle_cores` can
+    tell, after planning, how busy other processes kept the cores meanwhile."""
+    try:
+        with open(_PROC_STAT, "rb") as f:
+            busy = busy_seconds(f.read(_STAT_BYTES).decode("ascii", "replace"), _cores())
+    except OSError:  # not Linux
+        busy = None
+    own = os.times()
+    return CpuReading(time.monotonic(), busy, own.user + own.system)
+
+
+def busy_seconds(proc_stat: str, cores: set[int]) -> float | None:
+    """Seconds `cores` spent working (user, nice, system, irq, softirq, steal; not idle or waiting on the disk)
+    by /proc/stat's text; None where it lists none of them."""
+    ticks = found = 0
+    for line in proc_stat.splitlines():
+        name, _, rest = line.partition(" ")
+        if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores):
+            continue
+        fields = rest.split()[:8]
+        if len(fields) < 4 or not all(f.isdigit() for f in fields):
+            continue
+        user, nice, system, _idle, _iowait, irq, softirq, steal = [int(f) for f in fields] + [0] * (8 - len(fields))
+        ticks += user + nice + system + irq + softirq + steal
+        found += 1
+    return ticks / os.sysconf("SC_CLK_TCK") if found else None
+
+
+def others_busy(start: CpuReading, end: CpuReading) -> float | None:
+    """How many of this process's cores other processes kept busy between two readings, on average; None
+    where the readings cannot tell (no /proc/stat, no time between them)."""
+    elapsed = end.at - start.at
+    if start.busy is None or end.busy is None or elapsed <= 0:
+        return None
+    return max(0.0, (end.busy - start.busy - (end.own - start.own)) / elapsed)
+
+
+def idle_cores(since: CpuReading | None = None) -> int:
+    """The cores a conversion may use without slowing itself down, on this machine now: this process's cores
+    (a cgroup quota caps them) less those other processes kept busy since `since` (watched for `WINDOW` at
+    least; where the kernel cannot tell, the 1-minute load average), rounded (`cores_left_idle`).
+
+    Watched, not the load average alone: that average lags a minute, so a conversion started right after
+    other work (a benchmark's previous run, a CI step) took one process on an idle machine."""
+    start = since or read_cpu()
+    time.sleep(max(0.0, start.at + WINDOW - time.monotonic()))
+    busy = others_busy(start, read_cpu())
+    if busy is None:
+        try:
+            busy = os.getloadavg()[0]
+        except OSError:  # no load figure on this platform
+            busy = 0.0
+    cores = len(_cores())
     try:
         with open(_CPU_MAX, "rb") as f:
-            quota = f.read(64).decode("ascii", "replace")
+            quota = quota_cores(f.read(64).decode("ascii", "replace"))
     except OSError:  # no cgroup v2 here
-        quota = ""
-    try:
-        load = os.getloadavg()[0]
-    except OSError:  # no load figure on this platform
-        load = 0.0
-    return cores_left_idle(min(cores, quota_cores(quota) or cores), load)
+        quota = None
+    return min(quota or cores, cores_left_idle(cores, busy))
+
+
+def _cores() -> set[int]:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
 def quota_cores(cpu_max: str) -> int | None:
@@ -78,17 +148,21 @@ def quota_cores(cpu_max: str) -> int | None:
     return max(1, -(-int(parts[0]) // int(parts[1])))
 
 
-def cores_left_idle(cores: int, load: float) -> int:
-    """`cores` less the `load` average, rounded; at least 1, at most `cores`. A second process on a core
-    something else keeps busy makes both slower (issue 30: the default `--jobs` of all cores ran 13-27%
-    slower than `--jobs 1` with a core busy), so a loaded machine gets one process. A load average
-    above this process's cores (a container seeing its host's) gives 1 too: the safe answer."""
-    return max(1, min(cores, math.floor(cores - load + 0.5)))
+def cores_left_idle(cores: int, busy: float) -> int:
+    """`cores` less the cores other processes keep `busy`, rounded; at least 1, at most `cores`. A second
+    process on a core something else keeps busy makes both slower (issue 30: the default `--jobs` of all
+    cores ran 13-27% slower than `--jobs 1` with a core busy), so a loaded machine gets one process. More
+    busy cores than this process has (a container seeing its host's load average) gives 1 too: the safe
+    answer."""
+    return max(1, min(cores, math.floor(cores - busy + 0.5)))
 
 
-def resolve_jobs(jobs: Jobs) -> int:
-    """`jobs` as a number: `AUTO_JOBS` is `idle_cores()`, asked now."""
-    return idle_cores() if jobs == AUTO_JOBS else int(jobs)
+def resolve_jobs(jobs: Jobs, nbytes: int | None = None, since: CpuReading | None = None) -> int:
+    """`jobs` as a number: `AUTO_JOBS` is 1 for work of fewer than `PARALLEL_BYTES` (`nbytes`), else
+    `idle_cores(since)`, asked now."""
+    if jobs != AUTO_JOBS:
+        return int(jobs)
+    return 1 if nbytes is not None and nbytes < PARALLEL_BYTES else idle_cores(since)
 
 
 def worker_count(jobs: Jobs, tasks: int) -> int:

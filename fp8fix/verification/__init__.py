@@ -36,7 +36,7 @@ from fp8fix.collector import collector_paused, collector_running
 from fp8fix.io.checkpoint import open_checkpoint
 from fp8fix.io.progress import Progress, progress_bar
 from fp8fix.io.source_files import SourceFiles
-from fp8fix.io.workers import Jobs, resolve_jobs, run_tasks, worker_count
+from fp8fix.io.workers import Jobs, read_cpu, resolve_jobs, run_tasks, worker_count
 from fp8fix.model import describe_checkpoint
 from fp8fix.registry.architectures import Registry
 from fp8fix.verification.context import VerifyContext
@@ -68,20 +68,21 @@ def verify(
 ) -> VerifyReport:
     """Check OUTPUT against SOURCE; the report's `problems` say what is wrong (empty: faithful).
 
-    With `jobs` > 1 (or `"auto"`: the cores the machine's load leaves idle) the tensors are checked in
-    forked processes, in runs of consecutive tensors; their reports are merged in order, so the report
-    is the same whatever `jobs`.
+    With `jobs` > 1 (or `"auto"`: the cores other processes leave idle, 1 for less than 64 MB) the tensors
+    are checked in forked processes, in runs of consecutive tensors; their reports are merged in order, so
+    the report is the same whatever `jobs`.
     `files`: how the shards are read (a Hub repo's, downloaded as read: `verification.remote`);
     then one process. `part` (K, N): only the K-th of N consecutive shares of SOURCE's tensors, of
     about equal bytes, is checked (the checks of index, config and card in every part): N machines
     each run one, and together they check every tensor once.
     """
     global _checks
+    started = read_cpu()  # jobs "auto": what other processes ran while this one read the headers
     with collector_paused():
         model = describe_checkpoint(open_checkpoint(source, "SOURCE"), registry or Registry.builtin())
         out = open_checkpoint(output, "OUTPUT")
     fmt = model.require_format()
-    jobs = 1 if files is not None else resolve_jobs(jobs)
+    remote = files is not None  # a Hub repo's shards, downloaded as read: one process
     with files or SourceFiles() as files:
         ctx = VerifyContext(model, out, fmt, VerifyReport(str(source), str(output)), files)
         ctx.padded = padded_tensors(ctx)
@@ -89,6 +90,7 @@ def verify(
         ctx.dropped = dropped_scales(ctx, ctx.dequantized)
         ctx.ue8m0 = ue8m0_weights(ctx)
         checks = _TensorChecks(ctx, map_tensors(ctx), part)
+        jobs = 1 if remote else resolve_jobs(jobs, checks.total, started)
         ctx.report.part = list(part) if part else None
         with collector_running(), progress_bar(checks.total, "fp8fix verify", quiet) as bar:
             runs = checks.runs(RUNS_PER_JOB * jobs)
