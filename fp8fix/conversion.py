@@ -26,7 +26,7 @@ from fp8fix.io.staging import (
     staging_folder,
     write_json,
 )
-from fp8fix.io.workers import CpuReading, Jobs, read_cpu, resolve_jobs
+from fp8fix.io.workers import CpuReading, Jobs, resolve_jobs, window_start
 from fp8fix.io.writer import WriteStats, write_plan
 from fp8fix.model import CheckpointModel, describe_checkpoint
 from fp8fix.plan.pieces import ConversionPlan
@@ -95,7 +95,7 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
     registry = registry or Registry.builtin()
     output = output_path(output)
     check_output(source, output, options.overwrite)
-    started = read_cpu()  # --jobs auto: what other processes ran while this one planned
+    started = window_start()  # --jobs auto: what other processes ran while this one started and planned
     with collector_paused():
         ckpt = open_checkpoint(source)
         model = describe_checkpoint(ckpt, registry)

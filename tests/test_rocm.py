@@ -387,6 +387,7 @@ def test_auto_jobs_watch_the_kernel_not_the_load_average(monkeypatch: pytest.Mon
     """Where /proc/stat can be read the 1-minute load average is not asked (it lags); where it cannot, it is.
     Work under `PARALLEL_BYTES` runs in one process without watching anything."""
     import os
+    import time
 
     from fp8fix.io import workers
 
@@ -405,6 +406,11 @@ def test_auto_jobs_watch_the_kernel_not_the_load_average(monkeypatch: pytest.Mon
     assert workers.idle_cores() == min(len(os.sched_getaffinity(0)), workers.quota_cores(_cpu_max()) or 99)
     monkeypatch.setattr(workers, "idle_cores", lagging)
     assert workers.resolve_jobs("auto", workers.PARALLEL_BYTES - 1) == 1 and workers.resolve_jobs(3, 1) == 3
+    # a command's window starts at the reading taken at import while it is recent (no wait), else now
+    monkeypatch.setattr(workers, "_AT_IMPORT", workers.CpuReading(time.monotonic(), 1.0, 0.0))
+    assert workers.window_start() is workers._AT_IMPORT
+    monkeypatch.setattr(workers, "_AT_IMPORT", workers.CpuReading(time.monotonic() - workers.IMPORT_AGE, 1.0, 0.0))
+    assert workers.window_start().at > workers._AT_IMPORT.at
 
 
 def _cpu_max() -> str:

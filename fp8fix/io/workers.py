@@ -55,8 +55,10 @@ _CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 _PROC_STAT = Path("/proc/stat")
 #: At most this much of /proc/stat is read (about 150 bytes a core: thousands of cores).
 _STAT_BYTES = 1 << 20
-#: The shortest time `idle_cores` watches the CPU time others spend, in seconds (10 clock ticks a core).
-WINDOW = 0.1
+#: The shortest time `idle_cores` watches the CPU time others spend, in seconds (5 clock ticks a core).
+WINDOW = 0.05
+#: How old the reading taken as fp8fix was imported may be for a command to start its window from it, in seconds.
+IMPORT_AGE = 1.0
 #: Work smaller than this runs in one process under "auto": forking and starting workers costs more than a
 #: second core saves, and `idle_cores` need not watch the machine (bytes to write or check).
 PARALLEL_BYTES = 64 << 20
@@ -65,7 +67,7 @@ PARALLEL_BYTES = 64 << 20
 @dataclass(frozen=True)
 class CpuReading:
     """CPU time spent so far: on this process's cores by every process (None: no /proc/stat), and by this
-    process alone; seconds, at `at` (monotonic)."""
+    process and its ended workers; seconds, at `at` (monotonic)."""
 
     at: float
     busy: float | None
@@ -81,7 +83,13 @@ def read_cpu() -> CpuReading:
     except OSError:  # not Linux
         busy = None
     own = os.times()
-    return CpuReading(time.monotonic(), busy, own.user + own.system)
+    return CpuReading(time.monotonic(), busy, own.user + own.system + own.children_user + own.children_system)
+
+
+def window_start() -> CpuReading:
+    """Where a command's window of `idle_cores` starts: at the reading taken as fp8fix was imported, if recent
+    (the CLI's: its imports and its planning then fill the window, and it waits for nothing), else now."""
+    return _AT_IMPORT if time.monotonic() - _AT_IMPORT.at < IMPORT_AGE else read_cpu()
 
 
 def busy_seconds(proc_stat: str, cores: set[int]) -> float | None:
@@ -136,6 +144,10 @@ def idle_cores(since: CpuReading | None = None) -> int:
 
 def _cores() -> set[int]:
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+#: The reading taken as this module was imported (`window_start`).
+_AT_IMPORT = read_cpu()
 
 
 def quota_cores(cpu_max: str) -> int | None:

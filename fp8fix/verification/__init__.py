@@ -36,7 +36,7 @@ from fp8fix.collector import collector_paused, collector_running
 from fp8fix.io.checkpoint import open_checkpoint
 from fp8fix.io.progress import Progress, progress_bar
 from fp8fix.io.source_files import SourceFiles
-from fp8fix.io.workers import Jobs, read_cpu, resolve_jobs, run_tasks, worker_count
+from fp8fix.io.workers import Jobs, resolve_jobs, run_tasks, window_start, worker_count
 from fp8fix.model import describe_checkpoint
 from fp8fix.registry.architectures import Registry
 from fp8fix.verification.context import VerifyContext
@@ -77,7 +77,7 @@ def verify(
     each run one, and together they check every tensor once.
     """
     global _checks
-    started = read_cpu()  # jobs "auto": what other processes ran while this one read the headers
+    started = window_start()  # jobs "auto": what other processes ran while this one started and read headers
     with collector_paused():
         model = describe_checkpoint(open_checkpoint(source, "SOURCE"), registry or Registry.builtin())
         out = open_checkpoint(output, "OUTPUT")
