@@ -77,11 +77,8 @@ class CpuReading:
 def read_cpu() -> CpuReading:
     """The CPU time spent now (`CpuReading`). A conversion takes one as it starts, so that `idle_cores` can
     tell, after planning, how busy other processes kept the cores meanwhile."""
-    try:
-        with open(_PROC_STAT, "rb") as f:
-            busy = busy_seconds(f.read(_STAT_BYTES).decode("ascii", "replace"), _cores())
-    except OSError:  # not Linux
-        busy = None
+    stat = _small_text(_PROC_STAT, _STAT_BYTES)  # None: not Linux
+    busy = None if stat is None else busy_seconds(stat, _cores())
     own = os.times()
     return CpuReading(time.monotonic(), busy, own.user + own.system + own.children_user + own.children_system)
 
@@ -134,16 +131,21 @@ def idle_cores(since: CpuReading | None = None) -> int:
         except OSError:  # no load figure on this platform
             busy = 0.0
     cores = len(_cores())
-    try:
-        with open(_CPU_MAX, "rb") as f:
-            quota = quota_cores(f.read(64).decode("ascii", "replace"))
-    except OSError:  # no cgroup v2 here
-        quota = None
+    quota = quota_cores(_small_text(_CPU_MAX, 64) or "")  # no cgroup v2 here: no quota
     return min(quota or cores, cores_left_idle(cores, busy))
 
 
 def _cores() -> set[int]:
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def _small_text(path: Path, limit: int) -> str | None:
+    """The first `limit` bytes of a kernel file as text; None where it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit).decode("ascii", "replace")
+    except OSError:
+        return None
 
 
 #: The reading taken as this module was imported (`window_start`).
