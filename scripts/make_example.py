@@ -75,5 +75,8 @@ def _add_post_attention_norms(folder: Path, layers: int) -> None:
 
 
 if __name__ == "__main__":
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "examples" / "phi3-tiny-fp8"
-    print(make_example(target))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("output", nargs="?", type=Path, default=REPO / "examples" / "phi3-tiny-fp8")
+    print(make_example(parser.parse_args().output))
