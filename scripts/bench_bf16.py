@@ -11,8 +11,14 @@ time, the ratio to DeepSeek's algorithm and to `cp -r` of an output-sized folder
 and how many values differ between the two outputs (DeepSeek's float32 product rounds before the BF16
 cast: a double rounding fp8fix does not do).
 
+The user CPU seconds column is the per-core compute (one process, one thread each); the system seconds
+are mostly the kernel's page-cache writes, which `cp -r` of the output pays too (on these machines they
+vary 0.2-2.5 s per GB written from run to run, so compare within one run). `--baseline` times another
+fp8fix checkout in the same rotation ("[before]").
+
     python scripts/bench_bf16.py                    # 2 GB of FP8 weights (4 GB of BF16 out), 3 rounds
     python scripts/bench_bf16.py --size-gb 0.5 --repeats 1
+    python scripts/bench_bf16.py --size-gb 0.5 --repeats 9 --baseline /tmp/fp8fix-main
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -104,14 +111,15 @@ def build(root: Path, size_gb: float, shards: int) -> None:
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def timed(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MB) of one child."""
+def timed(cmd: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None) -> tuple[float, float, float, float]:
+    """Wall seconds, peak RSS (MB), user and system CPU seconds of one child, run in `cwd` (`python -m`
+    imports fp8fix from the working folder first)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=ENV)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env or ENV, cwd=cwd)
     _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}")
-    return time.perf_counter() - start, usage.ru_maxrss / 1024
+    return time.perf_counter() - start, usage.ru_maxrss / 1024, usage.ru_utime, usage.ru_stime
 
 
 def differing_values(a: Path, b: Path) -> tuple[int, int]:
@@ -136,6 +144,7 @@ def main() -> int:
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work", type=Path, help="work folder [a new temporary one]")
+    parser.add_argument("--baseline", type=Path, help="another fp8fix checkout to time in the same rotation")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="fp8fix-bench-bf16-"))
     src = work / "src"
@@ -148,59 +157,52 @@ def main() -> int:
     script = work / "deepseek_fp8_cast_bf16.py"
     script.write_text(DEEPSEEK)
     out = work / "out"
-    contenders = {
-        "fp8fix convert --to bf16 --jobs 1": [
-            sys.executable,
-            "-m",
-            "fp8fix",
-            "convert",
-            str(src),
-            str(out),
-            "--to",
-            "bf16",
-            "--jobs",
-            "1",
-            "-q",
-        ],
-        "DeepSeek fp8_cast_bf16 (torch, CPU)": [sys.executable, str(script), str(src), str(out)],
-    }
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
-    for round_ in range(args.repeats):
-        for name in contenders if round_ % 2 == 0 else reversed(contenders):
-            shutil.rmtree(out, ignore_errors=True)
-            subprocess.run(["sync"], check=False)
-            results[name].append(timed(contenders[name]))
-    # the two outputs, kept for the value comparison; cp -r of an output-sized folder for the disk's speed
+    # the two outputs, kept for the value comparison; cp -r of the output (the same bytes written) in the rotation
     subprocess.run(
         [sys.executable, "-m", "fp8fix", "convert", str(src), str(work / "a"), "--to", "bf16", "-q"],
         check=True,
         env=ENV,
     )
     subprocess.run([sys.executable, str(script), str(src), str(work / "b")], check=True, env=ENV)
-    copies = []
-    for _ in range(args.repeats):
-        shutil.rmtree(work / "c", ignore_errors=True)
-        subprocess.run(["sync"], check=False)
-        copies.append(timed(["cp", "-r", str(work / "a"), str(work / "c")])[0])
+    fp8fix = [sys.executable, "-m", "fp8fix", "convert", str(src), str(out), "--to", "bf16", "--jobs", "1", "-q"]
+    contenders = {
+        "fp8fix convert --to bf16 --jobs 1": fp8fix,
+        "DeepSeek fp8_cast_bf16 (torch, CPU)": [sys.executable, str(script), str(src), str(out)],
+        "cp -r of OUTPUT": ["cp", "-r", str(work / "a"), str(out)],
+    }
+    where = {name: (ROOT, ENV) for name in contenders}
+    if args.baseline:
+        before = args.baseline.resolve()
+        contenders["fp8fix convert --to bf16 --jobs 1 [before]"] = fp8fix
+        where["fp8fix convert --to bf16 --jobs 1 [before]"] = (before, {**ENV, "PYTHONPATH": str(before)})
+    results: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in contenders}
+    order = list(contenders)
+    for round_ in range(args.repeats):
+        random.Random(round_).shuffle(order)  # no contender always runs after the same one
+        for name in order:
+            shutil.rmtree(out, ignore_errors=True)
+            subprocess.run(["sync"], check=False)
+            results[name].append(timed(contenders[name], *where[name]))
     out_bytes = sum(p.stat().st_size for p in (work / "a").glob("*.safetensors"))
     differ, total = differing_values(work / "a", work / "b")
-    fp8fix_name, deepseek_name = list(contenders)
-    deepseek = statistics.median(w for w, _ in results[deepseek_name])
-    copy = statistics.median(copies)
+    deepseek = statistics.median(r[0] for r in results["DeepSeek fp8_cast_bf16 (torch, CPU)"])
+    copy = statistics.median(r[0] for r in results["cp -r of OUTPUT"])
     source_gb = sum(p.stat().st_size for p in src.iterdir()) / 1e9
-    print(f"source: {source_gb:.2f} GB block FP8; output {out_bytes / 1e9:.2f} GB")
-    print("| command | median s | min-max s | x DeepSeek's | x cp -r of OUTPUT | output GB/s | peak RSS MB |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"source: {source_gb:.2f} GB block FP8; output {out_bytes / 1e9:.2f} GB; medians of {args.repeats}")
+    print(
+        "| command | median s | min-max s | x DeepSeek's | x cp -r of OUTPUT | output GB/s | user CPU s "
+        "| output GB per user CPU-s | system CPU s | peak RSS MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, runs in results.items():
-        walls = [w for w, _ in runs]
-        wall = statistics.median(walls)
-        rss = max(r for _, r in runs)
+        walls = [r[0] for r in runs]
+        wall, user, system = (statistics.median(r[i] for r in runs) for i in (0, 2, 3))
+        rss = max(r[1] for r in runs)
         print(
             f"| {name} | {wall:.2f} | {min(walls):.2f}-{max(walls):.2f} | {wall / deepseek:.2f} | {wall / copy:.2f} "
-            f"| {out_bytes / wall / 1e9:.2f} | {rss:.0f} |"
+            f"| {out_bytes / wall / 1e9:.2f} | {user:.2f} | {out_bytes / max(user, 1e-3) / 1e9:.2f} | {system:.2f} "
+            f"| {rss:.0f} |"
         )
-    spread = f"{min(copies):.2f}-{max(copies):.2f}"
-    print(f"| cp -r of OUTPUT | {copy:.2f} | {spread} | - | 1.00 | {out_bytes / copy / 1e9:.2f} | - |")
     share = differ / max(total, 1)
     print(f"values that differ: {differ} of {total} ({share:.2e}; DeepSeek's float32 product rounds twice)")
     if not args.work:

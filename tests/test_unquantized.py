@@ -272,6 +272,31 @@ def test_dequantize_rows_every_code_and_scale_class() -> None:
         assert torch.equal(got, round_once(values * scales, torch_dtype)), out_dtype
 
 
+def test_kept_lookup_arrays_and_tables_give_what_fresh_ones_do() -> None:
+    """`--to bf16` keeps one index / output pair (`LookupArrays`) for every window and works a block row's tables
+    out once: windows of other sizes, row scales and column scales through the same arrays give, value for
+    value, what torch's one rounding of code x scale gives, as fresh arrays do."""
+    from fp8fix.numerics.dequantize import LookupArrays, dequantize_rows, lookup_tables
+
+    gen = np.random.default_rng(7)
+    kept = LookupArrays()
+    for rows, cols, block in ((6, 256, 128), (2, 256, 64), (9, 128, 128), (1, 384, 128)):
+        codes = gen.integers(0, 256, size=rows * cols, dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN codes
+        col_scales = [float(np.float32(s)) for s in gen.uniform(1e-4, 1e-2, size=cols // block)]
+        row_scales = [float(np.float32(s)) for s in gen.uniform(0.5, 2.0, size=rows)]
+        values = torch.frombuffer(bytearray(codes.tobytes()), dtype=torch.float8_e4m3fn).double().reshape(rows, cols)
+        per_col = torch.tensor(col_scales, dtype=torch.float64).repeat_interleave(block)[None, :]
+        for rows_given in (None, row_scales):
+            tables = None if rows_given else lookup_tables("F8_E4M3", col_scales)
+            data, _ = dequantize_rows(codes, "F8_E4M3", cols, block, col_scales, rows_given, "BF16", kept, tables)
+            got = torch.frombuffer(bytearray(data), dtype=torch.bfloat16).double().reshape(rows, cols)
+            scales = per_col * (torch.tensor(rows_given, dtype=torch.float64)[:, None] if rows_given else 1.0)
+            assert torch.equal(got, round_once(values * scales, torch.bfloat16)), (rows, cols, rows_given is None)
+            fresh, _ = dequantize_rows(codes, "F8_E4M3", cols, block, col_scales, rows_given, "BF16")
+            assert bytes(data) == bytes(fresh)
+
+
 def test_values_beyond_the_output_range_are_refused(tmp_path: Path) -> None:
     from fp8fix.numerics.dequantize import dequantize_rows
 

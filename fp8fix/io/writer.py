@@ -21,7 +21,7 @@ from fp8fix.io.progress import NoProgress, Progress, progress_bar
 from fp8fix.io.safetensors_file import TensorInfo, encode_header
 from fp8fix.io.source_files import SourceFiles, read_into, source_changed, window_contains
 from fp8fix.io.workers import Jobs, run_tasks, worker_count
-from fp8fix.numerics.dequantize import dequantize_rows
+from fp8fix.numerics.dequantize import LookupArrays, dequantize_rows, lookup_tables
 from fp8fix.numerics.dtypes import BITS, NAN_CODES, decode_floats, encode_floats
 from fp8fix.numerics.recodings import RECODINGS, inexact_codes, recode, scale_exactly
 from fp8fix.numerics.requantize import RoundingStats, requantize, requantize_map
@@ -87,6 +87,7 @@ class _Sources(SourceFiles):
         # `--scales ue8m0`: the exponents each block row got, by its piece, for its scale tensor written
         # after it (a scale written first works them out from the rows itself; a grid's worth of ints)
         self.exponents: dict[Ue8m0Codes, list[int]] = {}
+        self.lookup_arrays = LookupArrays()  # `--to bf16`'s index and output, reused window after window
 
 
 def write_plan(plan: ConversionPlan, out_dir: Path, quiet: bool = False, jobs: Jobs = 1) -> WriteStats:
@@ -391,6 +392,7 @@ def _dequantize(sources: _Sources, out: int, piece: Dequantize, source: str) -> 
     cols = _scale_list(sources, piece.col_scales, source) if piece.col_scales else [1.0]
     window_bytes = max(1, RECODE_WINDOW // piece.row_bytes) * piece.row_bytes
     worst = RoundingStats()
+    arrays, tables = sources.lookup_arrays, None
     for buffer, first, length in sources.windows(piece.path, piece.start, piece.end, window_bytes):
         codes = memoryview(buffer)[:length]  # one reused buffer: read into, looked up, written from
         if window_contains(buffer, length, nan):
@@ -402,8 +404,10 @@ def _dequantize(sources: _Sources, out: int, piece: Dequantize, source: str) -> 
             window = replace(ref, start=ref.start + row * _itemsize(ref), count=length // piece.row_bytes)
             rows = _scale_list(sources, window, source)
         try:
+            if rows is None and tables is None:  # column scales only: every window's tables are the same
+                tables = lookup_tables(piece.dtype, cols, None, piece.out_dtype)
             data, rounding = dequantize_rows(
-                codes, piece.dtype, piece.row_bytes, piece.block_cols, cols, rows, piece.out_dtype
+                codes, piece.dtype, piece.row_bytes, piece.block_cols, cols, rows, piece.out_dtype, arrays, tables
             )
         except ValueError as e:
             raise InvalidCheckpoint(

@@ -12,6 +12,7 @@ rounds once, to nearest even (npy_double_to_half).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -97,6 +98,54 @@ def output_bits(rounded: Any, out_dtype: str) -> Any:
     return bf16_bits(rounded) if out_dtype == BF16 else rounded.astype(np.float16).view(np.uint16)
 
 
+class LookupArrays:
+    """The flat-index and output arrays of `dequantize_rows`, kept from one window to the next.
+
+    Why: numpy's `take` turns any index that is not `intp` into a fresh `intp` copy (8 bytes per code), and
+    fresh arrays per 1 MB window cost page faults: 170k of them per GB written, as much system time as the
+    lookup's own CPU (`--to bf16`, issue 30). Kept arrays are faulted in once; the output is a view of
+    them, valid until the next call with the same arrays."""
+
+    def __init__(self) -> None:
+        self._index: Any = None
+        self._out: Any = None
+
+    def get(self, size: int) -> tuple[Any, Any]:
+        """An `intp` index and a uint16 output array of `size` elements (grown, never shrunk)."""
+        import numpy as np
+
+        if self._index is None or self._index.size < size:
+            self._index, self._out = np.empty(size, dtype=np.intp), np.empty(size, dtype="<u2")
+        return self._index[:size], self._out[:size]
+
+
+@dataclass(frozen=True)
+class LookupTables:
+    """One 256-entry table of output bit patterns per (row scale, column block), flat, and the worst rounding
+    any finite code gets in them."""
+
+    bits: Any  # uint16, little-endian
+    stats: RoundingStats
+
+
+def lookup_tables(dtype: str, col_scales: Any, row_scales: Any = None, out_dtype: str = BF16) -> LookupTables:
+    """The tables of `dequantize_rows` (worked out once per block row where only column scales vary: the
+    writer's windows share them); ValueError for a value outside `out_dtype`'s range."""
+    import numpy as np
+
+    values = code_values(dtype)
+    col = np.asarray(col_scales, dtype=np.float64)
+    row = np.ones(1) if row_scales is None else np.asarray(row_scales, dtype=np.float64)
+    # exact: one of the two scales is 1 where both exist
+    exact = (row[:, None] * col[None, :])[:, :, None] * values[None, None, :]
+    rounded = round_to(exact, out_dtype)
+    errors = np.abs(rounded - exact)
+    steps = errors / output_step(exact, out_dtype)  # the step at 0 is not 0: no division by zero
+    finite = np.isfinite(values)[None, None, :]
+    stats = RoundingStats(float(errors.max(initial=0.0, where=finite)), float(steps.max(initial=0.0, where=finite)))
+    return LookupTables(output_bits(rounded, out_dtype).astype("<u2").reshape(-1), stats)
+
+
 def dequantize_rows(
     codes: bytes | bytearray | memoryview,
     dtype: str,
@@ -105,31 +154,23 @@ def dequantize_rows(
     col_scales: Any,
     row_scales: Any = None,
     out_dtype: str = BF16,
+    arrays: LookupArrays | None = None,
+    tables: LookupTables | None = None,
 ) -> tuple[memoryview, RoundingStats]:
-    """Rows of `cols` FP8 codes as little-endian `out_dtype` bytes (a view of a new array): the code at (r, c) times
-    `col_scales[c // block_cols]` (a sequence of floats) times `row_scales[r]` (one per row; None: 1); and
-    a bound on the rounding: the worst any finite code gets at these scales (counting the codes present
-    would cost more than the lookup itself; verify measures the real worst)."""
+    """Rows of `cols` FP8 codes as little-endian `out_dtype` bytes (a view of `arrays`' output, or of a new
+    array): the code at (r, c) times `col_scales[c // block_cols]` (a sequence of floats) times `row_scales[r]`
+    (one per row; None: 1); and a bound on the rounding: the worst any finite code gets at these scales
+    (counting the codes present would cost more than the lookup itself; verify measures the real worst).
+    `tables`: `lookup_tables` of these scales, where the caller already has them."""
     import numpy as np
 
-    values = code_values(dtype)
+    found = tables or lookup_tables(dtype, col_scales, row_scales, out_dtype)
     grid = np.frombuffer(codes, dtype=np.uint8).reshape(-1, cols)
-    rows = grid.shape[0]
-    col = np.asarray(col_scales, dtype=np.float64)
-    row = np.ones(1) if row_scales is None else np.asarray(row_scales, dtype=np.float64)
-    # one 256-entry table per (row scale, column block); exact: one of the two scales is 1 where both exist
-    exact = (row[:, None] * col[None, :])[:, :, None] * values[None, None, :]
-    rounded = round_to(exact, out_dtype)
-    errors = np.abs(rounded - exact)
-    steps = errors / output_step(exact, out_dtype)  # the step at 0 is not 0: no division by zero
-    tables = output_bits(rounded, out_dtype).astype("<u2").reshape(-1)
-    # one flat index per code: its table's offset plus the code (uint16 where the tables fit: half the bytes)
-    kind = np.uint16 if tables.size <= 1 << 16 else np.int32
-    base = (np.arange(cols) // block_cols) * 256
+    index, out = (arrays or LookupArrays()).get(grid.size)
+    index, out = index.reshape(grid.shape), out.reshape(grid.shape)
+    # one flat index per code, its table's offset plus the code, in intp: the index `take` reads as it is
+    np.add(grid, (np.arange(cols, dtype=np.intp) // block_cols) * 256, out=index, dtype=np.intp)
     if row_scales is not None:
-        base = np.arange(rows)[:, None] * (len(col) * 256) + base[None, :]
-    index = np.add(grid, base.astype(kind), dtype=kind)
-    out = np.take(tables, index)
-    finite = np.isfinite(values)[None, None, :]
-    stats = RoundingStats(float(errors.max(initial=0.0, where=finite)), float(steps.max(initial=0.0, where=finite)))
-    return memoryview(out).cast("B"), stats
+        index += (np.arange(grid.shape[0], dtype=np.intp) * (len(col_scales) * 256))[:, None]
+    np.take(found.bits, index, out=out, mode="wrap")  # every index is inside the tables by construction
+    return memoryview(out).cast("B"), found.stats
