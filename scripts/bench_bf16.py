@@ -19,6 +19,7 @@ fp8fix checkout in the same rotation ("[before]").
     python scripts/bench_bf16.py                    # 2 GB of FP8 weights (4 GB of BF16 out), 3 rounds
     python scripts/bench_bf16.py --size-gb 0.5 --repeats 1
     python scripts/bench_bf16.py --size-gb 0.5 --repeats 9 --baseline /tmp/fp8fix-main
+    python scripts/bench_bf16.py --size-gb 0.5 --repeats 9 --tp-bf16 32   # attention in heads of 64, --tp-bf16
 """
 
 from __future__ import annotations
@@ -71,38 +72,48 @@ config.pop("quantization_config", None)
 """
 
 
-def build(root: Path, size_gb: float, shards: int) -> None:
-    """Block-FP8 MLP layers, one per shard, `size_gb` of FP8 codes in all; scales uniform in [1e-4, 1e-3)."""
+def build(root: Path, size_gb: float, shards: int, attention: bool = False) -> None:
+    """Block-FP8 layers, `size_gb` of FP8 codes in all, scales uniform in [1e-4, 1e-3): MLPs, one per shard;
+    or (`attention`) q / k / v / o of 2048 x 2048 in heads of 64, the layers spread over the shards, for
+    `--tp 32 --tp-bf16` (32 heads: 64 rows a rank, not whole 128-blocks, so they are written in BF16)."""
     import torch
     from safetensors.torch import save_file
 
     root.mkdir(parents=True)
     inter = int(size_gb * 1e9 / shards / (3 * HIDDEN)) // BLOCK * BLOCK
     gen = torch.Generator().manual_seed(0)
+    attention_layers = max(shards, round(size_gb * 1e9 / (4 * HIDDEN * HIDDEN)))
+    layers = attention_layers if attention else shards
     weight_map = {}
-    for layer in range(shards):
-        name = f"model-{layer + 1:05d}-of-{shards:05d}.safetensors"
-        tensors = {}
-        for module, (rows, cols) in {
-            "gate_proj": (inter, HIDDEN),
-            "up_proj": (inter, HIDDEN),
-            "down_proj": (HIDDEN, inter),
-        }.items():
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(layers):
+        shard = layer * shards // layers
+        name = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        square = (HIDDEN, HIDDEN)
+        modules = (
+            {f"self_attn.{m}_proj": square for m in "qkvo"}
+            if attention
+            else {"mlp.gate_proj": (inter, HIDDEN), "mlp.up_proj": (inter, HIDDEN), "mlp.down_proj": (HIDDEN, inter)}
+        )
+        for module, (rows, cols) in modules.items():
             grid = (rows // BLOCK, cols // BLOCK)
             scale = torch.rand(grid, generator=gen) * 9e-4 + 1e-4
             codes = (torch.randn(rows, cols, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-            tensors[f"model.layers.{layer}.mlp.{module}.weight"] = codes
-            tensors[f"model.layers.{layer}.mlp.{module}.weight_scale_inv"] = scale
-        weight_map.update({t: name for t in tensors})
-        save_file(tensors, str(root / name), metadata={"format": "pt"})
+            tensors[f"model.layers.{layer}.{module}.weight"] = codes
+            tensors[f"model.layers.{layer}.{module}.weight_scale_inv"] = scale
+        if layer + 1 == layers or (layer + 1) * shards // layers != shard:  # the shard's last layer
+            weight_map.update({t: name for t in tensors})
+            save_file(tensors, str(root / name), metadata={"format": "pt"})
+            tensors = {}
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": HIDDEN,
-        "intermediate_size": inter,
-        "num_hidden_layers": shards,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
+        "intermediate_size": 4096 if attention else inter,  # attention: a size --tp 32 splits whole (no MLP)
+        "num_hidden_layers": layers,
+        "num_attention_heads": HIDDEN // 64 if attention else 16,
+        "num_key_value_heads": HIDDEN // 64 if attention else 16,
+        "head_dim": 64 if attention else HIDDEN // 16,
         "vocab_size": 1024,
         "torch_dtype": "bfloat16",
         "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
@@ -145,36 +156,37 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work", type=Path, help="work folder [a new temporary one]")
     parser.add_argument("--baseline", type=Path, help="another fp8fix checkout to time in the same rotation")
+    parser.add_argument(
+        "--tp-bf16", type=int, metavar="TP", help="time `convert --tp TP --tp-bf16` on attention layers instead"
+    )
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="fp8fix-bench-bf16-"))
-    src = work / "src"
+    attention = args.tp_bf16 is not None
+    src = work / ("src-attention" if attention else "src")
     if not src.exists():  # in a child: this process stays small, and its children's peak RSS starts from it
         code = (
-            f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; "
-            f"from scripts.bench_bf16 import build; build(Path({str(src)!r}), {args.size_gb}, {args.shards})"
+            f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; from scripts.bench_bf16 "
+            f"import build; build(Path({str(src)!r}), {args.size_gb}, {args.shards}, {attention})"
         )
         subprocess.run([sys.executable, "-c", code], check=True, env=ENV)
     script = work / "deepseek_fp8_cast_bf16.py"
     script.write_text(DEEPSEEK)
     out = work / "out"
-    # the two outputs, kept for the value comparison; cp -r of the output (the same bytes written) in the rotation
-    subprocess.run(
-        [sys.executable, "-m", "fp8fix", "convert", str(src), str(work / "a"), "--to", "bf16", "-q"],
-        check=True,
-        env=ENV,
-    )
-    subprocess.run([sys.executable, str(script), str(src), str(work / "b")], check=True, env=ENV)
-    fp8fix = [sys.executable, "-m", "fp8fix", "convert", str(src), str(out), "--to", "bf16", "--jobs", "1", "-q"]
-    contenders = {
-        "fp8fix convert --to bf16 --jobs 1": fp8fix,
-        "DeepSeek fp8_cast_bf16 (torch, CPU)": [sys.executable, str(script), str(src), str(out)],
-        "cp -r of OUTPUT": ["cp", "-r", str(work / "a"), str(out)],
-    }
+    options = ["--tp", str(args.tp_bf16), "--tp-bf16"] if attention else ["--to", "bf16"]
+    fp8fix = [sys.executable, "-m", "fp8fix", "convert", str(src), str(out), *options, "--jobs", "1", "-q"]
+    # fp8fix's output, kept for cp -r of it (the same bytes written) in the rotation and the value comparison
+    shutil.rmtree(work / "a", ignore_errors=True)
+    subprocess.run([*fp8fix[:5], str(work / "a"), *fp8fix[6:]], check=True, env=ENV)
+    ours = f"fp8fix convert {' '.join(options)} --jobs 1"
+    deepseek_name = "DeepSeek fp8_cast_bf16 (torch, CPU)"
+    contenders = {ours: fp8fix, "cp -r of OUTPUT": ["cp", "-r", str(work / "a"), str(out)]}
+    if not attention:  # DeepSeek's script dequantizes every weight: the --to bf16 job only
+        contenders[deepseek_name] = [sys.executable, str(script), str(src), str(out)]
     where = {name: (ROOT, ENV) for name in contenders}
     if args.baseline:
         before = args.baseline.resolve()
-        contenders["fp8fix convert --to bf16 --jobs 1 [before]"] = fp8fix
-        where["fp8fix convert --to bf16 --jobs 1 [before]"] = (before, {**ENV, "PYTHONPATH": str(before)})
+        contenders[f"{ours} [before]"] = fp8fix
+        where[f"{ours} [before]"] = (before, {**ENV, "PYTHONPATH": str(before)})
     results: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in contenders}
     order = list(contenders)
     for round_ in range(args.repeats):
@@ -184,8 +196,7 @@ def main() -> int:
             subprocess.run(["sync"], check=False)
             results[name].append(timed(contenders[name], *where[name]))
     out_bytes = sum(p.stat().st_size for p in (work / "a").glob("*.safetensors"))
-    differ, total = differing_values(work / "a", work / "b")
-    deepseek = statistics.median(r[0] for r in results["DeepSeek fp8_cast_bf16 (torch, CPU)"])
+    deepseek = statistics.median(r[0] for r in results[deepseek_name]) if deepseek_name in results else None
     copy = statistics.median(r[0] for r in results["cp -r of OUTPUT"])
     source_gb = sum(p.stat().st_size for p in src.iterdir()) / 1e9
     print(f"source: {source_gb:.2f} GB block FP8; output {out_bytes / 1e9:.2f} GB; medians of {args.repeats}")
@@ -198,13 +209,18 @@ def main() -> int:
         walls = [r[0] for r in runs]
         wall, user, system = (statistics.median(r[i] for r in runs) for i in (0, 2, 3))
         rss = max(r[1] for r in runs)
+        versus = f"{wall / deepseek:.2f}" if deepseek else "-"
+        per_cpu = f"{out_bytes / user / 1e9:.2f}" if user > 0.01 else "-"
         print(
-            f"| {name} | {wall:.2f} | {min(walls):.2f}-{max(walls):.2f} | {wall / deepseek:.2f} | {wall / copy:.2f} "
-            f"| {out_bytes / wall / 1e9:.2f} | {user:.2f} | {out_bytes / max(user, 1e-3) / 1e9:.2f} | {system:.2f} "
-            f"| {rss:.0f} |"
+            f"| {name} | {wall:.2f} | {min(walls):.2f}-{max(walls):.2f} | {versus} | {wall / copy:.2f} "
+            f"| {out_bytes / wall / 1e9:.2f} | {user:.2f} | {per_cpu} | {system:.2f} | {rss:.0f} |"
         )
-    share = differ / max(total, 1)
-    print(f"values that differ: {differ} of {total} ({share:.2e}; DeepSeek's float32 product rounds twice)")
+    if not attention:
+        shutil.rmtree(work / "b", ignore_errors=True)
+        subprocess.run([sys.executable, str(script), str(src), str(work / "b")], check=True, env=ENV)
+        differ, total = differing_values(work / "a", work / "b")
+        share = differ / max(total, 1)
+        print(f"values that differ: {differ} of {total} ({share:.2e}; DeepSeek's float32 product rounds twice)")
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     return 0

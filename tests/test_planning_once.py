@@ -214,3 +214,23 @@ def test_the_collector_is_paused_while_planning_and_running_while_writing(tmp_pa
         assert not gc.isenabled()  # a caller that turned it off keeps it off
     finally:
         gc.enable()
+
+
+def test_windows_reuse_a_buffer_and_a_nested_loop_reads_into_its_own(tmp_path: Path) -> None:
+    """`SourceFiles.windows`: a later loop of the same window size reads into the buffer the last one used
+    (no fresh mapping to fault in per tensor); a loop inside another gets its own buffer, so the outer
+    window still holds its bytes after the inner loop ran; every window is the file's bytes."""
+    data = bytes(range(256)) * 64  # 16 KB
+    path = tmp_path / "a.bin"
+    path.write_bytes(data)
+    with SourceFiles() as files:
+        first = [(bytes(buf[:n]), off, buf) for buf, off, n in files.windows(path, 0, 4096, 1024)]
+        again = [(bytes(buf[:n]), off, buf) for buf, off, n in files.windows(path, 4096, 8192, 1024)]
+        assert [d for d, _, _ in first + again] == [data[o : o + 1024] for _, o, _ in first + again]
+        assert all(b is first[0][2] for _, _, b in first + again)  # one buffer for both loops (held: not freed)
+        for outer, off, n in files.windows(path, 8192, 12288, 1024):
+            inner = [bytes(buf[:m]) for buf, _, m in files.windows(path, 0, 2048, 1024)]
+            assert inner == [data[:1024], data[1024:2048]]
+            assert bytes(outer[:n]) == data[off : off + n]  # untouched by the inner loop
+        odd = [bytes(buf[:n]) for buf, _, n in files.windows(path, 100, 700, 1024)]  # another size: its own
+        assert odd == [data[100:700]]

@@ -101,21 +101,23 @@ def output_bits(rounded: Any, out_dtype: str) -> Any:
 class LookupArrays:
     """The flat-index and output arrays of `dequantize_rows`, kept from one window to the next.
 
-    Why: numpy's `take` turns any index that is not `intp` into a fresh `intp` copy (8 bytes per code), and
-    fresh arrays per 1 MB window cost page faults: 170k of them per GB written, as much system time as the
-    lookup's own CPU (`--to bf16`, issue 30). Kept arrays are faulted in once; the output is a view of
-    them, valid until the next call with the same arrays."""
+    Why: fresh arrays for every window cost page faults (with fresh window buffers, `SourceFiles.windows`:
+    170k per GB written, as much system time as the lookup's own CPU; `--to bf16`, issue 30). Kept arrays
+    are faulted in once; the output is a view of them, valid until the next call with the same arrays."""
 
     def __init__(self) -> None:
         self._index: Any = None
         self._out: Any = None
 
-    def get(self, size: int) -> tuple[Any, Any]:
-        """An `intp` index and a uint16 output array of `size` elements (grown, never shrunk)."""
+    def get(self, size: int, kind: Any) -> tuple[Any, Any]:
+        """An index array of numpy dtype `kind` and a uint16 output array, `size` elements each (grown, never
+        shrunk; the index array made anew where `kind` changes)."""
         import numpy as np
 
-        if self._index is None or self._index.size < size:
-            self._index, self._out = np.empty(size, dtype=np.intp), np.empty(size, dtype="<u2")
+        if self._out is None or self._out.size < size:
+            self._out = np.empty(size, dtype="<u2")
+        if self._index is None or self._index.dtype != kind or self._index.size < size:
+            self._index = np.empty(max(size, self._out.size), dtype=kind)
         return self._index[:size], self._out[:size]
 
 
@@ -166,11 +168,13 @@ def dequantize_rows(
 
     found = tables or lookup_tables(dtype, col_scales, row_scales, out_dtype)
     grid = np.frombuffer(codes, dtype=np.uint8).reshape(-1, cols)
-    index, out = (arrays or LookupArrays()).get(grid.size)
+    # one flat index per code, its table's offset plus the code: uint16 where the tables fit (a quarter of
+    # intp's bytes: `take` widening it as it reads beats writing intp, 0.49 against 0.67 ns a code)
+    kind = np.uint16 if found.bits.size <= 1 << 16 else np.int32
+    index, out = (arrays or LookupArrays()).get(grid.size, kind)
     index, out = index.reshape(grid.shape), out.reshape(grid.shape)
-    # one flat index per code, its table's offset plus the code, in intp: the index `take` reads as it is
-    np.add(grid, (np.arange(cols, dtype=np.intp) // block_cols) * 256, out=index, dtype=np.intp)
+    np.add(grid, ((np.arange(cols) // block_cols) * 256).astype(kind), out=index, dtype=kind)
     if row_scales is not None:
-        index += (np.arange(grid.shape[0], dtype=np.intp) * (len(col_scales) * 256))[:, None]
+        index += (np.arange(grid.shape[0]) * (len(col_scales) * 256)).astype(kind)[:, None]
     np.take(found.bits, index, out=out, mode="wrap")  # every index is inside the tables by construction
     return memoryview(out).cast("B"), found.stats
