@@ -280,7 +280,8 @@ def test_kept_lookup_arrays_and_tables_give_what_fresh_ones_do() -> None:
 
     gen = np.random.default_rng(7)
     kept = LookupArrays()
-    for rows, cols, block in ((6, 256, 128), (2, 256, 64), (9, 128, 128), (1, 384, 128)):
+    # (300, 128): 300 row scales make 76,800 table entries, past a uint16 index: the int32 index
+    for rows, cols, block in ((6, 256, 128), (2, 256, 64), (300, 128, 128), (9, 128, 128), (1, 384, 128)):
         codes = gen.integers(0, 256, size=rows * cols, dtype=np.uint8)
         codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN codes
         col_scales = [float(np.float32(s)) for s in gen.uniform(1e-4, 1e-2, size=cols // block)]
