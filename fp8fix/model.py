@@ -210,6 +210,15 @@ class CheckpointModel:
     def _module_weights(self) -> tuple[Fp8Weight, ...]:
         return tuple(w for w in self.weights.values() if w.is_module_weight and w.tensor.dtype in FP8_WEIGHT_DTYPES)
 
+    def plain_linears(self) -> list[str]:
+        """`unquantized_linears` of this checkpoint, a copy of a list worked out once: `--target` plans every
+        candidate with it (a pass over every tensor name each)."""
+        return list(self._plain_linears)
+
+    @cached_property
+    def _plain_linears(self) -> tuple[str, ...]:
+        return tuple(unquantized_linears(self.checkpoint.tensors))
+
     def fused_experts(self) -> list[Fp8Weight]:
         return [w for w in self.weights.values() if w.experts is not None and w.experts.fused]
 

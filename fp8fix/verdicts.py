@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fp8fix.io.checkpoint import known_values
-from fp8fix.model import CheckpointModel, Fp8Weight, ignore_linears, unquantized_linears
+from fp8fix.model import CheckpointModel, Fp8Weight, ignore_linears
 from fp8fix.numerics.dtypes import E4M3FNUZ
 from fp8fix.registry.formats import LEGACY_RENAMES, modelopt_kv_cache, quantization_config
 from fp8fix.registry.loaders import (
@@ -244,7 +244,7 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         s.unfused for spec in (model.spec.fused_modules if model.spec else ()) for s in spec.shards if s.unfused
     )
     unquantized = not model.weights and quantization_config(model.checkpoint.config) is None
-    plain = unquantized_linears(model.checkpoint.tensors)  # one pass over every tensor name, for three facts
+    plain = model.plain_linears()  # one pass over every tensor name, for three facts (and for planning)
     modules = plain if unquantized else [w.module for w in weights]
     unfused = not model.fused and bool(unfused_suffixes) and any(m.endswith(unfused_suffixes) for m in modules)
     fmt = None if unquantized else model.format  # a ModelOpt side file beside a plain config is not read

@@ -234,3 +234,37 @@ def test_windows_reuse_a_buffer_and_a_nested_loop_reads_into_its_own(tmp_path: P
             assert bytes(outer[:n]) == data[off : off + n]  # untouched by the inner loop
         odd = [bytes(buf[:n]) for buf, _, n in files.windows(path, 100, 700, 1024)]  # another size: its own
         assert odd == [data[100:700]]
+
+
+def test_what_every_candidate_asks_of_source_is_worked_out_once(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`--target auto` of a per-tensor Llama plans several compressed-tensors candidates: SOURCE's name lists
+    matched against its tensor names (for compressed-tensors' `ignore`) and its plain linear modules (a pass
+    over every tensor name) are worked out once for each checkpoint described, not once per candidate."""
+    import fp8fix.model as model_module
+    import fp8fix.plan.config_edit as config_edit
+
+    src = build(tmp_path / "src", llama())
+    # by the tensors' dict: SOURCE's is one object, each output's another (held, so no id is used twice)
+    matched: Counter[int] = Counter()
+    linears: Counter[int] = Counter()
+    held: list[object] = []
+    named, plain = config_edit.named_modules, model_module.unquantized_linears
+
+    def counted_named(model, entries, grammar):  # type: ignore[no-untyped-def]
+        held.append(model.checkpoint.tensors)
+        matched[id(model.checkpoint.tensors)] += 1
+        return named(model, entries, grammar)
+
+    def counted_plain(tensors):  # type: ignore[no-untyped-def]
+        held.append(tensors)
+        linears[id(tensors)] += 1
+        return plain(tensors)
+
+    monkeypatch.setattr(config_edit, "named_modules", counted_named)
+    monkeypatch.setattr(model_module, "unquantized_linears", counted_plain)
+    found = _candidates(src)
+    assert len([c for c in found if c.output_format == "compressed-tensors"]) >= 2
+    matched.clear(), linears.clear()
+    fp8fix.convert(src, tmp_path / "out", dry_run=True)
+    assert matched and set(matched.values()) == {1}
+    assert linears and set(linears.values()) == {1}

@@ -14,7 +14,7 @@ from pathlib import Path
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import CONFIG, Checkpoint
 from fp8fix.io.safetensors_file import TensorInfo
-from fp8fix.model import CheckpointModel, describe_checkpoint, unquantized_linears
+from fp8fix.model import CheckpointModel, describe_checkpoint
 from fp8fix.plan import compressed_tensors
 from fp8fix.plan.channel import plan_channel_weights
 from fp8fix.plan.config_edit import output_config
@@ -201,7 +201,7 @@ def plan_conversion(
             sizes=padding.config if padding else None,
             unquantized=[*(selection.listed if selection else []), *(padding.unquantized if padding else [])],
             # and the modules written in BF16: a compressed-tensors config must `ignore` them too
-            linears=[*unquantized_linears(ckpt.tensors), *(selection.modules if selection else [])],
+            linears=[*model.plain_linears(), *(selection.modules if selection else [])],
             scale_fmt="ue8m0" if ue8m0 is not None and ue8m0.scale_fmt else None,
         ),
         padding=padding,
