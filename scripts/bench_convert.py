@@ -333,39 +333,42 @@ def busy_group(args: argparse.Namespace, work: Path, src: Path, envs: dict[str, 
 
 def bf16_group(args: argparse.Namespace, work: Path, envs: dict[str, dict[str, str]]) -> list[str]:
     """Block FP8 -> BF16 (every weight): fp8fix against DeepSeek's fp8_cast_bf16 arithmetic (bench_bf16.py)
-    and, with `--peer-python`, compressed-tensors' model-free FP8BlockDequantizer."""
+    and, with `--peer-python`, compressed-tensors' model-free FP8BlockDequantizer; then `--tp 32 --tp-bf16`
+    on attention in heads of 64. In both, `cp -r` copies fp8fix's output: the same bytes written, the floor."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_bf16 import DEEPSEEK
 
-    src = work / "block-fp8"
-    code = (
-        f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); from pathlib import Path; "
-        f"from bench_bf16 import build; build(Path({str(src)!r}), {args.bf16_gb}, 4)"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, env=BASE_ENV)
-    (work / "deepseek.py").write_text(DEEPSEEK)
-    out = str(work / "out")
-    py = [sys.executable, "-m", "fp8fix", "convert", str(src), out, "-q", "--to", "bf16"]
-    group = {
-        "convert --to bf16": py,
-        "convert --to bf16 --jobs 1": [*py, "--jobs", "1"],
-        "DeepSeek fp8_cast_bf16 arithmetic (torch, CPU, 1 thread)": [
-            sys.executable,
-            str(work / "deepseek.py"),
-            str(src),
-            out,
-        ],
-    }
-    envs["DeepSeek fp8_cast_bf16 arithmetic (torch, CPU, 1 thread)"] = {**BASE_ENV, "OMP_NUM_THREADS": "1"}
-    if args.peer_python:
-        peer = "compressed-tensors FP8BlockDequantizer (convert_checkpoint)"
-        group[peer] = [str(args.peer_python), "-c", CT_DEQUANTIZE, str(src), out]
-        envs[peer] = {**BASE_ENV, "OMP_NUM_THREADS": "1"}
-    with_before(group, envs, args.baseline)
-    out_bytes = 2 * fp8_bytes(src)
-    written = dict.fromkeys(group, out_bytes)  # every converter writes them all
-    rows = run_group("block FP8 -> BF16", src, work, group, args.repeats, envs, written)
-    shutil.rmtree(src)
+    rows = []
+    for attention in (False, True):
+        src = work / ("block-fp8-attention" if attention else "block-fp8")
+        code = (
+            f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); from pathlib import Path; "
+            f"from bench_bf16 import build; build(Path({str(src)!r}), {args.bf16_gb}, 4, {attention})"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, env=BASE_ENV)
+        out = str(work / "out")
+        job = ["--tp", "32", "--tp-bf16"] if attention else ["--to", "bf16"]
+        py = [sys.executable, "-m", "fp8fix", "convert", str(src), out, "-q", *job]
+        reference = work / "bf16-output"
+        subprocess.run([*py[:5], str(reference), *py[6:]], check=True, env=BASE_ENV)
+        name = f"convert {' '.join(job)}"
+        group = {name: py, f"{name} --jobs 1": [*py, "--jobs", "1"], "cp -r": ["cp", "-r", str(reference), out]}
+        if not attention:
+            deepseek = "DeepSeek fp8_cast_bf16 arithmetic (torch, CPU, 1 thread)"
+            (work / "deepseek.py").write_text(DEEPSEEK)
+            group[deepseek] = [sys.executable, str(work / "deepseek.py"), str(src), out]
+            envs[deepseek] = {**BASE_ENV, "OMP_NUM_THREADS": "1"}
+            if args.peer_python:
+                peer = "compressed-tensors FP8BlockDequantizer (convert_checkpoint)"
+                group[peer] = [str(args.peer_python), "-c", CT_DEQUANTIZE, str(src), out]
+                envs[peer] = {**BASE_ENV, "OMP_NUM_THREADS": "1"}
+        with_before(group, envs, args.baseline)
+        out_bytes = sum(p.stat().st_size for p in reference.glob("*.safetensors"))
+        written = {n: out_bytes for n in group if n != "cp -r"}  # every converter writes them all
+        title = "attention in heads of 64 -> --tp-bf16" if attention else "block FP8 -> BF16"
+        rows += run_group(title, src, work, group, args.repeats, envs, written)
+        shutil.rmtree(src)
+        shutil.rmtree(reference)
     return rows
 
 
