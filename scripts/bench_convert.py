@@ -183,16 +183,17 @@ ROOT = Path(__file__).resolve().parent.parent
 CHECKOUT_OF: dict[str, Path] = {}
 
 
-def timed(cmd: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MB) of one child process, run in `cwd`: `python -m fp8fix` puts the working
-    folder first on sys.path, so a baseline's PYTHONPATH alone would still import this checkout from here."""
+def timed(cmd: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT) -> tuple[float, float, float, float]:
+    """Wall seconds, peak RSS (MB), user and system CPU seconds (its worker processes included) of one child,
+    run in `cwd`: `python -m fp8fix` puts the working folder first on sys.path, so a baseline's PYTHONPATH
+    alone would still import this checkout from here."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env or BASE_ENV, cwd=cwd)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}")
-    return wall, usage.ru_maxrss / 1024
+    return wall, usage.ru_maxrss / 1024, usage.ru_utime, usage.ru_stime
 
 
 def run_group(
@@ -208,7 +209,7 @@ def run_group(
 
     "GB/s" divides SOURCE's bytes by the time; "rewritten GB/s" the bytes a contender rewrites (`rewritten`,
     by contender name; absent: "-"), the figure a per-core rewriting speed is about."""
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
+    results: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in contenders}
     order = list(contenders)
     for round_ in range(repeats):
         random.Random(round_).shuffle(order)  # no contender always runs after the same one
@@ -219,26 +220,29 @@ def run_group(
     shutil.rmtree(work / "out", ignore_errors=True)
     size = sum(p.stat().st_size for p in src.iterdir())
     shards = len(list(src.glob("*.safetensors")))
-    base = statistics.median(w for w, _ in results["cp -r"]) if "cp -r" in results else None
+    base = statistics.median(r[0] for r in results["cp -r"]) if "cp -r" in results else None
     rows = []
     for name, runs in results.items():
-        walls = [w for w, _ in runs]
+        walls = [r[0] for r in runs]
         wall = statistics.median(walls)
         ratio = f"{wall / base:.2f}" if base else "-"
         rate = f"{size / wall / 1e9:.2f}"
         done = (rewritten or {}).get(name.removesuffix(BEFORE))
         rewrite_rate = f"{done / wall / 1e9:.2f} ({done / 1e9:.2f} GB)" if done else "-"
-        rss = max(r for _, r in runs)
+        rss = max(r[1] for r in runs)
+        user, system = (statistics.median(r[i] for r in runs) for i in (2, 3))
         rows.append(
             f"| {title} ({size / 1e9:.2f} GB, {shards} shards) | {name} | {wall:.2f} "
-            f"| {min(walls):.2f}-{max(walls):.2f} | {ratio} | {rate} | {rewrite_rate} | {rss:.0f} |"
+            f"| {min(walls):.2f}-{max(walls):.2f} | {ratio} | {rate} | {rewrite_rate} | {rss:.0f} "
+            f"| {user:.2f} / {system:.2f} |"
         )
     return rows
 
 
 HEADER = [
-    "| checkpoint | command | median s | min-max s | x cp -r | GB/s of SOURCE | rewritten GB/s (bytes) | peak RSS MB |",
-    "|---|---|---|---|---|---|---|---|",
+    "| checkpoint | command | median s | min-max s | x cp -r | GB/s of SOURCE | rewritten GB/s (bytes) | peak RSS MB "
+    "| CPU s: user / system |",
+    "|---|---|---|---|---|---|---|---|---|",
 ]
 #: The suffix of a contender run from `--baseline`'s checkout.
 BEFORE = " [before]"
@@ -271,15 +275,19 @@ def fused_bytes(root: Path) -> int:
 
 def before_after(rows: list[str]) -> list[str]:
     """The README's table: each fp8fix row beside its `[before]` row of the same group (one suite run's
-    markdown rows, as printed)."""
+    markdown rows, as printed; runs saved before the CPU column have "-" there)."""
     table = [row for row in rows if row.startswith("| ") and "---" not in row]
     cells = [[c.strip() for c in row.strip("|").split("|")] for row in table]
-    by_key = {(c[0], c[1]): c for c in cells if len(c) == 8}
+    by_key = {(c[0], c[1]): c for c in cells if len(c) in (8, 9)}
     out = [
         "| checkpoint | command | median s: after / before | after / before | x cp -r (after) "
-        "| rewritten GB/s: after / before | peak RSS MB (after) |",
-        "|---|---|---|---|---|---|---|",
+        "| rewritten GB/s: after / before | CPU s (user + system): after / before | peak RSS MB (after) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+
+    def cpu(cells: list[str]) -> str:
+        return f"{sum(float(x) for x in cells[8].split(' / ')):.2f}" if len(cells) == 9 else "-"
+
     for (group, command), after in by_key.items():
         before = by_key.get((group, command + BEFORE))
         if before is None:
@@ -287,7 +295,8 @@ def before_after(rows: list[str]) -> list[str]:
         ratio = float(after[2]) / float(before[2]) if float(before[2]) else float("nan")
         rates = f"{after[6].split(' ')[0]} / {before[6].split(' ')[0]}" if after[6] != "-" else "-"
         times = f"{after[2]} / {before[2]}"
-        out.append(f"| {group} | {command} | {times} | {ratio:.2f} | {after[4]} | {rates} | {after[7]} |")
+        cpus = f"{cpu(after)} / {cpu(before)}"
+        out.append(f"| {group} | {command} | {times} | {ratio:.2f} | {after[4]} | {rates} | {cpus} | {after[7]} |")
     return out
 
 
