@@ -278,15 +278,16 @@ def before_after(rows: list[str]) -> list[str]:
     markdown rows, as printed; runs saved before the CPU column have "-" there)."""
     table = [row for row in rows if row.startswith("| ") and "---" not in row]
     cells = [[c.strip() for c in row.strip("|").split("|")] for row in table]
-    by_key = {(c[0], c[1]): c for c in cells if len(c) in (8, 9)}
+    by_key = {(c[0], c[1]): c for c in cells if len(c) in (8, 9) and " / " not in c[2]}  # not this table
     out = [
         "| checkpoint | command | median s: after / before | after / before | x cp -r (after) "
-        "| rewritten GB/s: after / before | CPU s (user + system): after / before | peak RSS MB (after) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| rewritten GB/s: after / before | user CPU s: after / before | system CPU s: after / before "
+        "| peak RSS MB (after) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def cpu(cells: list[str]) -> str:
-        return f"{sum(float(x) for x in cells[8].split(' / ')):.2f}" if len(cells) == 9 else "-"
+    def cpu(cells: list[str], which: int) -> str:
+        return cells[8].split(" / ")[which] if len(cells) == 9 else "-"
 
     for (group, command), after in by_key.items():
         before = by_key.get((group, command + BEFORE))
@@ -295,8 +296,10 @@ def before_after(rows: list[str]) -> list[str]:
         ratio = float(after[2]) / float(before[2]) if float(before[2]) else float("nan")
         rates = f"{after[6].split(' ')[0]} / {before[6].split(' ')[0]}" if after[6] != "-" else "-"
         times = f"{after[2]} / {before[2]}"
-        cpus = f"{cpu(after)} / {cpu(before)}"
-        out.append(f"| {group} | {command} | {times} | {ratio:.2f} | {after[4]} | {rates} | {cpus} | {after[7]} |")
+        user, system = (f"{cpu(after, i)} / {cpu(before, i)}" for i in (0, 1))
+        out.append(
+            f"| {group} | {command} | {times} | {ratio:.2f} | {after[4]} | {rates} | {user} | {system} | {after[7]} |"
+        )
     return out
 
 
