@@ -374,6 +374,63 @@ def test_dequantize_some_modules(tmp_path: Path, fmt: str, shape: str) -> None:
     assert report["verification"]["ok"]
 
 
+@pytest.mark.parametrize("shape", ["phi3", "llama", "glm"])
+@pytest.mark.parametrize("fmt", list(DEQUANTIZE_FORMATS))
+def test_dequantize_of_every_fp8_module_points_to_to_bf16(tmp_path: Path, fmt: str, shape: str) -> None:
+    """`--dequantize '*'` names every FP8 module: that is a plain BF16 model, which `--to bf16` writes without a
+    quantization config (before: a config whose lists named every module, a card tagged `fp8`, and static input
+    activations declared with no input scale left, which verify refused). Refused, pointing there, nothing
+    written; a pattern that leaves FP8 modules converts, its card tagged `fp8` (from OUTPUT's tensors)."""
+    src = build(tmp_path / "src", BASIC[shape], fmt=fmt, scale=DEQUANTIZE_FORMATS[fmt])
+    refused = run_cli("convert", src, tmp_path / "all", "--dequantize", "*")
+    assert refused.exit_code == 2 and "use --to bf16" in refused.output and not (tmp_path / "all").exists()
+    out = tmp_path / "out"
+    convert(src, out, "--dequantize", "*.layers.0.self_attn.*")  # with --verify, which checks the card's tags
+    assert any(t.dtype in FP8_DTYPES for t in load_tensors(out).values())
+    assert "fp8" in card_tags(out) and "fp8fix" in card_tags(out)
+
+
+def card_tags(out: Path) -> list[str]:
+    front = (out / "README.md").read_text().split("\n---\n")[0]
+    return [line.removeprefix("- ") for line in front.splitlines() if line.startswith("- ")]
+
+
+def test_tp_bf16_of_every_fp8_module_drops_the_fp8_tag(tmp_path: Path) -> None:
+    """An attention-only block-FP8 Llama (heads of 64) at `--tp 8 --tp-bf16`: every FP8 weight is written in
+    BF16, so OUTPUT's card must not carry the `fp8` tag (verify, run on every conversion here, refuses an
+    `fp8` tag on a model with no FP8 weights: before, this conversion failed its verification)."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    gen = torch.Generator().manual_seed(3)
+    tensors = {}
+    for m in ("q", "k", "v", "o"):
+        name = f"model.layers.0.self_attn.{m}_proj"
+        tensors[f"{name}.weight"] = (torch.randn(512, 512, generator=gen) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[f"{name}.weight_scale_inv"] = torch.rand(4, 4, generator=gen) * 1e-3 + 1e-4
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 64,
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    }
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    result = run_cli("convert", src, out, "--tp", "8", "--tp-bf16", "-q")  # run_cli verifies the output
+    assert result.exit_code == 0, result.output
+    assert not any(t.dtype in FP8_DTYPES for t in load_tensors(out).values())
+    assert "fp8" not in card_tags(out) and "fp8fix" in card_tags(out)
+
+
 def test_dequantize_adds_the_modules_vllm_packs_with_them(tmp_path: Path) -> None:
     src = build(tmp_path / "src", llama())
     report = convert(src, tmp_path / "out", "--dequantize", "model.layers.1.self_attn.q_proj")

@@ -60,6 +60,11 @@ def select_modules(model: CheckpointModel, patterns: tuple[str, ...]) -> Selecti
         )
     added = {s for m in chosen for s in packed_siblings(m) if s in by_module} - chosen
     modules = [w.module for w in weights if w.module in chosen | added]
+    if len(modules) == len(weights):  # nothing left quantized: a plain model, without a config to list them in
+        raise UsageError(
+            f"--dequantize: the patterns name every FP8 module of this checkpoint ({len(modules)}); that is a plain "
+            "BF16 model: use --to bf16 (it drops the quantization config; --dequantize keeps some modules in FP8)"
+        )
     notes = []
     if added:
         notes.append(

@@ -17,6 +17,7 @@ from fp8fix import __version__
 from fp8fix.errors import Fp8fixError
 from fp8fix.io.checkpoint import CARD
 from fp8fix.io.source_tree import read_regular
+from fp8fix.numerics.dtypes import is_fp8
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.registry.formats import COMPRESSED_TENSORS
 from fp8fix.report.convert_report import (
@@ -263,14 +264,16 @@ def write_card(
         if problem:
             warnings.append(f"{CARD}: {problem}; its metadata was dropped, its text is kept")
     metadata = _card_metadata(metadata, warnings)
+    # from the tensors written: `--to bf16`, and `--dequantize` / `--tp-bf16` taking every FP8 module, leave none
+    fp8_left = any(is_fp8(t.dtype) for shard in plan.shards for t in shard.tensors)
     if base_model:  # converted from a Hub repo: link it, as the Hub's model tree expects
         metadata = {**metadata, "base_model": base_model}
-        if not plan.unquantized:  # a dequantized model is no quantization of its base: the Hub infers none
+        if fp8_left:  # a dequantized model is no quantization of its base: the Hub infers none
             metadata["base_model_relation"] = "quantized"
     rocm = ["e4m3fnuz", "rocm"] if plan.encoding and plan.encoding.target == "e4m3fnuz" else []
     tags = [*_tags(metadata.get("tags")), *TAGS, *rocm]
-    if plan.unquantized:  # no FP8 weight left: the Hub must not list it as one
-        tags = [t for t in tags if t != "fp8"] + [plan.unquantized.lower()]
+    if not fp8_left:  # no FP8 weight left: the Hub must not list it as one
+        tags = [t for t in tags if t != "fp8"] + ([plan.unquantized.lower()] if plan.unquantized else [])
     metadata["tags"] = list(dict.fromkeys(tags))
     text = conversion_section(plan, source_name, options, config_edits, verified)
     if body.strip():
