@@ -5,9 +5,13 @@
     python scripts/bench_tensor_count.py --baseline ../fp8fix-main   # and another checkout, in the same run
     python scripts/bench_tensor_count.py --counts 10000 40000 --repeats 5
     python scripts/bench_tensor_count.py --counts 100000 --shards 160 --baseline ../fp8fix-main  # DeepSeek-V3-sized
+    python scripts/bench_tensor_count.py --shape phi3 --counts 112000 --shards 40 --baseline ../fp8fix-main
 
 Each checkpoint is one safetensors file of N/2 tiny e4m3fn weights with their F32 scales (a real header,
 real bytes), so the time is fp8fix's own per-tensor work: `inspect --json` and `convert --dry-run`.
+`--shape phi3`: Phi-3-shaped AutoFP8 layers instead (fused qkv_proj and gate_up_proj with one scale each,
+every scale its own value), where `--target auto` has 8 candidates to judge; `convert --dry-run --layout
+fused` is the single-layout plan the others are measured against.
 Checkouts run alternately, round by round (these machines are noisy); the table gives medians and the
 ratio of CPU seconds, baseline / this checkout. `scripts/bench_convert.py --suite` runs the 10k / 30k / 100k
 series with its other rows.
@@ -79,6 +83,54 @@ def checkpoint(root: Path, tensors: int, shards: int = 1) -> Path:
     return root
 
 
+def phi3_checkpoint(root: Path, tensors: int, shards: int) -> Path:
+    """About N tensors of tiny Phi-3 layers (14 tensors each: 4 FP8 linears with weight and input scales, 2
+    norms) over SHARDS files, every scale a value of its own, as exporters write them."""
+    root.mkdir(parents=True)
+    layers = max(2, tensors // 14)
+    per_shard = -(-layers // shards)
+    weight_map: dict[str, str] = {}
+    for index in range(shards):
+        file = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        entries = [e for layer in range(index * per_shard, min(layers, (index + 1) * per_shard)) for e in _phi3(layer)]
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        body = bytearray()
+        for name, dtype, shape, data in entries:
+            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(body), len(body) + len(data)]}
+            body += data
+            weight_map[name] = file
+        text = json.dumps(header).encode()
+        (root / file).write_bytes(struct.pack("<Q", len(text)) + text + bytes(body))
+    index_text = {"metadata": {}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index_text))
+    config = {
+        "architectures": ["Phi3ForCausalLM"],
+        "hidden_size": 8,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 8,
+        "num_hidden_layers": layers,
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "static"},
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def _phi3(layer: int) -> list[tuple[str, str, list[int], bytes]]:
+    """One Phi-3 layer of hidden size 8 (qkv: 2 heads and 1 kv head of 4; gate_up: 2 x 8 rows)."""
+    p = f"model.layers.{layer}."
+    found: list[tuple[str, str, list[int], bytes]] = []
+    for k, (module, rows) in enumerate(
+        {"self_attn.qkv_proj": 16, "self_attn.o_proj": 8, "mlp.gate_up_proj": 16, "mlp.down_proj": 8}.items()
+    ):
+        found.append((f"{p}{module}.weight", "F8_E4M3", [rows, 8], bytes(rows * 8)))
+        for j, scale in enumerate(("weight_scale", "input_scale")):
+            value = 0.001 + ((layer * 8 + k * 2 + j) % 100_003) * 1e-8  # every scale its own value
+            found.append((f"{p}{module}.{scale}", "F32", [], struct.pack("<f", value)))
+    found += [(f"{p}{norm}.weight", "BF16", [8], bytes(16)) for norm in ("input_layernorm", "post_attention_layernorm")]
+    return found
+
+
 def timed(checkout: Path, args: list[str]) -> tuple[float, float, float]:
     """Wall seconds, CPU seconds (with its workers) and peak RSS (MB) of one fp8fix command."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
@@ -98,7 +150,12 @@ def timed(checkout: Path, args: list[str]) -> tuple[float, float, float]:
 
 
 def series(
-    counts: list[int], shards_of: dict[int, int], repeats: int, checkouts: dict[str, Path], work: Path
+    counts: list[int],
+    shards_of: dict[int, int],
+    repeats: int,
+    checkouts: dict[str, Path],
+    work: Path,
+    shape: str = "auto",
 ) -> list[str]:
     """The table's rows: for each tensor count, each header-only command, each checkout's medians (alternately)."""
     heads = " | ".join(f"{k}: wall s / CPU s / peak MB" for k in checkouts)
@@ -108,11 +165,15 @@ def series(
     ]
     for count in counts:
         shards = shards_of[count]
-        src = checkpoint(work / f"n{count}", count, shards)
+        make = phi3_checkpoint if shape == "phi3" else checkpoint
+        src = make(work / f"n{count}", count, shards)
         out = work / f"n{count}-out"
+        dry_run = ["convert", str(src), str(out), "--dry-run", "-q"]
         commands = {
             "inspect --json": ["inspect", str(src), "--json", "-q"],
-            "convert --dry-run": ["convert", str(src), str(out), "--dry-run", "-q"],
+            "convert --dry-run": dry_run,
+            # the single-layout plan `--target auto` is measured against
+            **({"convert --dry-run --layout fused": [*dry_run, "--layout", "fused"]} if shape == "phi3" else {}),
             "convert": ["convert", str(src), str(out), "-q", "--overwrite"],
         }
         for label, command in commands.items():
@@ -133,12 +194,13 @@ def main() -> None:
     parser.add_argument("--counts", type=int, nargs="+", default=[10_000, 20_000, 40_000])
     parser.add_argument("--shards", type=int, default=1, help="files per checkpoint (several: block FP8 + index)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shape", choices=["auto", "phi3"], default="auto", help="phi3: fused Phi-3 layers")
     parser.add_argument("--baseline", type=Path, help="another fp8fix checkout to time in the same run")
     args = parser.parse_args()
     checkouts = {"this": HERE, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     with tempfile.TemporaryDirectory() as tmp:
         shards_of = dict.fromkeys(args.counts, args.shards)
-        print("\n".join(series(args.counts, shards_of, args.repeats, checkouts, Path(tmp))))
+        print("\n".join(series(args.counts, shards_of, args.repeats, checkouts, Path(tmp), args.shape)))
 
 
 if __name__ == "__main__":

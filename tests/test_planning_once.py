@@ -11,6 +11,7 @@ import json
 import math
 import struct
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,11 +30,12 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, Counter[str]]:
     import fp8fix.plan.planner as planner
     import fp8fix.verdicts as verdicts
 
-    seen: dict[str, Counter[str]] = {"shards": Counter(), "facts": Counter()}
+    seen: dict[str, Counter[str]] = {"shards": Counter(), "facts": Counter(), "tensors": Counter()}
     plan_shard, derive = planner.plan_shard, verdicts._derive_facts
 
     def counted_shard(name, *args, **kwargs):  # type: ignore[no-untyped-def]
         seen["shards"][name] += 1
+        seen["tensors"][name] += len(args[1])  # (metadata, tensors, replacements)
         return plan_shard(name, *args, **kwargs)
 
     def counted_facts(model):  # type: ignore[no-untyped-def]
@@ -94,10 +96,10 @@ def test_candidates_that_rewrite_tensors_are_planned_once_each_and_the_chosen_no
     tmp_path: Path, calls, model: str
 ) -> None:
     """Phi-3 (fused qkv / gate_up, one scale each) and a per-tensor Llama (q / k / v scales differ: the channel
-    layout keeps them exact): the candidates that rewrite tensors are still planned whole to be judged (issue
-    30's "plan once" for them is the next step), each once; the chosen one is not planned again where it was
-    planned whole, once where it was judged as a sketch; the facts are derived for SOURCE once and for each
-    rewriting candidate's output once."""
+    layout keeps them exact) of two layers unlike each other (nothing to judge by class): the candidates that
+    rewrite tensors are planned whole to be judged, each once; the chosen one is not planned again where it
+    was planned whole, once where it was judged as a sketch; the facts are derived for SOURCE once and for
+    each rewriting candidate's output once."""
     src = build(tmp_path / "src", phi3() if model == "phi3" else llama())
     found = _candidates(src)
     rewriting = len([c for c in found if not c.plan.sketch])
@@ -111,6 +113,27 @@ def test_candidates_that_rewrite_tensors_are_planned_once_each_and_the_chosen_no
     planned = set(calls["shards"].values())
     assert len(planned) == 1 and rewriting <= planned.pop() <= rewriting + refused + chosen.plan.sketch
     assert calls["facts"] == Counter({"source": 1, "planned output": rewriting})
+
+
+def test_candidates_judged_by_class_and_only_the_chosen_planned_whole(tmp_path: Path, calls) -> None:
+    """A Phi-3 of 16 layers alike: the candidates are planned on the tensors outside the layers and one layer
+    of each class (fewer than half the tensors), so the whole checkpoint's tensors are planned once, for the
+    chosen output; the facts are derived for SOURCE, its classes, each rewriting candidate's output and the
+    chosen output once each."""
+    from tests.test_layer_classes import LAYERS, layers_alike
+
+    src = build(tmp_path / "src", replace(phi3(), layers=LAYERS))
+    layers_alike(src)
+    total = len(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"])
+    found = _candidates(src)
+    rewriting = len([c for c in found if not c.plan.sketch])
+    assert rewriting >= 2 and not any(c.whole for c in found)
+    calls["shards"].clear(), calls["facts"].clear(), calls["tensors"].clear()
+    result = fp8fix.convert(src, tmp_path / "out", dry_run=True)
+    assert not result.plan.sketch and sum(len(s.tensors) for s in result.plan.shards) >= total
+    reduced = (sum(calls["tensors"].values()) - total) / rewriting  # tensors planned per candidate judged
+    assert 0 < reduced < total / 2
+    assert calls["facts"] == Counter({"source": 2, "planned output": rewriting + 1})
 
 
 def _candidates(src: Path):  # type: ignore[no-untyped-def]

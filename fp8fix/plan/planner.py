@@ -77,7 +77,7 @@ def plan_for_target(
             return plan_conversion(model, lay, encoding, output_format or "keep", tp, tp_bf16, dequantize, scales)
         chosen = best(found, target, arch.default_layout)
         whole = encoding is None and tp is None and not tp_bf16 and not dequantize and not scales
-        if whole and not chosen.plan.sketch:  # the candidate is the whole conversion, planned
+        if whole and chosen.whole and not chosen.plan.sketch:  # the candidate is the whole conversion, planned
             plan = chosen.plan
         else:
             lay, fmt = chosen.layout, chosen.output_format

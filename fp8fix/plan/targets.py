@@ -4,6 +4,9 @@ candidate output.
 Every layout the planner accepts (that can differ: see `_distinct_layouts`) is planned and judged by
 `fp8fix.verdicts` as the output it would write; one that writes every tensor and config.json as they are
 is judged by SOURCE's verdicts without planning its shards (a sketch, planned whole only if chosen).
+Where some candidate rewrites modules, they are planned and judged on one layer of each class
+(`layer_classes`: what decides a verdict is alike in every layer of a class) and only the chosen one is
+planned on the whole checkpoint: a 112k-tensor Phi-3 is judged on 123 tensors.
 The target's loaders are counted first; then exactness: where a fused module's shards carry
 different scales, every layout but `channel` leaves them to be requantized (by fp8fix for
 `fused`, by the runtime at load for the others), so `channel` comes first among outputs the
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from fp8fix.errors import Fp8fixError, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import check_scale_values
 from fp8fix.model import CheckpointModel
+from fp8fix.plan.layer_classes import representatives
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.registry.loaders import TRANSFORMERS, VLLM_LEGACY, VLLM_ROWS
 from fp8fix.verdicts import LoaderVerdict, packed_groups
@@ -45,6 +49,7 @@ class Candidate:
     plan: ConversionPlan
     unchanged: bool  # every fused module kept as it is, in the source's format
     lossy: bool  # shards with different scales end up requantized (by fp8fix or at load)
+    whole: bool = True  # planned on the whole checkpoint, not on one layer of each class (`layer_classes`)
 
     def score(self, target: Target) -> tuple[int, int]:
         return score(self.plan.loaders, target)
@@ -56,12 +61,22 @@ def score(verdicts: dict[str, LoaderVerdict], target: Target) -> tuple[int, int]
 
 
 def candidates(
-    model: CheckpointModel, layout: Layout | None = None, output_format: OutputFormat | None = None
+    model: CheckpointModel,
+    layout: Layout | None = None,
+    output_format: OutputFormat | None = None,
+    by_class: bool = True,
 ) -> list[Candidate]:
     """Every layout x output format the planner accepts for this checkpoint (only those given, where
-    given), planned without an encoding change."""
+    given), planned without an encoding change; `by_class`: on one layer of each class where the
+    checkpoint has modules a candidate rewrites (`layer_classes`; the verdicts, formats and losses are the
+    whole checkpoint's), so the chosen candidate is planned whole again (`Candidate.whole`)."""
     from fp8fix.plan.planner import plan_conversion
 
+    whole = True
+    if by_class and _may_rewrite(model):
+        reduced = representatives(model)
+        if reduced is not None:
+            model, whole = reduced, False
     found = []
     differ = shard_scales_differ(model)
     for lay in [layout] if layout else _distinct_layouts(model):
@@ -71,10 +86,18 @@ def candidates(
             except (UnsupportedCheckpoint, OSError):  # no unfused names; no such format; Hub headers only
                 continue
             unchanged = fmt == "keep" and all(m.action == "keep" for m in plan.modules)
-            found.append(
-                Candidate(lay, fmt, plan, unchanged, (differ and lay != "channel") or _requantizes(plan, model))
-            )
+            lossy = (differ and lay != "channel") or _requantizes(plan, model)
+            found.append(Candidate(lay, fmt, plan, unchanged, lossy, whole))
     return found
+
+
+def _may_rewrite(model: CheckpointModel) -> bool:
+    """Some candidate rewrites modules (fused ones; per-row scales for the channel layout): only then are
+    there plans worth reducing; otherwise every candidate is SOURCE's verdicts or a format's renames, and
+    working out the classes costs more than it saves (non-fused block-FP8 at 100k tensors: +15%)."""
+    from fp8fix.plan.planner import channel_format
+
+    return bool(model.fused or model.fused_experts()) or channel_format(model) is not None
 
 
 def _distinct_layouts(model: CheckpointModel) -> tuple[Layout, ...]:
