@@ -15,6 +15,7 @@ read here, never tensor data, so a checkpoint known from the Hub's header API wo
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -179,6 +180,12 @@ class CheckpointModel:
     #: what modules above this one derive from the description alone (the loader facts), kept so that
     #: planning several candidates does not derive it again for each: O(tensors) each time
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def once(self, key: str, work: Callable[[CheckpointModel], Any]) -> Any:
+        """`work(self)`, worked out once per description and kept in `derived` under `key` (None included)."""
+        if key not in self.derived:
+            self.derived[key] = work(self)
+        return self.derived[key]
 
     @property
     def is_autofp8(self) -> bool:

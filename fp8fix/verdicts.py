@@ -230,9 +230,7 @@ def calls_line() -> str:
 def facts_of(model: CheckpointModel) -> Facts:
     """The facts the loader rules read, derived once per description (`--target` judges the source for
     every candidate)."""
-    facts = model.derived.get("facts")
-    if facts is None:
-        facts = model.derived["facts"] = _derive_facts(model)
+    facts = model.once("facts", _derive_facts)
     assert isinstance(facts, Facts)
     return facts
 

@@ -498,6 +498,10 @@ def suite(args: argparse.Namespace, work: Path) -> None:
             checkouts["baseline"] = args.baseline.resolve()
         shards_of = {n: max(1, n // 625) for n in counts}
         print("\n" + "\n".join(series(counts, shards_of, args.repeats, checkouts, work)))
+        # and fused Phi-3 layers at the largest count: `--target auto` judging 8 candidates, against one layout
+        largest = max(counts)
+        phi3 = series([largest], {largest: max(1, largest // 2800)}, args.repeats, checkouts, work / "phi3", "phi3")
+        print("\n" + "\n".join(phi3))
 
 
 def main() -> None:

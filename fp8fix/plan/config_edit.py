@@ -213,9 +213,7 @@ def source_scheme(model: CheckpointModel) -> tuple[bool, tuple[str, ...]] | None
     overrides, output or kv-cache quantization without the kv scales fp8fix renames, `modules_to_not_convert`).
     Worked out once per description: `--target` asks it for every compressed-tensors candidate, and its
     name lists are matched against every tensor name (112k of them in a 7,500-layer Phi-3)."""
-    if "source_scheme" not in model.derived:
-        model.derived["source_scheme"] = _source_scheme(model)
-    found: tuple[bool, tuple[str, ...]] | None = model.derived["source_scheme"]
+    found: tuple[bool, tuple[str, ...]] | None = model.once("source_scheme", _source_scheme)
     return found
 
 
@@ -269,11 +267,12 @@ def can_write(model: CheckpointModel) -> bool:
     """An AutoFP8, Quark or ModelOpt checkpoint whose config one compressed-tensors group can say
     (`source_scheme`) and whose weight scales are all per tensor or per channel (or per shard, which
     a layout may make per tensor or per row)."""
-    if "can_write_compressed_tensors" not in model.derived:  # once per description, as `source_scheme`
-        kinds = {w.scale_kind for w in model.weights.values() if w.is_module_weight}
-        writable = bool(kinds) and kinds <= {"tensor", "channel", "shard"} and source_scheme(model) is not None
-        model.derived["can_write_compressed_tensors"] = writable
-    return bool(model.derived["can_write_compressed_tensors"])
+    return bool(model.once("can_write_compressed_tensors", _can_write))  # once per description, as `source_scheme`
+
+
+def _can_write(model: CheckpointModel) -> bool:
+    kinds = {w.scale_kind for w in model.weights.values() if w.is_module_weight}
+    return bool(kinds) and kinds <= {"tensor", "channel", "shard"} and source_scheme(model) is not None
 
 
 def scheme_of(model: CheckpointModel, strategy: str) -> Scheme:

@@ -6,7 +6,7 @@ whether a conversion leaves fused modules as they are, whether shard scales end 
 decided per module from its tensors' names, dtypes and shapes, config.json, the rows config.json gives
 fused modules, and whether (and how) the values of its scales differ. Two layers that agree on all of
 these are judged alike, so the candidates are planned on the tensors outside the layers plus the first
-layer of each class (Phi-3 at 112k tensors: 123), and only the chosen candidate on the whole checkpoint.
+layer of each class (a Phi-3 of 112k tensors: 84), and only the chosen candidate on the whole checkpoint.
 
 A layer's class is every such fact, read off the layer itself: its tensors' names (less the layer
 number), dtypes and shapes; its fused modules' rows and storage order; and, for its small scales (at

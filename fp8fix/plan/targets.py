@@ -6,7 +6,7 @@ Every layout the planner accepts (that can differ: see `_distinct_layouts`) is p
 is judged by SOURCE's verdicts without planning its shards (a sketch, planned whole only if chosen).
 Where some candidate rewrites modules, they are planned and judged on one layer of each class
 (`layer_classes`: what decides a verdict is alike in every layer of a class) and only the chosen one is
-planned on the whole checkpoint: a 112k-tensor Phi-3 is judged on 123 tensors.
+planned on the whole checkpoint: a Phi-3 of 112k tensors is judged on 84 (6 layers).
 The target's loaders are counted first; then exactness: where a fused module's shards carry
 different scales, every layout but `channel` leaves them to be requantized (by fp8fix for
 `fused`, by the runtime at load for the others), so `channel` comes first among outputs the
