@@ -33,6 +33,21 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 
 
+Entry = tuple[str, str, list[int], bytes]  # a tensor: name, safetensors dtype, shape, bytes
+
+
+def write_shard(path: Path, entries: list[Entry], weight_map: dict[str, str]) -> None:
+    """A safetensors file of `entries` in order (a real header, real bytes); each name mapped to it."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    body = bytearray()
+    for name, dtype, shape, data in entries:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(body), len(body) + len(data)]}
+        body += data
+        weight_map[name] = path.name
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(body))
+
+
 def checkpoint(root: Path, tensors: int, shards: int = 1) -> Path:
     """N tensors (N/2 tiny weights with their scales) over SHARDS files; one shard has no index.
 
@@ -60,16 +75,11 @@ def checkpoint(root: Path, tensors: int, shards: int = 1) -> Path:
     weight_map: dict[str, str] = {}
     for index in range(shards):
         file = "model.safetensors" if shards == 1 else f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
-        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-        body = bytearray()
+        entries: list[Entry] = []
         for name in names[index * per_shard : (index + 1) * per_shard]:
-            start = len(body)
-            body += bytes(16) + struct.pack("<f", 0.01)
-            header[f"{name}.weight"] = {"dtype": "F8_E4M3", "shape": [4, 4], "data_offsets": [start, start + 16]}
-            header[f"{name}.{scale}"] = {"dtype": "F32", "shape": scale_shape, "data_offsets": [start + 16, start + 20]}
-            weight_map[f"{name}.weight"] = weight_map[f"{name}.{scale}"] = file
-        text = json.dumps(header).encode()
-        (root / file).write_bytes(struct.pack("<Q", len(text)) + text + bytes(body))
+            entries.append((f"{name}.weight", "F8_E4M3", [4, 4], bytes(16)))
+            entries.append((f"{name}.{scale}", "F32", scale_shape, struct.pack("<f", 0.01)))
+        write_shard(root / file, entries, weight_map)
     if shards > 1:
         index_text = {"metadata": {"total_size": 20 * len(names)}, "weight_map": weight_map}
         (root / "model.safetensors.index.json").write_text(json.dumps(index_text))
@@ -93,14 +103,7 @@ def phi3_checkpoint(root: Path, tensors: int, shards: int) -> Path:
     for index in range(shards):
         file = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
         entries = [e for layer in range(index * per_shard, min(layers, (index + 1) * per_shard)) for e in _phi3(layer)]
-        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-        body = bytearray()
-        for name, dtype, shape, data in entries:
-            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(body), len(body) + len(data)]}
-            body += data
-            weight_map[name] = file
-        text = json.dumps(header).encode()
-        (root / file).write_bytes(struct.pack("<Q", len(text)) + text + bytes(body))
+        write_shard(root / file, entries, weight_map)
     index_text = {"metadata": {}, "weight_map": weight_map}
     (root / "model.safetensors.index.json").write_text(json.dumps(index_text))
     config = {
@@ -116,10 +119,10 @@ def phi3_checkpoint(root: Path, tensors: int, shards: int) -> Path:
     return root
 
 
-def _phi3(layer: int) -> list[tuple[str, str, list[int], bytes]]:
+def _phi3(layer: int) -> list[Entry]:
     """One Phi-3 layer of hidden size 8 (qkv: 2 heads and 1 kv head of 4; gate_up: 2 x 8 rows)."""
     p = f"model.layers.{layer}."
-    found: list[tuple[str, str, list[int], bytes]] = []
+    found: list[Entry] = []
     for k, (module, rows) in enumerate(
         {"self_attn.qkv_proj": 16, "self_attn.o_proj": 8, "mlp.gate_up_proj": 16, "mlp.down_proj": 8}.items()
     ):

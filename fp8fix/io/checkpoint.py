@@ -122,6 +122,13 @@ def known_values(ckpt: Checkpoint, scale: TensorInfo) -> list[float] | None:
     return ckpt.planned_values(scale.name) if ckpt.planned_values is not None else None
 
 
+def side_config(root: Path) -> Any:
+    """hf_quant_config.json beside config.json, parsed; None where the folder has none. (`open_checkpoint`
+    has refused one that is a link out of the folder, a FIFO or a device.)"""
+    path = root / MODELOPT_CONFIG
+    return read_json(path) if path.is_file() else None
+
+
 def read_json(path: Path, what: str = "") -> Any:
     """A small JSON file (config, index, quantization config), bounded and checked: any problem is one line."""
     try:

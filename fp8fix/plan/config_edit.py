@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp8fix.io.checkpoint import CONFIG, read_json
+from fp8fix.io.checkpoint import CONFIG, read_json, side_config
 from fp8fix.model import ignore_linears
 from fp8fix.registry.formats import (
     MODELOPT,
-    MODELOPT_CONFIG,
     QUARK,
     NameList,
     locations,
@@ -239,8 +238,7 @@ def _source_scheme(model: CheckpointModel) -> tuple[bool, tuple[str, ...]] | Non
             return None
         return bool(inputs.get("is_dynamic")), named_modules(model, qc.get("exclude"), "exact-or-re")
     if fmt.name == MODELOPT.name:
-        extra = model.checkpoint.root / MODELOPT_CONFIG
-        quantization = (read_json(extra).get("quantization") or {}) if extra.is_file() else {}
+        quantization = (side_config(model.checkpoint.root) or {}).get("quantization") or {}
         entries = [*(quantization.get("exclude_modules") or []), *(qc.get("ignore") or [])]
         return False, named_modules(model, [*entries, *(qc.get("exclude_modules") or [])], "fnmatch")
     return None

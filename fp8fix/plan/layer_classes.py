@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from fp8fix.errors import Fp8fixError
-from fp8fix.io.checkpoint import MODELOPT_CONFIG, Checkpoint, first_invalid_scale, read_json, scale_values
+from fp8fix.io.checkpoint import Checkpoint, first_invalid_scale, scale_values, side_config
 from fp8fix.io.safetensors_file import SafetensorsHeader, TensorInfo
 from fp8fix.io.source_files import SourceFiles
 from fp8fix.model import CheckpointModel, describe_checkpoint
@@ -95,13 +95,10 @@ def _config_numbers(ckpt: Checkpoint) -> set[str] | None:
     """Every number config.json and hf_quant_config.json hold in a string (key or value), without leading
     zeros; None where a string holding a number is also a pattern (it may match layers by number) or the
     files hold more strings than `MOST_CONFIG_ITEMS`."""
-    documents: list[Any] = [ckpt.config]
-    side = ckpt.root / MODELOPT_CONFIG
-    if side.is_file():
-        try:
-            documents.append(read_json(side))
-        except Fp8fixError:
-            return None
+    try:
+        documents: list[Any] = [ckpt.config, side_config(ckpt.root)]
+    except Fp8fixError:
+        return None
     numbers: set[str] = set()
     stack = documents
     seen = 0

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
-from fp8fix.io.checkpoint import MODELOPT_CONFIG, read_json
+from fp8fix.io.checkpoint import MODELOPT_CONFIG, read_json, side_config
 from fp8fix.vocab import Grammar
 
 __all__ = ["MODELOPT_CONFIG"]  # io/checkpoint.py names the file (it must check it is inside SOURCE)
@@ -375,9 +375,8 @@ def modelopt_kv_cache(config: dict[str, Any], root: Path) -> bool:
     qc = quantization_config(config) or {}
     if qc.get("kv_cache_quant_algo") or qc.get("kv_cache_scheme"):
         return True
-    path = root / MODELOPT_CONFIG
     try:
-        data = read_json(path) if path.is_file() else None
+        data = side_config(root)
     except InvalidCheckpoint:
         return False
     inner = data.get("quantization") if isinstance(data, dict) else None
