@@ -22,13 +22,13 @@ from safetensors.torch import save_file
 from fp8fix.errors import Fp8fixError
 from fp8fix.io.checkpoint import open_checkpoint
 from fp8fix.model import CheckpointModel, describe_checkpoint
-from fp8fix.plan.layer_classes import representatives
+from fp8fix.plan.layer_classes import MOST_CONFIG_ITEMS, representatives
 from fp8fix.plan.targets import TARGET_LOADERS, Candidate, best, candidates
 from fp8fix.registry.architectures import Registry
 from fp8fix.verdicts import verdicts_json
 from fp8fix.vocab import Layout
 from tests.builders import FORMATS, build, llama, mimo_v2, phi3
-from tests.conftest import run_cli
+from tests.conftest import load_tensors, run_cli
 from tests.test_experts import build_llama4
 from tests.test_registry import MODELS
 
@@ -60,10 +60,7 @@ def rewrite_scales(root: Path, change: Any) -> None:
 def layers_alike(root: Path) -> None:
     """Each layer's scales copied from the lowest layer's scale of the same name and shape."""
     first: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-    everything: dict[str, torch.Tensor] = {}
-    for path in sorted(root.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            everything.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
+    everything = load_tensors(root)
     for name in sorted(everything, key=lambda n: int(m.group(1)) if (m := _NUMBER.search(n)) else -1):
         first.setdefault((_NUMBER.sub(".#.", name, count=1), tuple(everything[name].shape)), everything[name])
 
@@ -87,13 +84,9 @@ def one_layer_differs(root: Path) -> None:
 def small_values(root: Path, layer: int) -> set[float]:
     """The distinct values of `layer`'s scales of at most 64 values."""
     found: set[float] = set()
-    for path in sorted(root.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():  # noqa: SIM118
-                if _is_scale(name) and f".{layer}." in name:
-                    t = f.get_tensor(name)
-                    if t.numel() <= 64:
-                        found.update(t.float().flatten().tolist())
+    for name, t in load_tensors(root).items():
+        if _is_scale(name) and f".{layer}." in name and t.numel() <= 64:
+            found.update(t.float().flatten().tolist())
     return found
 
 
@@ -250,3 +243,16 @@ def test_an_invalid_small_scale_means_no_classes(tmp_path: Path) -> None:
     rewrite_scales(root, lambda name, t: torch.zeros_like(t) if ".9.mlp.gate_up_proj.weight_scale" in name else t)
     assert representatives(describe(root)) is None
     assert isinstance(judged(root, by_class=True), str)  # the zero scale is refused by name, either way
+
+
+def test_a_config_too_big_to_walk_means_no_classes(tmp_path: Path) -> None:
+    """config.json strings are walked for layer numbers up to a bound: past it, every layer is judged (and a
+    long run of digits is split, never one huge number)."""
+    root = build(tmp_path / "src", replace(phi3(), layers=LAYERS))
+    layers_alike(root)
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "notes": "9" * 1_000_000}))
+    assert representatives(describe(root)) is not None
+    (root / "config.json").write_text(json.dumps({**config, "notes": [f"x{i}" for i in range(MOST_CONFIG_ITEMS)]}))
+    assert representatives(describe(root)) is None
+    assert_judged_alike(root)
