@@ -76,8 +76,8 @@ def plan_for_target(
             lay = layout or arch.default_layout
             return plan_conversion(model, lay, encoding, output_format or "keep", tp, tp_bf16, dequantize, scales)
         chosen = best(found, target, arch.default_layout)
-        whole = encoding is None and tp is None and not tp_bf16 and not dequantize and not scales
-        if whole and chosen.whole and not chosen.plan.sketch:  # the candidate is the whole conversion, planned
+        only_layout = encoding is None and tp is None and not tp_bf16 and not dequantize and not scales
+        if only_layout and chosen.whole and not chosen.plan.sketch:  # the candidate is the conversion, planned
             plan = chosen.plan
         else:
             lay, fmt = chosen.layout, chosen.output_format
