@@ -240,6 +240,7 @@ def inspect(
     *,
     scan_data: bool = False,
     tp: Sequence[int] = (),
+    target: Target = "auto",
     revision: str | None = None,
     token: str | None = None,
     arch_files: Sequence[PathArg] = (),
@@ -250,7 +251,9 @@ def inspect(
 
     A Hub repo id is read from the Hub's header API when it can be (no weights downloaded). `tp`:
     tensor-parallel sizes to check a block-scaled checkpoint's rank shares at (`report.tensor_parallel`).
+    `target`: the loaders the gate is for (`report.gate`: the rows `inspect --strict` fails on, `fp8fix.gate`).
     """
+    _choice("target", target, TARGETS, optional=False)
     if isinstance(tp, int) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in tp):
         raise ValueError(f"tp must be a list of tensor-parallel sizes (whole numbers >= 1), not {tp!r}")
     from fp8fix.inspection import inspect_checkpoint
@@ -261,7 +264,7 @@ def inspect(
         hub = isinstance(source, str) and is_repo_id(source) and not scan_data
         remote = remote_headers(source, revision, token) if isinstance(source, str) and hub else None
         checkpoint = remote or _source(source, revision, token)[0]
-        report = inspect_checkpoint(checkpoint, scan_data=scan_data, registry=reg, tp=tp)
+        report = inspect_checkpoint(checkpoint, scan_data=scan_data, registry=reg, tp=tp, target=target)
         report.source = os.fspath(source)
         return report
 

@@ -408,7 +408,7 @@ or unsupported checkpoint, 4 Hub error (the conversion record is printed first).
     "--format",
     "output_format",
     type=click.Choice(OUTPUT_FORMATS),
-    help="keep SOURCE's format, or write an AutoFP8, Quark or ModelOpt checkpoint as compressed-tensors "
+    help="keep SOURCE's format, or write an AutoFP8, Quark, ModelOpt or FBGEMM checkpoint as compressed-tensors "
     "(same codes), overriding --target's choice.",
 )
 @click.option(
@@ -706,18 +706,37 @@ Examples:
   fp8fix inspect ./Phi-3-mini-fp8
   fp8fix inspect org/model-FP8 --revision main     # headers only, no weights downloaded
   fp8fix inspect ./model --scan-data --json > report.json
-  fp8fix inspect ./model --strict -q    # CI gate: exit 1 if convert would fix something
+  fp8fix inspect ./model --strict -q    # CI gate: exit 1 unless every target row loads and convert changes none
+  fp8fix inspect ./model --strict --target vllm   # gate on every vLLM since 0.19 only
   fp8fix inspect ./model --tp 4,8       # block-FP8 modules whose rank share is not whole blocks
 
 \b
-Exit codes: 0 inspected (no --strict finding), 1 --strict and a finding convert
-fixes, 2 usage error, 3 invalid checkpoint, 4 Hub error.
+--strict fails when a row of --target's loaders (auto: every vLLM since 0.19 and
+transformers; with --tp N, vLLM at TP N too) does not load the checkpoint
+correctly, or when `fp8fix convert --target TARGET` would make a row load that
+does not: the findings name each such row (row-fails, row-rounded, row-loads-wrong,
+row-not-judged, row-improved) and the command that makes it load, if any.
+
+\b
+Exit codes: 0 inspected (no --strict finding), 1 --strict and a row finding,
+2 usage error, 3 invalid checkpoint, 4 Hub error.
 """
 
 
 @main.command(epilog=INSPECT_EPILOG)
 @source_options
-@click.option("--strict", is_flag=True, help="Exit 1 when there is a finding that `fp8fix convert` would fix.")
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Exit 1 when a row of --target's loaders does not load correctly, or convert would make a row load.",
+)
+@click.option(
+    "--target",
+    type=click.Choice(TARGETS),
+    default="auto",
+    show_default=True,
+    help="The loaders --strict gates on, and the conversion it asks about (as convert's --target).",
+)
 @click.option("--scan-data", is_flag=True, help="Also read the FP8 weights: NaN codes, fnuz data under an fn label.")
 @click.option(
     "--tp",
@@ -740,7 +759,7 @@ def inspect(
     from fp8fix.report.inspect_report import report_lines
 
     report = api.inspect(source, registry=registry, progress=not (quiet or as_json), **options)
-    with exiting(1 if strict and report.fixable else 0):
+    with exiting(1 if strict and report.gate else 0):
         if as_json:
             echo_json(report.to_json())
         else:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp8fix.collector import collector_paused
 from fp8fix.errors import OutputWriteFailed, VerificationFailed
+from fp8fix.gate import no_loader_warning
 from fp8fix.io.checkpoint import CARD, CONFIG, INDEX, Checkpoint, open_checkpoint
 from fp8fix.io.staging import (
     check_output,
@@ -105,6 +106,8 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
         copies = ckpt.copied_files([*rewritten, *plan.dropped_files])
     result = ConvertResult(plan, output, written=False, config_edits=edits, copied_files=copies)
     result.warnings += ckpt.warnings
+    unloaded = no_loader_warning(plan)
+    result.warnings += [unloaded] if unloaded else []
     if options.dry_run:
         return result
     with output_lock(output):

@@ -16,6 +16,7 @@ from typing import Any
 
 from fp8fix.collector import collector_paused
 from fp8fix.errors import Fp8fixError
+from fp8fix.gate import Row, gate_rows
 from fp8fix.io.checkpoint import Checkpoint, first_invalid_scale, open_checkpoint, scale_values
 from fp8fix.io.source_files import SourceFiles
 from fp8fix.model import CheckpointModel, Fp8Weight, describe_checkpoint
@@ -65,8 +66,10 @@ class Finding:
     #: for vLLM <= 0.5.0 is a layout current loaders refuse): the price of the fix, said with it
     trade_off: list[str] = field(default_factory=list)
     #: a problem for the loaders `convert`'s default target serves (every vLLM since 0.19, transformers); one that
-    #: only an older loader has is reported with its fix, but `--strict` does not fail on it
+    #: only an older loader has is reported with its fix
     default_target: bool = True
+    #: the loader rows this finding is about: a gate finding (`fp8fix.gate`) names one, and `--strict` fails on it
+    loaders: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -90,10 +93,18 @@ class Report:
     #: with `--tp`: each size's modules whose rank share is not whole blocks (block-scaled checkpoints)
     tensor_parallel: dict[str, Any] | None = None
 
+    #: the target the rows are gated for (`--target`: whose loaders must load, and what convert would write)
+    target: Target = "auto"
+
+    @property
+    def gate(self) -> list[Finding]:
+        """The findings about loader rows (`fp8fix.gate`): what `--strict` fails on, each naming its row."""
+        return [f for f in self.findings if f.loaders]
+
     @property
     def fixable(self) -> list[Finding]:
-        """Findings the default conversion's loaders have and convert fixes: what `--strict` fails on."""
-        return [f for f in self.findings if f.fix and f.default_target]
+        """The gate's findings (`gate`), by the name of fp8fix 0.1: what `--strict` fails on."""
+        return self.gate
 
     def to_json(self) -> dict[str, Any]:
         """`asdict`, with the module table (one entry per FP8 weight: 50k in DeepSeek-V3) built flat:
@@ -109,7 +120,11 @@ def _copied(shape: list[int] | None) -> list[int] | None:
 
 @collector_paused()
 def inspect_checkpoint(
-    root: Path | Checkpoint, scan_data: bool = False, registry: Registry | None = None, tp: Sequence[int] = ()
+    root: Path | Checkpoint,
+    scan_data: bool = False,
+    registry: Registry | None = None,
+    tp: Sequence[int] = (),
+    target: Target = "auto",
 ) -> Report:
     """Inspect a local folder, or a checkpoint whose headers came from the Hub (no data: scale values unread)."""
     ckpt = root if isinstance(root, Checkpoint) else open_checkpoint(root)
@@ -138,6 +153,7 @@ def inspect_checkpoint(
         findings=[],
         loaders={},
         data_scanned=scan_data,
+        target=target,
     )
     if fmt is None:
         report.notes.append(note)
@@ -147,7 +163,10 @@ def inspect_checkpoint(
         report.notes.append(unregistered_note(model.architecture))
     if not ckpt.has_data:
         report.notes.append("headers read from the Hub: scale values and weights were not read")
-    report.findings = _findings(model, modules, scan_data and ckpt.has_data)
+    report.findings = [
+        *_row_findings(gate_rows(model, target, tp)),
+        *_findings(model, modules, scan_data and ckpt.has_data),
+    ]
     report.loaders = _loaders(model)
     if tp:
         parallel = tensor_parallel_report(model, list(tp))
@@ -156,6 +175,19 @@ def inspect_checkpoint(
         else:
             report.tensor_parallel = parallel.to_json()
     return report
+
+
+def _row_findings(rows: list[Row]) -> list[Finding]:
+    """The rows a gate fails on, as findings naming them and the command that makes them load (rows that say
+    the same, with the same fix, in one finding)."""
+    grouped: dict[tuple[str, str, str | None, tuple[str, ...]], list[str]] = defaultdict(list)
+    for row in rows:
+        said = row.reason if row.in_target else f"{row.verdict}: {row.reason}; the default conversion makes it load"
+        grouped[(row.code, said, row.fix, row.trade_off)].append(row.loader)
+    return [
+        Finding(code, modules=[], reason=said, fix=fix, trade_off=list(lost), loaders=loaders)
+        for (code, said, fix, lost), loaders in grouped.items()
+    ]
 
 
 def _unblocked_sizes(config: dict[str, Any], sizes: Sequence[int]) -> list[str]:
@@ -234,7 +266,7 @@ def _layout_fixes(model: CheckpointModel, targets: tuple[Target, ...]) -> dict[T
     try:
         _, spec = model.require_architecture()
         model.require_convertible()
-        found = candidates(model)
+        found = model.once("candidates", candidates)
     except Fp8fixError:
         return none
     if not found:

@@ -9,6 +9,7 @@ data in `registry.loaders`; this module only works out the facts its rules ask a
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from fp8fix.io.checkpoint import known_values
 from fp8fix.model import CheckpointModel, Fp8Weight, ignore_linears
@@ -26,6 +27,7 @@ from fp8fix.registry.loaders import (
     UNQUANTIZED_EVIDENCE,
 )
 from fp8fix.registry.parallel import PACKED_SHARDS
+from fp8fix.registry.vllm_names import nearest_vllm_name, vllm_resolves
 from fp8fix.vocab import KvVerdict, Verdict
 
 #: Architectures vLLM 0.32 serves through its Transformers backend (fused module names only):
@@ -60,6 +62,10 @@ FACT_DESCRIPTIONS = {
     "unfused_on_transformers_backend": "per-shard names, and an architecture vLLM serves through its "
     "Transformers backend (GLM, GPT-NeoX)",
     "vllm_removed_architecture": "an architecture vLLM removed (Baichuan)",
+    "phi3_rope_factors": "a Phi-3 config (model_type phi3) whose rope_scaling short_factor / long_factor lists "
+    "are not half its rotary dimension long (Phi3Config refuses it)",
+    "vllm_unknown_architecture": "an architecture name vLLM resolves to no model class (not registered, no "
+    "transformers class, no auto_map: a typo such as Phi3ForCasualLM)",
     "vllm_added_after_020": "an architecture vLLM registered after 0.20 (MiMo-V2.5)",
     "block_scaled_qkv_fused": "a q / k / v module fused on disk (qkv_proj) with block scales",
     "transformers_missing_architecture": "an architecture transformers has no model for (MiMo-V2.5)",
@@ -149,6 +155,10 @@ class Facts:
     kv_cache_declared: bool = False  # ... and the config declares an FP8 kv cache vLLM reads
     kv_scales_under_fp8: bool = False  # ... under quant_method fp8, which declares none vLLM reads
     kv_cache_scheme: bool = False  # ... declared by compressed-tensors' kv_cache_scheme
+    vllm_unknown_architecture: bool = False  # vLLM resolves config.json's name to no model class
+    phi3_rope_factors: bool = False  # a Phi-3 config whose LongRoPE factor lists do not fit (Phi3Config refuses)
+    rope: str = ""  # what is wrong with them, for the reason
+    nearest_architecture: str = ""  # the vLLM name closest to an unknown one, for the reason
 
     @property
     def layout(self) -> str:
@@ -267,6 +277,10 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         unfused_names=unfused,
         unfused_on_transformers_backend=unfused and architecture in VLLM_TRANSFORMERS_BACKEND,
         vllm_removed_architecture=architecture in VLLM_REMOVED,
+        vllm_unknown_architecture=bool(architecture) and not vllm_resolves(architecture, model.checkpoint.config),
+        nearest_architecture=_nearest(architecture, model),
+        phi3_rope_factors=bool(rope_misfit(model.checkpoint.config)),
+        rope=rope_misfit(model.checkpoint.config),
         vllm_added_after_020=architecture in VLLM_ADDED_AFTER_020,
         block_scaled_qkv_fused=any(
             w.scale_kind == "block" and {s.shard for s in w.fused.spec.shards} == {"q", "k", "v"}
@@ -307,6 +321,36 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         kv_scales_under_fp8=bool(model.kv_cache_scales) and fmt is not None and fmt.name == "fp8",
         kv_cache_scheme=kv_declared and fmt is not None and fmt.name == "compressed-tensors",
     )
+
+
+def rope_misfit(config: dict[str, Any]) -> str:
+    """What Phi3Config refuses in a Phi-3 config's LongRoPE factors (transformers models/phi3/configuration_phi3.py
+    validate_rope: each of short_factor / long_factor, when given, must be a list of (rotary dimension // 2)
+    numbers, the rotary dimension hidden_size // num_attention_heads x partial_rotary_factor), or ""."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if config.get("model_type") != "phi3" or not isinstance(rope, dict):
+        return ""
+    if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
+        return ""
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if not isinstance(partial, (int, float)) or isinstance(partial, bool):
+        return ""
+    want = int(hidden // heads * partial) // 2
+    for key in ("short_factor", "long_factor"):
+        value = rope.get(key)
+        if value is not None and (not isinstance(value, list) or len(value) != want):
+            size = f"{len(value)} values" if isinstance(value, list) else f"a {type(value).__name__}"
+            return f"{key} has {size} where its rotary dimension needs {want}"
+    return ""
+
+
+def _nearest(architecture: str, model: CheckpointModel) -> str:
+    """The reason's hint for an architecture vLLM refuses: the nearest name it registers, where one is close."""
+    if not architecture or vllm_resolves(architecture, model.checkpoint.config):
+        return ""
+    near = nearest_vllm_name(architecture)
+    return f"; the nearest name vLLM registers: {near}" if near else ""
 
 
 def _declares_kv_cache(model: CheckpointModel) -> bool:
@@ -383,7 +427,9 @@ def loader_verdicts(model: CheckpointModel) -> dict[str, LoaderVerdict]:
         rules = [r for r in RULES if r.loader == loader and (not facts.unquantized or r.condition in PLAIN_MODEL_RULES)]
         rule = next((r for r in rules if getattr(facts, r.condition)), None)
         if rule is not None:
-            reason = rule.reason.format(architecture=facts.architecture)
+            reason = rule.reason.format(
+                architecture=facts.architecture, nearest=facts.nearest_architecture, rope=facts.rope
+            )
             verdicts[loader] = LoaderVerdict(rule.verdict, reason, rule.evidence)
         elif facts.unquantized:
             verdicts[loader] = LoaderVerdict("loads", PLAIN_MODEL, UNQUANTIZED_EVIDENCE[loader])

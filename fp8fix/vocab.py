@@ -31,7 +31,8 @@ InputScaleKind = Literal["static", "static-per-shard", "dynamic"]
 WeightVerdict = Literal["exact", "rounded", "requantized", "dequantized"]
 
 #: The version of the layout of every `--json` document (and `to_json()` in the Python API): docs/cli-output.md.
-SCHEMA_VERSION = 1
+#: 2: a loader verdict may be `rounded`, and `loads` means exact (1: e4m3fnuz rounding was `loads-wrong`).
+SCHEMA_VERSION = 2
 
 #: `--to` names of the FP8 weight encodings.
 Encoding = Literal["e4m3fn", "e4m3fnuz"]
@@ -49,11 +50,11 @@ TO_NAMES: tuple[ConvertTo, ...] = get_args(ConvertTo)
 #: How a config list's entries match module names (see `registry.formats.NameList`).
 Grammar = Literal["exact", "exact-or-re", "transformers", "fnmatch"]
 
-#: What a loader does with a checkpoint: loads it with the right weights, refuses it, loads it with
-#: wrong weights (unscaled codes, random-initialised modules), or not judged: what it does was neither
-#: run here nor read from its source (vLLM on ROCm, a GPU-only quantizer, a model's remote code); the
-#: reason says why.
-Verdict = Literal["loads", "fails", "loads-wrong", "not-judged"]
+#: What a loader does with a checkpoint, graded by loss: loads it with the right weights (`loads`), loads it
+#: with some weights rounded by at most half an fp8 step (`rounded`: e4m3fnuz codes cast into e4m3fn), loads it
+#: with wrong weights (unscaled codes, random-initialised modules), refuses it, or not judged: what it does was
+#: neither run here nor read from its source (a GPU-only quantizer, a model's remote code); the reason says why.
+Verdict = Literal["loads", "rounded", "fails", "loads-wrong", "not-judged"]
 #: What a loader's call does with a checkpoint's kv-cache scales: an FP8 cache at those scales, or not.
 KvVerdict = Literal["used", "ignored", "not-judged"]
 

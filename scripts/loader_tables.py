@@ -47,7 +47,9 @@ def render() -> str:
             f"| {PLAIN_MODEL} | {UNQUANTIZED_EVIDENCE[loader]} |"
         )
         for rule in (r for r in RULES if r.loader == loader):
-            reason = rule.reason.replace("{architecture}", "the architecture")
+            reason = rule.reason.format(
+                architecture="the architecture", nearest=" (and the nearest name vLLM registers)", rope="(what misfits)"
+            )
             lines.append(
                 f"| {loader} | {FACT_DESCRIPTIONS[rule.condition]} | **{rule.verdict}** | {reason} | {rule.evidence} |"
             )

@@ -55,9 +55,9 @@ def test_convert_verify_inspect_from_python(tmp_path: Path, kind: type) -> None:
     assert result.verification is not None and result.verification.ok
     assert all(m.action == "requantize" for m in result.plan.modules if m.fused_module.endswith("qkv_proj"))
     record = result.to_json()
-    assert record["schema_version"] == 1 and record["layout"] == "fused" and record["written"]
+    assert record["schema_version"] == 2 and record["layout"] == "fused" and record["written"]
     report = fp8fix.verify(kind(src), kind(out))
-    assert isinstance(report, fp8fix.VerifyReport) and report.ok and report.to_json()["schema_version"] == 1
+    assert isinstance(report, fp8fix.VerifyReport) and report.ok and report.to_json()["schema_version"] == 2
     inspected = fp8fix.inspect(kind(src))
     assert isinstance(inspected, fp8fix.InspectReport) and inspected.architecture == "Phi3ForCausalLM"
     assert inspected.loaders["vLLM >= 0.32"]["verdict"] == "fails"  # per-shard scales on a fused module
@@ -95,7 +95,7 @@ def test_errors_are_the_public_types_and_name_keyword_arguments(tmp_path: Path) 
     with pytest.raises(fp8fix.UsageError, match=f"SOURCE {tmp_path / 'missing'}: no such folder"):
         fp8fix.inspect(tmp_path / "missing")
     with pytest.raises(fp8fix.UnsupportedCheckpoint) as refused:
-        fp8fix.convert(build(tmp_path / "block", phi3(), fmt="fbgemm"), tmp_path / "o2", layout="channel")
+        fp8fix.convert(build(tmp_path / "block", phi3(), fmt="block-fp8"), tmp_path / "o2", layout="channel")
     assert "layout=" in str(refused.value) or "output_format=" in str(refused.value) or "--" not in str(refused.value)
 
 

@@ -89,7 +89,7 @@ def test_verify_fails_when_one_row_scale_changes(tmp_path: Path) -> None:
     patch_bytes(out, name, {4 * 200: 0x01})  # row 200 (an up row): the lowest mantissa bit of its scale
     result = run_cli("verify", src, out, "--json")
     assert result.exit_code == 1
-    assert any("gate_up_proj" in p for p in json.loads(result.output)["problems"])
+    assert any("gate_up_proj" in p for p in json.loads(result.stdout)["problems"])
 
 
 @pytest.mark.parametrize("target", ["auto", "vllm", "transformers"])
@@ -99,7 +99,7 @@ def test_channel_is_the_default_when_shard_scales_differ(tmp_path: Path, target:
     src = build(tmp_path / "src", phi3(), scale="shard")
     result = run_cli("convert", src, tmp_path / "out", "--target", target, "--dry-run", "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["layout"] == "channel"
+    assert json.loads(result.stdout)["layout"] == "channel"
 
 
 def test_channel_is_not_chosen_where_nothing_is_lost(tmp_path: Path) -> None:
@@ -110,7 +110,7 @@ def test_channel_is_not_chosen_where_nothing_is_lost(tmp_path: Path) -> None:
             equal = struct.pack(f"<{count}f", *[0.01] * count)
             patch_bytes(src, f"model.layers.{layer}.{module}.weight_scale", dict(enumerate(equal)))
     result = run_cli("convert", src, tmp_path / "out", "--dry-run", "--json")
-    assert json.loads(result.output)["layout"] != "channel"
+    assert json.loads(result.stdout)["layout"] != "channel"
     tensor = build(tmp_path / "tensor", phi3())
     assert json.loads(run_cli("convert", tensor, tmp_path / "o2", "--dry-run", "--json").output)["layout"] != "channel"
 
@@ -119,7 +119,7 @@ def test_channel_is_not_chosen_where_nothing_is_lost(tmp_path: Path) -> None:
     "fmt, options, message",
     [
         ("fp8", ("--format", "keep"), "use --format compressed-tensors"),
-        ("fbgemm", (), "the channel layout is written as compressed-tensors"),
+        ("fbgemm", ("--format", "keep"), "vLLM refuses FBGEMM FP8 (per-row) whatever its scales"),
         ("block-fp8", (), "the channel layout is written as compressed-tensors"),
     ],
 )

@@ -139,7 +139,7 @@ def test_fused_requantizes_shards_to_the_largest_scale(tmp_path: Path, fmt: str)
     src = build(tmp_path / "src", phi3(), fmt=fmt, scale="shard")
     result = run_cli("convert", src, tmp_path / "out", "--layout", "fused", "--json", "-q")
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     s, o = load_tensors(src), load_tensors(tmp_path / "out")
     per_tensor_shape = () if fmt == "fp8" else (1,)
     for module, f in fused_modules():
@@ -183,7 +183,7 @@ def test_fused_with_equal_shard_scales_changes_no_weight_byte(tmp_path: Path, re
     for module, _ in fused_modules(layers=1):
         assert raw(o[f"{module}.weight"]) == raw(tensors[f"{module}.weight"])
         assert o[f"{module}.weight_scale"].shape == ()
-    actions = {m["action"] for m in json.loads(result.output)["modules"]}
+    actions = {m["action"] for m in json.loads(result.stdout)["modules"]}
     assert actions == {"merge-equal-scales"}
 
 

@@ -29,7 +29,7 @@ def test_example_converts(tmp_path: Path) -> None:
     compressed-tensors (same bytes, per-tensor scales shaped [1]) it loads in vLLM and transformers."""
     result = run_cli("convert", EXAMPLE, tmp_path / "out", "--json", "-q")
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     assert report["output_format"] == "compressed-tensors" and report["layout"] == "fused"
     assert report["loaders"]["transformers"]["verdict"] == "loads"
     assert report["source_loaders"]["transformers"]["verdict"] == "loads-wrong"

@@ -75,7 +75,7 @@ def test_families_with_nothing_fused_convert_and_verify(tmp_path: Path, architec
     src = build(tmp_path / "src", family(architecture, plain), **build_options)  # type: ignore[arg-type]
     result = run_cli("convert", src, tmp_path / "out", "--json", "-q", *options)  # run_cli verifies it too
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     assert report["modules"] == [] and report["notes"] == []  # registered: no note about the architecture
     s, o = load_tensors(src), load_tensors(tmp_path / "out")
     weight = "model.layers.1.self_attn.o_proj.weight"
@@ -95,7 +95,7 @@ def test_an_unregistered_architecture_without_fused_names_converts_with_a_note(t
     src = build(tmp_path / "src", family("NewMoeForCausalLM", GLM4_MOE), fmt="fp8")
     result = run_cli("convert", src, tmp_path / "out", "--to", "e4m3fnuz", "--json", "-q")
     assert result.exit_code == 0, result.output
-    assert any("NewMoeForCausalLM has no registry entry" in n for n in json.loads(result.output)["notes"])
+    assert any("NewMoeForCausalLM has no registry entry" in n for n in json.loads(result.stdout)["notes"])
     inspected = json.loads(run_cli("inspect", src, "--json").output)
     assert inspected["convert_supported"] and not inspected["architecture_known"]
     assert any("has no registry entry" in n for n in inspected["notes"])
@@ -188,7 +188,7 @@ def test_qwen3_next_linear_attention_is_described(tmp_path: Path, options: tuple
     src = build(tmp_path / "src", qwen3_next(), scale="tensor")
     result = run_cli("convert", src, tmp_path / "out", "--json", "-q", *options)
     assert result.exit_code == 0, result.output
-    modules = {m["module"]: m for m in json.loads(result.output)["modules"]}
+    modules = {m["module"]: m for m in json.loads(result.stdout)["modules"]}
     qkvz = modules["model.layers.0.linear_attn.in_proj_qkvz"]
     assert qkvz["shards"] == {"q": 32, "k": 32, "v": 64, "z": 64}
     if "per-shard" in options:
@@ -316,7 +316,7 @@ def test_deepseek_r1_as_published_converts_and_verifies(tmp_path: Path, options:
     assert grid.shape == (5, 2)  # 576 rows: a partial block row, as in the release
     result = run_cli("convert", src, tmp_path / "out", "--json", "-q", *options)  # run_cli verifies it too
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["modules"] == []
+    assert json.loads(result.stdout)["modules"] == []
     s, o = load_tensors(src), load_tensors(tmp_path / "out")
     for name in ("model.layers.0.self_attn.kv_a_proj_with_mqa", "model.layers.1.mlp.experts.1.down_proj"):
         codes = s[f"{name}.weight"].view(torch.uint8)

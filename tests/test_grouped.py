@@ -141,7 +141,7 @@ def test_block_scales_split_off_block_aligned_heads_requantize_the_mixed_blocks(
     arch = neox_arch_file(tmp_path)
     result = run_cli("convert", src, tmp_path / "out", "--layout", "unfused", "--arch-file", arch, "--json", "-q")
     assert result.exit_code == 0, result.output  # run_cli verifies the output too
-    module = json.loads(result.output)["modules"][0]
+    module = json.loads(result.stdout)["modules"][0]
     assert module["blocks_requantized"] > 0 and 0 < module["max_error_steps"] <= 0.5
     assert run_cli("convert", src, tmp_path / "kept", "--layout", "per-shard", "-q").exit_code == 0
 

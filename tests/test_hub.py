@@ -255,7 +255,8 @@ def test_inspect_a_repo_id_reads_headers_not_weights(tmp_path: Path, fake_hub: F
 
     report = json.loads(proc.stdout)
     assert report["source"] == "org/remote" and len(report["modules"]) == 8
-    assert {f["code"] for f in report["findings"]} == {
+    assert {f["code"] for f in report["findings"] if f["loaders"]} == {"row-fails", "row-loads-wrong", "row-improved"}
+    assert {f["code"] for f in report["findings"] if not f["loaders"]} == {
         "per-shard-scales-on-fused",
         "raw-codes-in-transformers",
         "kv-cache-scales-dropped",  # headers say it (vLLM refuses the per-shard scales: no kv verdict there)
@@ -339,7 +340,7 @@ def test_push_takes_a_token_and_the_old_argument_order_with_a_warning(tmp_path: 
     assert proc.returncode == 0, proc.stderr
     assert "deprecated" in proc.stderr and "fp8fix push me/old-order" in proc.stderr
     pushed = json.loads(proc.stdout)
-    assert pushed["schema_version"] == 1 and pushed["repo_id"] == "me/old-order"
+    assert pushed["schema_version"] == 2 and pushed["repo_id"] == "me/old-order"
     assert pushed["url"].startswith(f"{fake_hub.url}/me/old-order/commit/")
     assert fake_hub.authorization and all(a == f"Bearer {TOKEN}" for a in fake_hub.authorization)
     assert TOKEN not in proc.stdout + proc.stderr
@@ -353,7 +354,7 @@ def test_convert_json_keeps_the_record_when_the_push_fails(tmp_path: Path, fake_
     )
     assert proc.returncode == 4
     record = json.loads(proc.stdout)
-    assert record["schema_version"] == 1 and record["written"] and record["output"] == str(tmp_path / "out")
+    assert record["schema_version"] == 2 and record["written"] and record["output"] == str(tmp_path / "out")
     assert record["pushed"] is None and record["push_error"]["exit_code"] == 4
     assert "no permission" in record["push_error"]["message"] and "retry with" in record["push_error"]["message"]
     assert proc.stderr.startswith("Error: me/x: no permission")

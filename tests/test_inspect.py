@@ -30,7 +30,7 @@ EXPECTED_LOADS = {
 def inspect(path: Path, *args: str) -> dict:
     result = run_cli("inspect", path, "--json", *args)
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)
 
 
 def codes(report: dict) -> set[str]:
@@ -50,7 +50,7 @@ def set_scale(src: Path, name: str, value: float) -> None:
 def test_report_describes_the_checkpoint(tmp_path: Path) -> None:
     src = build(tmp_path / "src", phi3(), fmt="compressed-tensors", scale="channel")
     report = inspect(src)
-    assert report["schema_version"] == 1
+    assert report["schema_version"] == 2
     assert report["format"] == "compressed-tensors" and report["convert_supported"]
     assert report["architecture"] == "Phi3ForCausalLM" and report["encoding"] == "e4m3fn"
     assert [f["name"] for f in report["files"]] == sorted(set(shard_files(src).values()))

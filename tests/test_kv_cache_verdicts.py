@@ -27,7 +27,7 @@ VLLM_USES = {"fp8": False, "fp8-amd-kv": False, "compressed-tensors": True, "mod
 def report(folder: Path, *args: str) -> dict:
     result = run_cli("inspect", folder, "--json", *args)
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)
 
 
 def kv(folder: Path) -> dict[str, str | None]:
@@ -55,7 +55,7 @@ def test_each_row_says_whether_its_call_uses_the_kv_cache_scales(tmp_path: Path,
         assert fix and "--format compressed-tensors" in fix
         result = run_cli("convert", src, tmp_path / "fixed", *fix.split(), "--json")
         assert result.exit_code == 0, result.output
-        assert {row: v["kv_cache_scales"]["verdict"] for row, v in json.loads(result.output)["loaders"].items()}[
+        assert {row: v["kv_cache_scales"]["verdict"] for row, v in json.loads(result.stdout)["loaders"].items()}[
             CUDA
         ] == "used"
         assert (kv(tmp_path / "fixed")[CUDA], kv(tmp_path / "fixed")[ROCM]) == ("used", "used")

@@ -149,7 +149,7 @@ def test_candidates_judged_by_class_are_judged_as_whole(
     if not whole:
         return
     fused = arch != "llama"
-    plain_without_channel = not fused and (FORMATS[fmt].block is not None or fmt == "fbgemm")
+    plain_without_channel = not fused and FORMATS[fmt].block is not None  # FBGEMM: channel via compressed-tensors
     engaged = not (fused and scale == "channel") and not plain_without_channel
     assert all(c.whole for c in by_class) != engaged  # reduced exactly where it saves planning
     if engaged:
@@ -171,7 +171,7 @@ def test_the_one_layer_whose_shard_scales_differ_decides_the_layout(tmp_path: Pa
     assert best(by_class, "auto", default_layout(root)).layout == "channel"
     out = run_cli("convert", root, tmp_path / "out", "--dry-run", "--json")
     assert out.exit_code == 0, out.output
-    assert json.loads(out.output)["layout"] == "channel"
+    assert json.loads(out.stdout)["layout"] == "channel"
     # and the layer is what decides it: with every layer alike, nothing differs and channel is not chosen
     alike = build(tmp_path / "alike", replace(phi3(), layers=LAYERS), fmt="compressed-tensors", scale="shard")
     rewrite_scales(alike, lambda name, t: torch.full(t.shape, 2.0**-7).to(t.dtype))

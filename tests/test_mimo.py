@@ -40,7 +40,7 @@ def test_mimo_pro_splits_into_standard_block_grids(mimo: Path, tmp_path: Path) -
     source blocks has the largest of their scales (its values: the next test); reported per module."""
     result = run_cli("convert", mimo, tmp_path / "out", "--layout", "unfused", "--json", "-q")  # verified too
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     config = json.loads((mimo / "config.json").read_text())
     s, o = load_tensors(mimo), load_tensors(tmp_path / "out")
     modules = {m["module"]: m for m in report["modules"]}
@@ -118,7 +118,7 @@ def test_mimo_fused_and_per_shard_layouts_keep_the_chunks(mimo: Path, tmp_path: 
     for layout in ("fused", "per-shard"):
         result = run_cli("convert", mimo, tmp_path / layout, "--layout", layout, "--json", "-q")
         assert result.exit_code == 0, result.output
-        modules = json.loads(result.output)["modules"]
+        modules = json.loads(result.stdout)["modules"]
         assert all(m["action"] == "keep" and "pre-sharded chunks kept" in m["reason"] for m in modules)
         s, o = load_tensors(mimo), load_tensors(tmp_path / layout)
         assert all(raw(o[n]) == raw(t) for n, t in s.items())
@@ -160,7 +160,7 @@ def test_block_splits_off_block_boundaries_requantize_only_mixed_blocks(tmp_path
         del FORMATS["block-fp8-48"]
     result = run_cli("convert", src, tmp_path / "out", "--layout", "unfused", "--json", "-q")
     assert result.exit_code == 0, result.output
-    modules = {m["module"]: m for m in json.loads(result.output)["modules"]}
+    modules = {m["module"]: m for m in json.loads(result.stdout)["modules"]}
     assert modules["model.layers.0.self_attn.qkv_proj"]["blocks_requantized"] == 0
     assert modules["model.layers.0.mlp.gate_up_proj"]["blocks_requantized"] > 0
     s, o = load_tensors(src), load_tensors(tmp_path / "out")

@@ -61,12 +61,12 @@ def test_every_json_document_has_a_schema_version_and_errors_are_json(tmp_path: 
         run_cli("inspect", src, "--json").output,
         run_cli("architectures", "--json").output,
     ]
-    assert all(json.loads(d)["schema_version"] == 1 for d in documents)
+    assert all(json.loads(d)["schema_version"] == 2 for d in documents)
     proc = fp8fix("convert", tmp_path / "missing", tmp_path / "o2", "--json")
     assert proc.returncode == 2
     error = json.loads(proc.stdout)
     assert error == {
-        "schema_version": 1,
+        "schema_version": 2,
         "error": {"type": "UsageError", "message": error["error"]["message"], "exit_code": 2},
     }
     assert error["error"]["message"].startswith(f"SOURCE {tmp_path / 'missing'}: no such folder")

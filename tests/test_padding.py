@@ -37,7 +37,7 @@ def test_deepseek_dense_mlp_padded_for_tp_32(tmp_path: Path) -> None:
     src = deepseek_dense(tmp_path / "src")
     result = run_cli("convert", src, tmp_path / "out", "--tp", "32", "--json")  # run_cli verifies it
     assert result.exit_code == 0, result.output
-    record = json.loads(result.output)["tensor_parallel"]
+    record = json.loads(result.stdout)["tensor_parallel"]
     assert record["tp"] == 32 and record["multiple"] == 4096 and record["config"] == {"intermediate_size": 8192}
     (padded,) = record["mlps"]
     assert (padded["module"], padded["intermediate"], padded["padded"]) == ("model.layers.0.mlp", 4608, 8192)
@@ -83,7 +83,7 @@ def test_qwen3_moe_experts_padded_and_attention_refused_where_it_must_be(tmp_pat
 def test_shared_expert_and_experts_padded_together(tmp_path: Path) -> None:
     result = run_cli("convert", shared_expert(tmp_path / "src"), tmp_path / "out", "--tp", "8", "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["tensor_parallel"]["config"] == {
+    assert json.loads(result.stdout)["tensor_parallel"]["config"] == {
         "moe_intermediate_size": 1024,
         "shared_expert_intermediate_size": 1024,
     }
@@ -168,7 +168,7 @@ def test_tp_bf16_writes_attention_split_into_partial_blocks_in_bf16(tmp_path: Pa
     assert refused.output.rstrip().endswith("sizes whose attention splits whole: 1") and not (tmp_path / "no").exists()
     result = run_cli("convert", src, tmp_path / "out", "--tp", "8", "--tp-bf16", "--json")  # run_cli verifies
     assert result.exit_code == 0, result.output
-    record = json.loads(result.output)
+    record = json.loads(result.stdout)
     bf16 = record["tensor_parallel"]["bf16"]
     assert sorted(m["module"] for m in bf16) == ATTENTION
     s, o = load_tensors(src), load_tensors(tmp_path / "out")
@@ -263,7 +263,7 @@ def test_tp_bf16_composes_with_e4m3fnuz(tmp_path: Path) -> None:
     assert run_cli("convert", src, tmp_path / "fn", "--tp", "8", "--tp-bf16", "-q").exit_code == 0
     result = run_cli("convert", src, tmp_path / "fnuz", "--tp", "8", "--tp-bf16", "--to", "e4m3fnuz", "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["encoding"]["weights"] == 24  # 8 experts x 3: not the 4 BF16 modules
+    assert json.loads(result.stdout)["encoding"]["weights"] == 24  # 8 experts x 3: not the 4 BF16 modules
     fn, fnuz = load_tensors(tmp_path / "fn"), load_tensors(tmp_path / "fnuz")
     for module in ATTENTION:
         assert raw(fnuz[f"{module}.weight"]) == raw(fn[f"{module}.weight"])
@@ -312,7 +312,7 @@ def test_tp_1_fixes_shards_that_shift_the_next_ones_scales(tmp_path: Path) -> No
     dense = deepseek_dense(tmp_path / "dense", intermediate=4608 + 64)
     result = run_cli("convert", dense, tmp_path / "dense-out", "--tp", "1", "--json")
     assert result.exit_code == 0, result.output
-    record = json.loads(result.output)
+    record = json.loads(result.stdout)
     assert record["tensor_parallel"]["config"] == {"intermediate_size": 4736}
     assert record["loaders"]["vLLM >= 0.32"]["verdict"] == "loads"
     assert record["source_loaders"]["vLLM >= 0.32"]["verdict"] == "fails"
@@ -321,7 +321,7 @@ def test_tp_1_fixes_shards_that_shift_the_next_ones_scales(tmp_path: Path) -> No
     assert refused.exit_code == 3 and "--tp-bf16" in refused.output
     result = run_cli("convert", src, tmp_path / "out", "--tp", "1", "--tp-bf16", "--json")
     assert result.exit_code == 0, result.output
-    record = json.loads(result.output)
+    record = json.loads(result.stdout)
     assert sorted(m["module"] for m in record["tensor_parallel"]["bf16"]) == [
         f"model.layers.0.self_attn.{m}" for m in ("k_proj", "q_proj", "v_proj")
     ]

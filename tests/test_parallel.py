@@ -137,7 +137,7 @@ CASES = {"qwen3-moe": (qwen3_moe, 4), "deepseek-dense": (deepseek_dense, 32), "s
 def tp_report(src: Path, *sizes: int) -> dict[str, Any]:
     result = run_cli("inspect", src, "--tp", ",".join(map(str, sizes)), "--json")
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)["tensor_parallel"]
+    return json.loads(result.stdout)["tensor_parallel"]
 
 
 def groups(report: dict[str, Any], tp: int) -> dict[str, dict[str, Any]]:

@@ -73,7 +73,7 @@ def test_default_layout_and_shard_rows(tmp_path: Path, name: str) -> None:
     src = build(tmp_path / "src", model, scale="tensor")
     result = run_cli("convert", src, tmp_path / "out", "--format", "keep", "--json", "-q")
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     assert report["layout"] == layout
     assert len(report["modules"]) == model.layers * len(model.fused)
     for m in report["modules"]:

@@ -43,7 +43,7 @@ def dequant_rows(w: torch.Tensor, scale: torch.Tensor, rows: list[int]) -> torch
 def convert(src: Path, out: Path, *args: str) -> dict:
     result = run_cli("convert", src, out, "--json", "-q", *args)
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)
 
 
 def with_negative_zeros(src: Path) -> Path:

@@ -28,7 +28,7 @@ SGLANG, VLLM = "SGLang 0.5.23", "vLLM >= 0.32"
 def verdict(folder: Path) -> dict[str, str]:
     result = run_cli("inspect", folder, "--json")
     assert result.exit_code == 0, result.output
-    return {row: v["verdict"] for row, v in json.loads(result.output)["loaders"].items()}
+    return {row: v["verdict"] for row, v in json.loads(result.stdout)["loaders"].items()}
 
 
 @pytest.mark.parametrize("shape", ["llama", "phi3"])
@@ -55,7 +55,7 @@ def test_unquantized_q_k_v_of_a_llama_load_wrong_in_sglang(tmp_path: Path, fmt: 
     out = tmp_path / "out"
     result = run_cli("convert", src, out, "--dequantize", "*.layers.0.self_attn.*", "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["loaders"][SGLANG]["verdict"] == verdict(out)[SGLANG] == "loads-wrong"
+    assert json.loads(result.stdout)["loaders"][SGLANG]["verdict"] == verdict(out)[SGLANG] == "loads-wrong"
     assert verdict(out)[VLLM] == "loads"
 
 

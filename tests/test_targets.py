@@ -10,6 +10,7 @@ import pytest
 
 from tests.builders import block_fp8_checkpoint, build, llama, mlp_linears, phi3
 from tests.conftest import folder_digest, run_cli
+from tests.test_gate import check_fixpoint
 from tests.test_registry import MODELS
 
 CURRENT = ("vLLM >= 0.32", "transformers")
@@ -37,19 +38,20 @@ def test_auto_never_loads_in_fewer_loaders_and_strict_is_a_fixpoint(
     src = build(tmp_path / "src", model, fmt=fmt, scale=scale)
     result = run_cli("convert", src, tmp_path / "out", "--json", "-q")
     assert result.exit_code == 0, result.output
-    said = {loader: row["verdict"] for loader, row in json.loads(result.output)["loaders"].items()}
+    said = {loader: row["verdict"] for loader, row in json.loads(result.stdout)["loaders"].items()}
     assert said == verdicts(tmp_path / "out")  # convert judged what it wrote, as inspect does
     assert correct(said) >= correct(verdicts(src))
-    # inspect --strict on SOURCE suggests a fix only where convert would improve on it; applied, it passes
+    # inspect --strict on SOURCE fails on exactly its row findings (the rule: tests/test_gate.py); each fix,
+    # applied, makes the rows it names load; the default output is a fixpoint (nothing left to improve)
     strict = run_cli("inspect", src, "--strict", "--json")
-    # (a fix for an older loader only, such as vLLM <= 0.5.0's per-shard layout, is tests/test_findings_fixes.py's)
-    fixes = {f["fix"] for f in json.loads(strict.output)["findings"] if f["fix"] and f["default_target"]}
-    assert strict.exit_code == (1 if fixes else 0)
-    for fix in fixes:
+    gate = [f for f in json.loads(strict.stdout)["findings"] if f["loaders"]]
+    assert strict.exit_code == (1 if gate else 0)
+    for fix in {f["fix"] for f in gate if f["fix"]}:
         fixed = tmp_path / f"fixed{fix.replace(' ', '')}"
         assert run_cli("convert", src, fixed, *fix.split(), "-q").exit_code == 0
-        assert run_cli("inspect", fixed, "--strict").exit_code == 0, fix
-    assert run_cli("inspect", tmp_path / "out", "--strict").exit_code == 0
+        after = verdicts(fixed)
+        assert all(after[row] == "loads" for f in gate if f["fix"] == fix for row in f["loaders"]), (fix, after)
+    check_fixpoint(src, tmp_path, "auto")
 
 
 def test_chatglm_single_scale_is_kept_and_strict_passes(tmp_path: Path) -> None:
@@ -59,13 +61,14 @@ def test_chatglm_single_scale_is_kept_and_strict_passes(tmp_path: Path) -> None:
     src = build(tmp_path / "src", MODELS["chatglm-mqa"][0], fmt="compressed-tensors")
     result = json.loads(run_cli("convert", src, tmp_path / "out", "--json", "-q").output)
     assert result["layout"] == "fused" and {m["action"] for m in result["modules"]} == {"keep"}
-    assert run_cli("inspect", src, "--strict").exit_code == 0
+    gate = [f for f in json.loads(run_cli("inspect", src, "--json").stdout)["findings"] if f["loaders"]]
+    assert not [f for f in gate if f["code"] == "row-improved"]  # the default keeps it: nothing to improve
     per_shard = tmp_path / "per-shard"
     assert run_cli("convert", src, per_shard, "--layout", "per-shard", "-q").exit_code == 0
     assert verdicts(per_shard)["vLLM >= 0.32"] == "fails"
     strict = run_cli("inspect", per_shard, "--strict", "--json")
     assert strict.exit_code == 1
-    assert {f["fix"] for f in json.loads(strict.output)["findings"] if f["fix"]} == {"--layout fused"}
+    assert "--layout fused" in {f["fix"] for f in json.loads(strict.stdout)["findings"] if f["loaders"]}
 
 
 def test_glm_unfused_is_refused_by_vllms_transformers_backend(tmp_path: Path) -> None:

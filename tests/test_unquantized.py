@@ -107,7 +107,7 @@ def exact_values(folder: Path, model: Model | None, block: tuple[int, int] | Non
 def convert(src: Path, out: Path, *args: str) -> dict:
     result = run_cli("convert", src, out, *args, "--verify", "--json")
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)
 
 
 def tampered(out: Path, bad: Path, tensors: dict[str, torch.Tensor]) -> Path:

@@ -26,7 +26,7 @@ def converted(tmp_path: Path) -> tuple[Path, Path]:
 
 def verify(src: Path, out: Path) -> tuple[int, dict]:
     result = run_cli("verify", src, out, "--json")
-    return result.exit_code, json.loads(result.output)
+    return result.exit_code, json.loads(result.stdout)
 
 
 def test_faithful_conversion_passes(converted: tuple[Path, Path]) -> None:
@@ -169,7 +169,7 @@ def test_convert_verify_fails_without_leaving_output(tmp_path: Path) -> None:
     src = build(tmp_path / "src", phi3())
     result = run_cli("convert", src, tmp_path / "out", "--verify", "--json", "-q")
     assert result.exit_code == 0
-    assert json.loads(result.output)["verification"]["ok"] is True
+    assert json.loads(result.stdout)["verification"]["ok"] is True
     assert "Verified with `fp8fix verify`" in (tmp_path / "out" / "README.md").read_text()
 
 

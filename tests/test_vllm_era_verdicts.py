@@ -33,7 +33,7 @@ ERAS = (V020, V021, V032)
 def rows(folder: Path, *args: str) -> dict[str, dict]:
     result = run_cli("inspect", folder, "--json", *args)
     assert result.exit_code == 0, result.output
-    return dict(json.loads(result.output)["loaders"])
+    return dict(json.loads(result.stdout)["loaders"])
 
 
 def verdicts(folder: Path) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fp8fix.io.checkpoint import CONFIG, read_json, side_config
 from fp8fix.model import ignore_linears
 from fp8fix.registry.formats import (
+    FBGEMM,
     MODELOPT,
     QUARK,
     NameList,
@@ -84,6 +85,12 @@ def output_config(
         content, edits = out.get(CONFIG, (config, []))
         scheme = compressed_tensors
         edit = f"quant_method {scheme.source} -> compressed-tensors ({scheme.strategy} scales, same codes)"
+        bound = (quantization_config(content) or {}).get("activation_scale_ub")
+        if scheme.source == FBGEMM.name and bound is not None:
+            edit += (
+                f"; activation_scale_ub {bound} dropped: compressed-tensors' dynamic per-token activation scales "
+                "have no upper bound (weights unchanged; activations of outlier tokens quantize at their own scale)"
+            )
         out[CONFIG] = (compressed_tensors_config(content, scheme), [*edits, f"quantization_config: {edit}"])
     elif channel:
         content, edits = out.get(CONFIG, (config, []))
@@ -207,7 +214,7 @@ class Scheme:
 
 
 def source_scheme(model: CheckpointModel) -> tuple[bool, tuple[str, ...]] | None:
-    """(dynamic input activations, `ignore`) of an AutoFP8, Quark or ModelOpt checkpoint, from its
+    """(dynamic input activations, `ignore`) of an AutoFP8, Quark, ModelOpt or FBGEMM checkpoint, from its
     config; None where its config says what one compressed-tensors group cannot (Quark per-layer
     overrides, output or kv-cache quantization without the kv scales fp8fix renames, `modules_to_not_convert`).
     Worked out once per description: `--target` asks it for every compressed-tensors candidate, and its
@@ -241,6 +248,11 @@ def _source_scheme(model: CheckpointModel) -> tuple[bool, tuple[str, ...]] | Non
         quantization = (side_config(model.checkpoint.root) or {}).get("quantization") or {}
         entries = [*(quantization.get("exclude_modules") or []), *(qc.get("ignore") or [])]
         return False, named_modules(model, [*entries, *(qc.get("exclude_modules") or [])], "fnmatch")
+    if fmt.name == FBGEMM.name:
+        # per-row weight scales, activations quantized per token at run time: compressed-tensors' channel
+        # weights with dynamic token activations (the activation scale's upper bound, activation_scale_ub,
+        # has no compressed-tensors form: the conversion notes it); its skip list as transformers matches it
+        return True, named_modules(model, qc.get("modules_to_not_convert"), "transformers")
     return None
 
 
@@ -262,7 +274,7 @@ def _linear_weight(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def can_write(model: CheckpointModel) -> bool:
-    """An AutoFP8, Quark or ModelOpt checkpoint whose config one compressed-tensors group can say
+    """An AutoFP8, Quark, ModelOpt or FBGEMM checkpoint whose config one compressed-tensors group can say
     (`source_scheme`) and whose weight scales are all per tensor or per channel (or per shard, which
     a layout may make per tensor or per row)."""
     return bool(model.once("can_write_compressed_tensors", _can_write))  # once per description, as `source_scheme`

@@ -257,7 +257,7 @@ def _tensors_unchanged(plan: ConversionPlan, ckpt: Checkpoint) -> bool:
 
 def _no_compressed_tensors(arch_name: str, layout: Layout) -> UnsupportedCheckpoint:
     return UnsupportedCheckpoint(
-        f"{arch_name}: compressed-tensors output needs an AutoFP8, Quark or ModelOpt source whose config "
+        f"{arch_name}: compressed-tensors output needs an AutoFP8, Quark, ModelOpt or FBGEMM source whose config "
         "one compressed-tensors group can say (no per-layer overrides, no modules_to_not_convert) and whose "
         f"weight scales the {layout} layout leaves all per tensor or all per channel"
     )
@@ -266,7 +266,7 @@ def _no_compressed_tensors(arch_name: str, layout: Layout) -> UnsupportedCheckpo
 def channel_format(model: CheckpointModel) -> OutputFormat | None:
     """The output format the channel layout of this checkpoint is written in (compressed-tensors, the
     one format vLLM takes per-row scales in): its own for compressed-tensors, `compressed-tensors`
-    from AutoFP8, Quark or ModelOpt that one group can describe; None when there is none."""
+    from AutoFP8, Quark, ModelOpt or FBGEMM that one group can describe; None when there is none."""
     fmt = model.format
     if fmt is not None and fmt.name == COMPRESSED_TENSORS.name:
         return None if fmt.block else "keep"
@@ -280,11 +280,14 @@ def _require_channel_format(model: CheckpointModel, output_format: OutputFormat,
     if needed is None:
         raise UnsupportedCheckpoint(
             f"{arch_name}: the channel layout is written as compressed-tensors, from compressed-tensors, AutoFP8, "
-            "Quark or ModelOpt checkpoints with per-tensor or per-shard scales that one compressed-tensors group "
+            "Quark, ModelOpt or FBGEMM checkpoints with per-tensor, per-shard or per-row scales that one "
+            "compressed-tensors group "
             f"can describe; this checkpoint is {fmt.label}"
         )
     if output_format != needed:
         why = "this checkpoint is already" if needed == "keep" else f"vLLM rejects {fmt.label} with per-row scales"
+        if fmt.name == "fbgemm_fp8":
+            why = f"vLLM refuses {fmt.label} whatever its scales"
         raise UnsupportedCheckpoint(
             f"{arch_name}: the channel layout is written as compressed-tensors ({why}); use --format {needed}"
         )

@@ -157,7 +157,7 @@ class Rule:
 FNUZ_RULE = Rule(
     VLLM,
     "fnuz_weights",
-    "loads-wrong",
+    "rounded",
     "vLLM creates e4m3fn weight parameters on every platform and casts e4m3fnuz codes into them, rounding each "
     "odd subnormal code (an odd multiple of 2^-10, below 2^-6) to an even one: up to half of e4m3fn's smallest "
     "step times the scale. On ROCm it then converts to e4m3fnuz itself (codes and doubled scales, in the right "
@@ -167,8 +167,23 @@ FNUZ_RULE = Rule(
     "and FP8FIX_VLLM_ROCM=1)",
 )
 
+#: An architecture name vLLM resolves to no model class: refused before any weight is read.
+UNKNOWN_ARCHITECTURE_REASON = (
+    "no model class named {architecture}: vLLM refuses to start (ValueError: Model architectures "
+    "['{architecture}'] are not supported for now){nearest}; fix config.json's architectures"
+)
+UNKNOWN_ARCHITECTURE_TEST = "tests/loaders/test_config_refusals.py"
+
 #: vLLM >= 0.32, in priority order (the first rule that holds decides); `ROCM_RULES` and `ERA_RULES` copy them.
 VLLM_RULES: tuple[Rule, ...] = (
+    Rule(
+        VLLM,
+        "vllm_unknown_architecture",
+        "fails",
+        UNKNOWN_ARCHITECTURE_REASON,
+        "vllm 0.32 model_executor/models/registry.py _ModelRegistry.inspect_model_cls, _raise_for_unsupported "
+        "(names: fp8fix/registry/runtimes/vllm-architectures.json); " + UNKNOWN_ARCHITECTURE_TEST,
+    ),
     Rule(
         VLLM,
         "odd_scales",
@@ -473,7 +488,7 @@ SGLANG_RULES: tuple[Rule, ...] = (
     Rule(
         SGLANG,
         "fnuz_weights",
-        "loads-wrong",
+        "rounded",
         "creates e4m3fn weight parameters and casts e4m3fnuz codes into them, rounding each odd subnormal code",
         "sglang 0.5.23 srt/layers/quantization/fp8.py create_weights (float8_e4m3fn); " + SGLANG_TESTS,
     ),
@@ -487,8 +502,54 @@ SGLANG_RULES: tuple[Rule, ...] = (
     ),
 )
 
+#: A Phi-3 config whose LongRoPE factor lists do not fit its rotary dimension: transformers' Phi3Config refuses
+#: it as it is read (every runtime here builds its config with transformers' class).
+ROPE_FACTORS_REASON = (
+    "config.json's rope_scaling {rope}: transformers' Phi3Config refuses it as the config is read (ValueError: "
+    "`rope_parameters`'s short_factor field must have length ...), before any weight; fix the config"
+)
+CONFIG_REFUSAL_TEST = "tests/loaders/test_config_refusals.py"
+
+
+def _rope_rule(loader: str, transformers: str, how: str) -> Rule:
+    """The Phi-3 rope refusal as `loader`'s row, in the transformers release it builds configs with: measured
+    (`how` names the test) or, for the releases not run, read from source."""
+    evidence = (
+        f"transformers {transformers} models/phi3/configuration_phi3.py Phi3Config (validate_rope in 5.x, "
+        f"_rope_scaling_validation in 4.x); {how}"
+    )
+    return Rule(loader, "phi3_rope_factors", "fails", ROPE_FACTORS_REASON, evidence)
+
+
 #: In priority order per loader: the first rule that holds decides.
 RULES: tuple[Rule, ...] = (
+    *(
+        _rope_rule(loader, transformers, how)
+        for loader, transformers, how in (
+            *(
+                (old, "4.40", "the transformers these releases build configs with; from source, not run")
+                for old in (VLLM_LEGACY, VLLM_OLD)
+            ),
+            (VLLM_019, "4.57-5.19", f"as {measured_on(VLLM_019)} build it: {CONFIG_REFUSAL_TEST}"),
+            (VLLM_021, "5.17-5.19", f"as {measured_on(VLLM_021)} build it: {CONFIG_REFUSAL_TEST}"),
+            (VLLM, "5.19", f"as vLLM 0.32 builds it: {CONFIG_REFUSAL_TEST}"),
+            (VLLM_ROCM, "5.19", f"as vLLM 0.32 builds it: {CONFIG_REFUSAL_TEST} (FP8FIX_VLLM_ROCM=1)"),
+            (SGLANG, "5.19", f"as SGLang 0.5.23 builds it: {CONFIG_REFUSAL_TEST}"),
+            (TRANSFORMERS, "5.24", CONFIG_REFUSAL_TEST),
+        )
+    ),
+    # the older vLLMs refused a name their registry lacked too, with the same message (no Transformers backend yet)
+    *(
+        Rule(
+            loader,
+            "vllm_unknown_architecture",
+            "fails",
+            UNKNOWN_ARCHITECTURE_REASON,
+            f"vllm {release} model_executor/models/__init__.py ModelRegistry.load_model_cls (architectures not in "
+            "_MODELS: ValueError ... are not supported for now); from source, not run",
+        )
+        for loader, release in ((VLLM_LEGACY, "0.5.0"), (VLLM_OLD, "0.5.1-0.6"))
+    ),
     # the older vLLMs: a weight whose scale is missing or of no known shape, not run
     *(
         Rule(
@@ -677,7 +738,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         TRANSFORMERS,
         "fnuz_compressed_tensors",
-        "loads-wrong",
+        "rounded",
         "its compressed-tensors layers hold e4m3fn parameters: e4m3fnuz codes are cast into them and the odd "
         "subnormal ones (below e4m3fn's smallest) round (convert --to e4m3fn for transformers)",
         REAL_LOADER_TESTS,
@@ -709,6 +770,8 @@ DEFAULT_EVIDENCE: dict[str, str] = {
 #: others are about FP8 weights, scales and quantization configs, which it has none of.
 PLAIN_MODEL_RULES = frozenset(
     {
+        "phi3_rope_factors",
+        "vllm_unknown_architecture",
         "vllm_removed_architecture",
         "transformers_missing_architecture",
         "remote_code_architecture",

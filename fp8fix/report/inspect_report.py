@@ -6,7 +6,7 @@ from collections import defaultdict
 from typing import Any
 
 from fp8fix.inspection import Report
-from fp8fix.report.text import human_size, name_pattern
+from fp8fix.report.text import human_size, joined, name_pattern
 from fp8fix.verdicts import calls_line, kv_cache_line, verdict_line
 
 
@@ -49,9 +49,9 @@ def report_lines(report: Report, verbose: bool = False) -> list[str]:
         if f.fix and f.trade_off:
             fix += f" (which {', '.join(f.trade_off)} would then not load correctly)"
         if f.fix and not f.default_target:
-            fix += " (not a problem for --target auto's loaders: --strict passes)"
+            fix += " (not a problem for --target auto's loaders)"
         guess = " [heuristic]" if f.heuristic else ""
-        where = f"{len(f.modules)} module(s) {name_pattern(f.modules)}"
+        where = joined(f.loaders) if f.loaders else f"{len(f.modules)} module(s) {name_pattern(f.modules)}"
         lines.append(f"  {f.code}{guess}: {where}: {f.reason}; {fix}")
     for note in report.notes:
         lines.append(f"  note: {note}")

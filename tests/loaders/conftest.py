@@ -78,7 +78,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for loader, cases in sorted(MATRIX.items()):
         judged = [(said, real) for said, real, j, _ in cases.values() if j]
         agree = sum(said == real for said, real in judged)
-        outcomes = ", ".join(f"{v} {sum(real == v for _, real in judged)}" for v in ("loads", "loads-wrong", "fails"))
+        outcomes = ", ".join(
+            f"{v} {sum(real == v for _, real in judged)}" for v in ("loads", "rounded", "loads-wrong", "fails")
+        )
         terminalreporter.write_line(
             f"{loader:13} {len(cases):4} cases: agree {agree}, disagree {len(judged) - agree}, "
             f"not judged {len(cases) - len(judged)} (real outcomes: {outcomes})"

@@ -64,7 +64,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tup
         out[(name, "as-exported")] = (src, truth, {})
         result = run_cli("convert", src, root / f"{name}-auto", "--json")
         assert result.exit_code == 0, result.output
-        report = json.loads(result.output)
+        report = json.loads(result.stdout)
         if name == "phi3.ct.shard.one-differs":  # only layer 5's shards differ: only channel keeps every weight
             assert report["layout"] == "channel"
         said = {row: v["verdict"] for row, v in report["loaders"].items()}

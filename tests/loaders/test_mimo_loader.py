@@ -58,7 +58,7 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Lo
     src = mimo_v2(root / "src")
     result = run_cli("convert", src, root / "unfused", "--json")
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     folders = {"source": src, "unfused": root / "unfused"}
     ran = run_loader("vllm", list(folders.values()), root / "vllm")
     return {name: (folder, r, report) for (name, folder), r in zip(folders.items(), ran, strict=True)}

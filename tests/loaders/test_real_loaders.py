@@ -5,8 +5,9 @@ Small Phi-3 checkpoints of several formats, as exported and after each `--layout
 loaded by the real loaders (see conftest.py); the weights each loader ends up computing
 with are compared with the true values dequantized from the SOURCE files by this test,
 independently of fp8fix. The outcome is `loads` (every FP8 layer exactly the source's
-values), `loads-wrong` (loaded, but some layer is not: unscaled, random or lost), or
-`fails` (the loader raised). Then fp8fix's own verdict for that loader, from
+values), `rounded` (not exactly, but exactly what e4m3fn parameters make of the checkpoint's e4m3fnuz
+codes: odd subnormal codes rounded, half an fp8 step at most), `loads-wrong` (loaded, but some layer is
+not: unscaled, random or lost), or `fails` (the loader raised). Then fp8fix's own verdict for that loader, from
 `fp8fix inspect --json` on the checkpoint, must say the same.
 """
 
@@ -145,11 +146,17 @@ def legacy_names(folder: Path) -> bool:
     return False
 
 
+def quant_method(folder: Path) -> str | None:
+    """config.json's quantization_config.quant_method, as written in the checkpoint a case loads."""
+    config = json.loads((folder / "config.json").read_text())
+    return (config.get("quantization_config") or {}).get("quant_method")
+
+
 def not_judged(source: str, layout: str, loader: str, folder: Path) -> str | None:
     """Why fp8fix must say `not-judged` for a case (worked out from the case, not from fp8fix), or None:
     FBGEMM FP8 in transformers runs on a GPU only (the CPU refusal is what runs here); the legacy AutoFP8 names
     in SGLang (the harness reads weights back, not the activation scales its act_scale would set)."""
-    if loader == "transformers" and SOURCES.get(source, ("",))[0] == "fbgemm":
+    if loader == "transformers" and quant_method(folder) == "fbgemm_fp8":  # not its conversions (compressed-tensors)
         return "gpu-only"
     if loader == "sglang" and loader_shape(source) != "glm" and legacy_names(folder):
         return "activation-scales"  # it loads the weights; whether it uses act_scale is not read back here
@@ -190,9 +197,11 @@ class Truth(dict[str, torch.Tensor]):
     rows: dict[str, torch.Tensor]
 
 
-def true_weights(folder: Path, model: Model) -> Truth:
+def true_weights(folder: Path, model: Model, as_e4m3fn: bool = False) -> Truth:
     """Every FP8 linear layer of SOURCE dequantized in float32, by module path: codes times the scale
-    of their row (one scale, one per shard by the documented row counts, or one per row)."""
+    of their row (one scale, one per shard by the documented row counts, or one per row). `as_e4m3fn`: each
+    e4m3fnuz code first cast into e4m3fn (torch's round to nearest even), as a loader that holds e4m3fn
+    parameters computes with them: the `rounded` verdict's expectation."""
     tensors: dict[str, torch.Tensor] = {}
     for path in folder.glob("*.safetensors"):
         with safe_open(path, framework="pt") as f:
@@ -201,8 +210,10 @@ def true_weights(folder: Path, model: Model) -> Truth:
     truth = Truth(lm_head=tensors["lm_head.weight"].float())  # BF16 in every source: no loader may quantize it
     truth.rows = {}
     for name, w in tensors.items():
-        if not name.endswith(".weight") or w.dtype != torch.float8_e4m3fn:
+        if not name.endswith(".weight") or w.dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
             continue
+        if as_e4m3fn and w.dtype == torch.float8_e4m3fnuz:
+            w = w.float().to(torch.float8_e4m3fn)
         module = name.removesuffix(".weight")
         scale = tensors.get(module + ".weight_scale", tensors.get(module + ".weight_scale_inv"))
         assert scale is not None, module
@@ -255,7 +266,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Cas
             folder = root / f"{name}-{layout}"
             result = run_cli("convert", src, folder, *args, "--json")
             assert result.exit_code == 0, result.output
-            said = {row: v["verdict"] for row, v in json.loads(result.output)["loaders"].items()}
+            said = {row: v["verdict"] for row, v in json.loads(result.stdout)["loaders"].items()}
             out[(name, layout)] = Case(name, layout, folder, truth, said)
     for name, options in CHANNEL_ONLY.items():
         model = loader_model(name)
@@ -263,7 +274,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Cas
         folder = root / f"{name}-channel"
         result = run_cli("convert", src, folder, *CHANNEL["channel"], "--json")
         assert result.exit_code == 0, result.output
-        said = {row: v["verdict"] for row, v in json.loads(result.output)["loaders"].items()}
+        said = {row: v["verdict"] for row, v in json.loads(result.stdout)["loaders"].items()}
         out[(name, "channel")] = Case(name, "channel", folder, true_weights(src, model), said)
     return out
 
@@ -346,10 +357,35 @@ def fp8fix_grid(folder: Path) -> dict[str, torch.Tensor]:
     return scales
 
 
-def outcome(result: Loaded, truth: dict[str, torch.Tensor], folder: Path) -> tuple[str, str]:
-    """(loads | loads-wrong | fails, why) from what the loader computes with, against the truth: exactly
-    (`bf16_exact`), or, for a layer whose rows' true scales differ (`Truth.rows`: requantized to one by the
-    loader or by fp8fix), within REQUANTIZED_STEPS of the one scale's grid."""
+def outcome(
+    result: Loaded, truth: dict[str, torch.Tensor], folder: Path, rounded: dict[str, torch.Tensor] | None = None
+) -> tuple[str, str]:
+    """(loads | rounded | loads-wrong | fails, why) from what the loader computes with, against the truth:
+    exactly (`bf16_exact`), or, for a layer whose rows' true scales differ (`Truth.rows`: requantized to one by
+    the loader or by fp8fix), within REQUANTIZED_STEPS of the one scale's grid. `rounded`: the truth as a loader
+    holding e4m3fn parameters computes it from the checkpoint's e4m3fnuz codes (`true_weights(as_e4m3fn=True)`):
+    a loader that is not exact but computes exactly that rounded its odd subnormal codes (`rounded`)."""
+    verdict, why = _outcome(result, truth, folder)
+    if verdict == "loads-wrong" and rounded is not None and _outcome(result, rounded, folder)[0] == "loads":
+        return "rounded", why
+    return verdict, why
+
+
+def rounded_truth(folder: Path, source: str) -> Truth | None:
+    """`true_weights(as_e4m3fn=True)` of a checkpoint with e4m3fnuz weights, else None."""
+    return true_weights(folder, loader_model(source), as_e4m3fn=True) if fnuz_weights(folder) else None
+
+
+@cache
+def fnuz_weights(folder: Path) -> bool:
+    for path in folder.glob("*.safetensors"):
+        with safe_open(path, framework="pt") as f:
+            if any(k.endswith(".weight") and f.get_slice(k).get_dtype() == "F8_E4M3FNUZ" for k in f.keys()):
+                return True
+    return False
+
+
+def _outcome(result: Loaded, truth: dict[str, torch.Tensor], folder: Path) -> tuple[str, str]:
     if not result.loaded:
         needs_gpu = "requires a GPU" in result.error
         return ("needs-gpu" if needs_gpu else "fails"), result.error
@@ -384,7 +420,7 @@ def test_fp8fix_says_what_the_loader_does(
     if (loader, source) in CANNOT_RUN:
         pytest.skip(CANNOT_RUN[(loader, source)])
     case = cases[(source, layout)]
-    real, why = outcome(loaded[loader][(source, layout)], case.truth, case.folder)
+    real, why = outcome(loaded[loader][(source, layout)], case.truth, case.folder, rounded_truth(case.folder, source))
     said = inspect_verdict(case.folder, loader)
     if case.convert_verdicts:  # convert judged what it wrote, as inspect judges what it reads
         assert case.convert_verdicts[VERDICT_ROWS[loader]] == said

@@ -178,7 +178,7 @@ def test_attention_in_bf16_loads_as_every_rank_of_tp_8(tmp_path: Path) -> None:
     src = narrow_heads(tmp_path / "src")
     result = run_cli("convert", src, tmp_path / "out", "--tp", "8", "--tp-bf16", "--json")
     assert result.exit_code == 0, result.output
-    said = json.loads(result.output)["tensor_parallel"]
+    said = json.loads(result.stdout)["tensor_parallel"]
     assert sorted(m["module"] for m in said["bf16"]) == [f"{ATTENTION}.{m}" for m in ("k_proj", "o_proj", *QKV[::2])]
     assert all(0 < m["max_error_steps"] <= 0.5 for m in said["bf16"])
     ranks = load_ranks(tmp_path / "out", 8, tmp_path / "vllm")
