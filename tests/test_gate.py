@@ -185,4 +185,11 @@ def test_e4m3fnuz_outputs_say_who_they_are_not_for(tmp_path: Path, shape: str, o
     said = [w for w in report["warnings"] if w.startswith("no loader fp8fix judges loads OUTPUT exactly")]
     assert bool(said) == (not loads_somewhere), (report["loaders"], report["warnings"])
     assert not said or "serve the e4m3fn checkpoint" in said[0]
-    check_gate(tmp_path / "out", tmp_path / "gate", "auto")  # the output as a SOURCE: its gate agrees too
+    gate = check_gate(tmp_path / "out", tmp_path / "gate", "auto")  # the output as a SOURCE: its gate agrees too
+    # every target row rounds it, and converting back to e4m3fn is the fix, for each of them (judged as written:
+    # the candidates of `--to e4m3fn` are planned with the encoding, not on the e4m3fnuz rows)
+    rounded = [f for f in gate["findings"] if f["code"] == "row-rounded"]
+    assert {n for f in rounded for n in f["loaders"]} == set(TARGET_ROWS["auto"]), gate["findings"]
+    assert {f["fix"] for f in rounded} == {"--to e4m3fn"}, rounded
+    back = dry_run(tmp_path / "out", tmp_path / "back", "--to", "e4m3fn")
+    assert back is not None and all(back["loaders"][row]["verdict"] == "loads" for row in TARGET_ROWS["auto"])

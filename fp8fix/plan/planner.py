@@ -71,7 +71,7 @@ def plan_for_target(
         model.require_format()
         _, arch = model.require_architecture()
         model.require_convertible()
-        found = candidates(model, layout, output_format)
+        found = candidates(model, layout, output_format, to=encoding)
         if not found:  # every candidate refused: plan the first for its error
             lay = layout or arch.default_layout
             return plan_conversion(model, lay, encoding, output_format or "keep", tp, tp_bf16, dequantize, scales)

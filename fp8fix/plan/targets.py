@@ -7,7 +7,8 @@ is judged by SOURCE's verdicts without planning its shards (a sketch, planned wh
 Where some candidate rewrites modules, they are planned and judged on one layer of each class
 (`layer_classes`: what decides a verdict is alike in every layer of a class) and only the chosen one is
 planned on the whole checkpoint: a Phi-3 of 112k tensors is judged on 84 (6 layers).
-The target's loaders are counted first; then exactness: where a fused module's shards carry
+The target's loaders are counted first (those that load exactly, then those that load at least `rounded`:
+half a step on some weights beats a refusal); then exactness: where a fused module's shards carry
 different scales, every layout but `channel` leaves them to be requantized (by fp8fix for
 `fused`, by the runtime at load for the others), so `channel` comes first among outputs the
 target's loaders take; then every loader; ties go to `unfused` (splitting fused modules into the
@@ -17,7 +18,9 @@ expect, which no verdict tells apart), then to the layout that leaves the checkp
 it is, then `fused`, then `per-shard`. Only outputs that still load in every one of the
 target's loaders SOURCE loads in are candidates, where SOURCE's own layout is one (it always is,
 unless SOURCE's layout is one convert rewrites): a target of several loaders (every vLLM since
-0.19 and transformers) is never served by trading a loader that works for one that does not.
+0.19 and transformers) is never served by trading a loader that works for one that does not. With an
+encoding change (`--to`) every candidate is planned with it and judged as written: no candidate is SOURCE
+as it is, so SOURCE's own rows name the loaders to keep, where some candidate can.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from fp8fix.plan.layer_classes import representatives
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.registry.loaders import TRANSFORMERS, VLLM_LEGACY, VLLM_ROWS
 from fp8fix.verdicts import LoaderVerdict, packed_groups
-from fp8fix.vocab import LAYOUTS, OUTPUT_FORMATS, Layout, OutputFormat, Target
+from fp8fix.vocab import LAYOUTS, OUTPUT_FORMATS, Encoding, Layout, OutputFormat, Target
 
 #: The loaders each target is for, counted first.
 TARGET_LOADERS: dict[Target, tuple[str, ...]] = {
@@ -51,13 +54,19 @@ class Candidate:
     lossy: bool  # shards with different scales end up requantized (by fp8fix or at load)
     whole: bool = True  # planned on the whole checkpoint, not on one layer of each class (`layer_classes`)
 
-    def score(self, target: Target) -> tuple[int, int]:
+    def score(self, target: Target) -> tuple[int, int, int]:
         return score(self.plan.loaders, target)
 
 
-def score(verdicts: dict[str, LoaderVerdict], target: Target) -> tuple[int, int]:
-    """(target loaders that load correctly, all loaders that do)."""
-    return sum(verdicts[name].loads for name in TARGET_LOADERS[target]), sum(v.loads for v in verdicts.values())
+def score(verdicts: dict[str, LoaderVerdict], target: Target) -> tuple[int, int, int]:
+    """(target loaders that load exactly, target loaders that load at least rounded, all loaders that load
+    exactly): a loader that rounds some weights by half a step (`rounded`) beats one that refuses or misreads."""
+    wanted = TARGET_LOADERS[target]
+    return (
+        sum(verdicts[name].loads for name in wanted),
+        sum(verdicts[name].verdict in ("loads", "rounded") for name in wanted),
+        sum(v.loads for v in verdicts.values()),
+    )
 
 
 def candidates(
@@ -65,9 +74,11 @@ def candidates(
     layout: Layout | None = None,
     output_format: OutputFormat | None = None,
     by_class: bool = True,
+    to: Encoding | None = None,
 ) -> list[Candidate]:
     """Every layout x output format the planner accepts for this checkpoint (only those given, where
-    given), planned without an encoding change; `by_class`: on one layer of each class where the
+    given), planned with the encoding change `to` (judged as what is written: an e4m3fnuz source's rows are
+    not its e4m3fn output's); `by_class`: on one layer of each class where the
     checkpoint has modules a candidate rewrites (`layer_classes`; the verdicts, formats and losses are the
     whole checkpoint's), so the chosen candidate is planned whole again (`Candidate.whole`)."""
     from fp8fix.plan.planner import plan_conversion
@@ -82,10 +93,10 @@ def candidates(
     for lay in [layout] if layout else _distinct_layouts(model):
         for fmt in [output_format] if output_format else OUTPUT_FORMATS:
             try:
-                plan = plan_conversion(model, lay, output_format=fmt, sketch=True)
+                plan = plan_conversion(model, lay, to, output_format=fmt, sketch=to is None)
             except (UnsupportedCheckpoint, OSError):  # no unfused names; no such format; Hub headers only
                 continue
-            unchanged = fmt == "keep" and all(m.action == "keep" for m in plan.modules)
+            unchanged = to is None and fmt == "keep" and all(m.action == "keep" for m in plan.modules)
             lossy = (differ and lay != "channel") or _requantizes(plan, model)
             found.append(Candidate(lay, fmt, plan, unchanged, lossy, whole))
     return found
@@ -148,10 +159,13 @@ def best(found: list[Candidate], target: Target, default: Layout) -> Candidate:
     if source is not None:
         loading = {name for name in wanted if source.plan.loaders[name].loads}
         found = [c for c in found if all(c.plan.loaders[name].loads for name in loading)]
+    elif found:  # an encoding change: no candidate is SOURCE as it is; keep its loaders where some output can
+        loading = {name for name in wanted if found[0].plan.source_loaders[name].loads}
+        found = [c for c in found if all(c.plan.loaders[name].loads for name in loading)] or found
 
-    def rank(c: Candidate) -> tuple[int, bool, int, int, bool]:
-        correct, everywhere = c.score(target)
+    def rank(c: Candidate) -> tuple[int, int, bool, int, int, bool]:
+        correct, loading, everywhere = c.score(target)
         ties = [c.layout == "unfused", c.layout == default, c.unchanged, c.layout == "fused", True]
-        return (-correct, c.lossy, -everywhere, ties.index(True), c.output_format != "keep")
+        return (-correct, -loading, c.lossy, -everywhere, ties.index(True), c.output_format != "keep")
 
     return min(found, key=rank)
