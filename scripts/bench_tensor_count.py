@@ -8,7 +8,8 @@
     python scripts/bench_tensor_count.py --shape phi3 --counts 112000 --shards 40 --baseline ../fp8fix-main
 
 Each checkpoint is one safetensors file of N/2 tiny e4m3fn weights with their F32 scales (a real header,
-real bytes), so the time is fp8fix's own per-tensor work: `inspect --json` and `convert --dry-run`.
+real bytes), so the time is fp8fix's own per-tensor work: `inspect --json`, `convert --dry-run` (also with
+`--to e4m3fnuz`) and `convert`.
 `--shape phi3`: Phi-3-shaped AutoFP8 layers instead (fused qkv_proj and gate_up_proj with one scale each,
 every scale its own value), where `--target auto` has 8 candidates to judge; `convert --dry-run --layout
 fused` is the single-layout plan the others are measured against.
@@ -177,6 +178,8 @@ def series(
             "convert --dry-run": dry_run,
             # the single-layout plan `--target auto` is measured against
             **({"convert --dry-run --layout fused": [*dry_run, "--layout", "fused"]} if shape == "phi3" else {}),
+            # an encoding change: its candidates are planned with it (issue 47), not sketched
+            "convert --dry-run --to e4m3fnuz": [*dry_run, "--to", "e4m3fnuz"],
             "convert": ["convert", str(src), str(out), "-q", "--overwrite"],
         }
         for label, command in commands.items():

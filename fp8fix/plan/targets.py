@@ -84,7 +84,7 @@ def candidates(
     from fp8fix.plan.planner import plan_conversion
 
     whole = True
-    if by_class and _may_rewrite(model):
+    if by_class and (_may_rewrite(model) or to is not None):  # with `to` every candidate is a whole plan
         reduced = representatives(model)
         if reduced is not None:
             model, whole = reduced, False
