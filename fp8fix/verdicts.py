@@ -8,6 +8,7 @@ data in `registry.loaders`; this module only works out the facts its rules ask a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -336,7 +337,10 @@ def rope_misfit(config: dict[str, Any]) -> str:
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if not isinstance(partial, (int, float)) or isinstance(partial, bool):
         return ""
-    want = int(hidden // heads * partial) // 2
+    rotary = hidden // heads * partial
+    if not math.isfinite(rotary):  # NaN, Infinity or an overflowing factor: no length fits; not this refusal
+        return ""
+    want = int(rotary) // 2
     for key in ("short_factor", "long_factor"):
         value = rope.get(key)
         if value is not None and (not isinstance(value, list) or len(value) != want):

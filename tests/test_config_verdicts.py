@@ -118,3 +118,21 @@ def test_the_rope_check_is_phi3s(tmp_path: Path) -> None:
     """Other model types validate LongRoPE lists with a warning only (modeling_rope_utils): not predicted."""
     src = with_config(build(tmp_path / "src", llama(), fmt="compressed-tensors"), **longrope(48))
     assert rows(src)["transformers"]["verdict"] == "loads"
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"partial_rotary_factor": float("nan")},
+        {"partial_rotary_factor": float("inf")},
+        {"partial_rotary_factor": 1e308},
+    ],
+)
+def test_a_hostile_rotary_factor_is_no_refusal_and_no_crash(tmp_path: Path, rope: dict) -> None:
+    """NaN, Infinity (config.json may hold them) or a factor that overflows: no length fits, so nothing is predicted
+    (int() of them raised inside inspect before: exit 70)."""
+    keys = longrope(8)
+    keys["rope_scaling"] = {**keys["rope_scaling"], **rope}  # type: ignore[dict-item]
+    assert rope_misfit({**phi3().config, **keys}) == ""
+    src = with_config(build(tmp_path / "src", phi3(), fmt="compressed-tensors"), **keys)
+    assert run_cli("inspect", src, "--strict", "-q").exit_code in (0, 1)
