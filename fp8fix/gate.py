@@ -19,11 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fp8fix.errors import Fp8fixError
-from fp8fix.io.checkpoint import CONFIG
 from fp8fix.model import CheckpointModel
 from fp8fix.numerics.dtypes import E4M3FNUZ
 from fp8fix.parallel import shares_at
+from fp8fix.plan.output import output_model
 from fp8fix.plan.pieces import ConversionPlan
+from fp8fix.plan.planner import plan_for_target
 from fp8fix.plan.targets import TARGET_LOADERS, Candidate, best, candidates
 from fp8fix.registry.loaders import VLLM
 from fp8fix.verdicts import LoaderVerdict, loader_verdicts
@@ -39,7 +40,6 @@ class Row:
     reason: str
     in_target: bool  # one of the target's loaders (or the TP N row asked for)
     fix: str | None  # `fp8fix convert SOURCE OUTPUT` options whose output this row loads; None: none of them
-    fix_verdict: Verdict | None  # the row for the default conversion's output; None: convert refuses SOURCE
     #: loaders that load SOURCE correctly and would not load the fix's output correctly (the fix's price)
     trade_off: tuple[str, ...] = ()
 
@@ -81,8 +81,6 @@ def default_options(candidate: Candidate, target: Target) -> str:
 
 def gate_rows(model: CheckpointModel, target: Target = "auto", tp: Sequence[int] = ()) -> list[Row]:
     """Every row a gate for `target` fails on, in `LOADERS` order, then each TP size asked for."""
-    from fp8fix.plan.planner import plan_for_target
-
     now = loader_verdicts(model)
     chosen = default_candidate(model, target)
     after = chosen.plan.loaders if chosen is not None else None
@@ -121,16 +119,13 @@ def gate_rows(model: CheckpointModel, target: Target = "auto", tp: Sequence[int]
         if v.loads or (loader not in wanted and not improved):
             continue
         fix, lost = fix_for(loader)
-        fix_verdict = after[loader].verdict if after is not None else None
-        found.append(Row(loader, v.verdict, v.reason, loader in wanted, fix, fix_verdict, lost))
+        found.append(Row(loader, v.verdict, v.reason, loader in wanted, fix, lost))
     for size in tp:
-        found += _tp_rows(model, size, target, plan_for_target)
+        found += _tp_rows(model, size, target)
     return found
 
 
-def _tp_rows(
-    model: CheckpointModel, tp: int, target: Target, plan_for_target: Callable[..., ConversionPlan]
-) -> list[Row]:
+def _tp_rows(model: CheckpointModel, tp: int, target: Target) -> list[Row]:
     """vLLM 0.32 at TP `tp`: a row when some block share is refused or misread (`fp8fix.parallel`), with the
     first of `--tp N`, `--tp N --tp-bf16` whose output has no such share."""
     verdicts = [TP_VERDICTS[s.behaviour] for s in shares_at(model, tp) if s.behaviour in TP_VERDICTS]
@@ -148,16 +143,7 @@ def _tp_rows(
         if not any(s.behaviour in TP_VERDICTS for s in shares_at(output_model(plan, model), tp)):
             fix = options
             break
-    return [Row(tp_row(tp), verdict, reason, True, fix, None)]
-
-
-def output_model(plan: ConversionPlan, model: CheckpointModel) -> CheckpointModel:
-    """The checkpoint `plan` writes, described from its planned headers and config (no data)."""
-    from fp8fix.model import describe_checkpoint
-    from fp8fix.plan.output import planned_checkpoint
-
-    config = plan.config_files.get(CONFIG, (model.checkpoint.config, []))[0]
-    return describe_checkpoint(planned_checkpoint(plan, model.checkpoint, config), model.registry)
+    return [Row(tp_row(tp), verdict, reason, True, fix)]
 
 
 def no_loader_warning(plan: ConversionPlan) -> str | None:

@@ -10,14 +10,22 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fp8fix.io.checkpoint import Checkpoint
+from fp8fix.io.checkpoint import CONFIG, Checkpoint
 from fp8fix.io.safetensors_file import SafetensorsHeader, TensorInfo
 from fp8fix.io.source_files import SourceFiles
+from fp8fix.model import CheckpointModel, describe_checkpoint
 from fp8fix.numerics.dtypes import INPUT_SCALE_DTYPES, decode_floats
 from fp8fix.plan.pieces import ConversionPlan, CopyRange, Fill, OutputTensor, RepeatRange, Rescale
 
 #: The most values `planned_values` decodes for one tensor: scales per tensor or per shard, not grids.
 MAX_PLANNED_VALUES = 64
+
+
+def output_model(plan: ConversionPlan, model: CheckpointModel) -> CheckpointModel:
+    """OUTPUT described as SOURCE is (`describe_checkpoint`), from the plan's headers and its config.json:
+    what its loader verdicts (and `inspect --tp`'s shares) are worked out on."""
+    config = plan.config_files.get(CONFIG, (model.checkpoint.config, []))[0]
+    return describe_checkpoint(planned_checkpoint(plan, model.checkpoint, config), model.registry)
 
 
 def planned_checkpoint(plan: ConversionPlan, source: Checkpoint, config: dict[str, Any]) -> Checkpoint:

@@ -14,7 +14,7 @@ from pathlib import Path
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import CONFIG, Checkpoint
 from fp8fix.io.safetensors_file import TensorInfo
-from fp8fix.model import CheckpointModel, describe_checkpoint
+from fp8fix.model import CheckpointModel
 from fp8fix.plan import compressed_tensors
 from fp8fix.plan.channel import plan_channel_weights
 from fp8fix.plan.config_edit import output_config
@@ -22,7 +22,7 @@ from fp8fix.plan.dequantized import plan_bf16_modules
 from fp8fix.plan.encoding import plan_encoding
 from fp8fix.plan.experts import plan_experts
 from fp8fix.plan.fused import plan_fused_module
-from fp8fix.plan.output import planned_checkpoint
+from fp8fix.plan.output import output_model
 from fp8fix.plan.padding import plan_tp_padding
 from fp8fix.plan.pieces import (
     ConversionPlan,
@@ -219,8 +219,7 @@ def plan_conversion(
     if CONFIG not in plan.config_files and (copies_only or _tensors_unchanged(plan, ckpt)):
         plan.loaders = plan.source_loaders  # what verdicts read (config.json, tensor names, dtypes, shapes) is SOURCE's
     else:
-        config = plan.config_files.get(CONFIG, (ckpt.config, []))[0]
-        plan.loaders = loader_verdicts(describe_checkpoint(planned_checkpoint(plan, ckpt, config), model.registry))
+        plan.loaders = loader_verdicts(output_model(plan, model))
     return plan
 
 

@@ -14,10 +14,10 @@ from collections import Counter
 from typing import Any
 
 from fp8fix.io.checkpoint import CONFIG
-from fp8fix.model import CheckpointModel, describe_checkpoint
+from fp8fix.model import CheckpointModel
 from fp8fix.numerics.dequantize import UNQUANTIZED
 from fp8fix.plan.dequantized import plan_unquantized_weights
-from fp8fix.plan.output import planned_checkpoint
+from fp8fix.plan.output import output_model
 from fp8fix.plan.pieces import ConversionPlan, OutputShard, OutputTensor
 from fp8fix.registry.architectures import unregistered_note
 from fp8fix.registry.formats import MODELOPT_CONFIG
@@ -82,7 +82,7 @@ def plan_unquantized_model(model: CheckpointModel, to: str, tp: int | None = Non
     if model.spec is None:
         plan.notes.append(unregistered_note(arch_name))
     plan.source_loaders = loader_verdicts(model)
-    plan.loaders = loader_verdicts(describe_checkpoint(planned_checkpoint(plan, ckpt, config), model.registry))
+    plan.loaders = loader_verdicts(output_model(plan, model))
     return plan
 
 
