@@ -264,6 +264,8 @@ def _derive_facts(model: CheckpointModel) -> Facts:
     fp8 = model.is_autofp8
     architecture = model.architecture or ""
     at_tp_1 = _at_tp_1(model)
+    unknown = bool(architecture) and not vllm_resolves(architecture, model.checkpoint.config)
+    rope = rope_misfit(model.checkpoint.config)
     return Facts(
         architecture=architecture,
         missing_scales=any(w.scale is None for w in weights),
@@ -278,10 +280,10 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         unfused_names=unfused,
         unfused_on_transformers_backend=unfused and architecture in VLLM_TRANSFORMERS_BACKEND,
         vllm_removed_architecture=architecture in VLLM_REMOVED,
-        vllm_unknown_architecture=bool(architecture) and not vllm_resolves(architecture, model.checkpoint.config),
-        nearest_architecture=_nearest(architecture, model),
-        phi3_rope_factors=bool(rope_misfit(model.checkpoint.config)),
-        rope=rope_misfit(model.checkpoint.config),
+        vllm_unknown_architecture=unknown,
+        nearest_architecture=_nearest(architecture) if unknown else "",
+        phi3_rope_factors=bool(rope),
+        rope=rope,
         vllm_added_after_020=architecture in VLLM_ADDED_AFTER_020,
         block_scaled_qkv_fused=any(
             w.scale_kind == "block" and {s.shard for s in w.fused.spec.shards} == {"q", "k", "v"}
@@ -349,10 +351,8 @@ def rope_misfit(config: dict[str, Any]) -> str:
     return ""
 
 
-def _nearest(architecture: str, model: CheckpointModel) -> str:
+def _nearest(architecture: str) -> str:
     """The reason's hint for an architecture vLLM refuses: the nearest name it registers, where one is close."""
-    if not architecture or vllm_resolves(architecture, model.checkpoint.config):
-        return ""
     near = nearest_vllm_name(architecture)
     return f"; the nearest name vLLM registers: {near}" if near else ""
 
