@@ -27,7 +27,7 @@ from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.plan.planner import plan_for_target
 from fp8fix.plan.targets import TARGET_LOADERS, Candidate, best, candidates
 from fp8fix.registry.loaders import VLLM
-from fp8fix.verdicts import LoaderVerdict, loader_verdicts
+from fp8fix.verdicts import LoaderVerdict, Rounding, loader_verdicts, scanned
 from fp8fix.vocab import Target, Verdict
 
 
@@ -79,9 +79,12 @@ def default_options(candidate: Candidate, target: Target) -> str:
     return f"--layout {candidate.layout}{written_as}{aimed}"
 
 
-def gate_rows(model: CheckpointModel, target: Target = "auto", tp: Sequence[int] = ()) -> list[Row]:
-    """Every row a gate for `target` fails on, in `LOADERS` order, then each TP size asked for."""
-    now = loader_verdicts(model)
+def gate_rows(
+    model: CheckpointModel, target: Target = "auto", tp: Sequence[int] = (), rounding: Rounding | None = None
+) -> list[Row]:
+    """Every row a gate for `target` fails on, in `LOADERS` order, then each TP size asked for; `rounding`: what
+    a scan of SOURCE's e4m3fnuz codes found (the rows inspect prints with `--scan-data`, `verdicts.scanned`)."""
+    now = scanned(loader_verdicts(model), rounding)
     chosen = default_candidate(model, target)
     after = chosen.plan.loaders if chosen is not None else None
 

@@ -16,19 +16,21 @@ from typing import Any
 
 from fp8fix.collector import collector_paused
 from fp8fix.errors import Fp8fixError
-from fp8fix.gate import Row, gate_rows
+from fp8fix.gate import Row, default_candidate, default_options, gate_rows
 from fp8fix.io.checkpoint import Checkpoint, first_invalid_scale, open_checkpoint, scale_values
 from fp8fix.io.source_files import SourceFiles
 from fp8fix.model import CheckpointModel, Fp8Weight, describe_checkpoint
 from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ, FP8_WEIGHT_DTYPES, NAN_CODES, SCALE_DTYPES
+from fp8fix.numerics.fp8 import e4m3_value
+from fp8fix.numerics.recodings import FNUZ_TO_FN_SAME_SCALE, inexact_codes
 from fp8fix.parallel import heads_refusal, tensor_parallel_report
-from fp8fix.plan.targets import best, candidates, score
+from fp8fix.plan.targets import score
 from fp8fix.registry.architectures import Registry, unregistered_note
 from fp8fix.registry.formats import quantization_config
 from fp8fix.registry.loaders import CALLS, TRANSFORMERS
 from fp8fix.registry.parallel import HEADS_EVIDENCE
 from fp8fix.report.text import joined
-from fp8fix.verdicts import facts_of, loader_verdicts, verdicts_json
+from fp8fix.verdicts import Rounding, facts_of, loader_verdicts, scanned, verdicts_json
 from fp8fix.vocab import SCHEMA_VERSION, InputScaleKind, ScaleReport, Target
 
 #: What runtimes do with block scales that are not powers of two where DeepGEMM runs (Hopper, Blackwell).
@@ -92,6 +94,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     #: with `--tp`: each size's modules whose rank share is not whole blocks (block-scaled checkpoints)
     tensor_parallel: dict[str, Any] | None = None
+    #: with `--scan-data`, of e4m3fnuz weights: the codes e4m3fn parameters round (`verdicts.Rounding`)
+    fnuz_rounding: dict[str, Any] | None = None
 
     #: the target the rows are gated for (`--target`: whose loaders must load, and what convert would write)
     target: Target = "auto"
@@ -163,11 +167,13 @@ def inspect_checkpoint(
         report.notes.append(unregistered_note(model.architecture))
     if not ckpt.has_data:
         report.notes.append("headers read from the Hub: scale values and weights were not read")
+    rounding = fnuz_rounding(model) if scan_data and ckpt.has_data else None
+    report.fnuz_rounding = rounding.to_json() if rounding else None
     report.findings = [
-        *_row_findings(gate_rows(model, target, tp)),
+        *_row_findings(gate_rows(model, target, tp, rounding)),
         *_findings(model, modules, scan_data and ckpt.has_data),
     ]
-    report.loaders = _loaders(model)
+    report.loaders = verdicts_json(scanned(loader_verdicts(model), rounding))
     if tp:
         parallel = tensor_parallel_report(model, list(tp))
         if parallel is None:
@@ -255,31 +261,19 @@ class Fix:
 
 
 def _layout_fixes(model: CheckpointModel, targets: tuple[Target, ...]) -> dict[Target, Fix | None]:
-    """Per target: the options `convert --target TARGET` would choose (layout, and format where it changes)
-    when its output loads correctly in more of the target's loaders than this checkpoint; None when nothing
-    would improve for them (more loaders elsewhere is no fix of the target's finding). The same choice convert
-    makes, so inspecting its output finds nothing left to fix (`--strict` is a fixpoint for the default
-    target). The candidates are planned once for all targets."""
-    none: dict[Target, Fix | None] = dict.fromkeys(targets)
-    if model.format is None:
-        return none
-    try:
-        _, spec = model.require_architecture()
-        model.require_convertible()
-        found = model.once("candidates", candidates)
-    except Fp8fixError:
-        return none
-    if not found:
-        return none
+    """Per target: the options `convert --target TARGET` would choose (layout, and format where it changes:
+    `gate.default_candidate`) when its output loads correctly in more of the target's loaders than this
+    checkpoint; None when nothing would improve for them (more loaders elsewhere is no fix of the target's
+    finding). The same choice convert makes, so inspecting its output finds nothing left to fix (`--strict` is
+    a fixpoint for the default target). The candidates are planned once for all targets."""
+    fixes: dict[Target, Fix | None] = dict.fromkeys(targets)
     now = loader_verdicts(model)
-    fixes = none
     for target in targets:
-        chosen = best(found, target, spec.default_layout)
-        if score(chosen.plan.loaders, target)[0] <= score(now, target)[0]:  # no more of the target's loaders
-            continue
-        written_as = f" --format {chosen.output_format}" if chosen.output_format != "keep" else ""
+        chosen = default_candidate(model, target)
+        if chosen is None or score(chosen.plan.loaders, target)[0] <= score(now, target)[0]:
+            continue  # convert refuses it, or no more of the target's loaders
         lost = tuple(name for name, v in now.items() if v.loads and not chosen.plan.loaders[name].loads)
-        fixes[target] = Fix(f"--layout {chosen.layout}{written_as}", lost)
+        fixes[target] = Fix(default_options(chosen, "auto"), lost)
     return fixes
 
 
@@ -448,6 +442,22 @@ def _scan_findings(model: CheckpointModel, add: AddFinding) -> None:
                 add("nan-codes", w.module, f"NaN codes in {FP8_WEIGHT_DTYPES.get(t.dtype, t.dtype)} weights", None)
 
 
-def _loaders(model: CheckpointModel) -> dict[str, dict[str, Any]]:
-    """Per loader: loads, fails, loads-wrong or not-judged, and why (`fp8fix.verdicts`)."""
-    return verdicts_json(loader_verdicts(model))
+def fnuz_rounding(model: CheckpointModel) -> Rounding | None:
+    """Count the e4m3fnuz codes a loader holding e4m3fn parameters rounds (`FNUZ_TO_FN_SAME_SCALE`'s inexact
+    codes), reading every e4m3fnuz weight; None without e4m3fnuz weights."""
+    weights = [w for w in model.module_weights() if w.tensor.dtype == E4M3FNUZ]
+    if not weights:
+        return None
+    codes = inexact_codes(FNUZ_TO_FN_SAME_SCALE.name)
+    rounded = 0
+    scales = []  # of the tensors holding such a code: the largest bounds the error
+    with SourceFiles() as files:
+        for w in weights:
+            n = files.count(w.tensor.path, w.tensor.start, w.tensor.end, codes)
+            rounded += n
+            if n and w.scale is not None and w.scale.dtype in SCALE_DTYPES:
+                scales.append(w.scale)
+        largest = max((abs(v) for _, values in scale_values(scales, files) for v in values), default=None)
+    half_step = e4m3_value(0x01, E4M3FN) / 2  # e4m3fn's step below 2^-6 is its smallest code: half of it, rounded
+    error = None if largest is None or not math.isfinite(largest) else half_step * largest
+    return Rounding(rounded, sum(w.tensor.nbytes for w in weights), error)

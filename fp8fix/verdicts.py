@@ -26,6 +26,7 @@ from fp8fix.registry.loaders import (
     PLAIN_MODEL_RULES,
     RULES,
     UNQUANTIZED_EVIDENCE,
+    WITH_PACKAGE,
 )
 from fp8fix.registry.parallel import PACKED_SHARDS
 from fp8fix.registry.vllm_names import nearest_vllm_name, vllm_resolves
@@ -185,37 +186,94 @@ class LoaderVerdict:
     reason: str
     evidence: str  # the loader source or real-loader test behind it, or the notes it is cited from
     kv_cache: KvCacheVerdict | None = None  # None: the checkpoint has no kv-cache scales
+    #: A package users may install that changes this row (`registry.loaders.WITH_PACKAGE`), and the row with it
+    #: installed: both outcomes, each measured; "" / None where no package changes it.
+    package: str = ""
+    installed: LoaderVerdict | None = None
 
     @property
     def loads(self) -> bool:
         return self.verdict == "loads"
 
 
+@dataclass(frozen=True)
+class Rounding:
+    """What a scan of a checkpoint's e4m3fnuz weights found (`inspect --scan-data`): how many of their codes a
+    loader holding e4m3fn parameters rounds (the odd codes below 2^-6, which e4m3fn has no code for), of how
+    many, and the largest absolute error that makes: half an e4m3fn step times the largest scale of a tensor
+    holding one (None: no such code, or its scales unread)."""
+
+    codes: int
+    weights: int
+    max_error: float | None
+
+    def to_json(self) -> dict[str, object]:
+        return {"rounded_codes": self.codes, "fnuz_weights": self.weights, "max_abs_error": self.max_error}
+
+
+def scanned(verdicts: dict[str, LoaderVerdict], rounding: Rounding | None) -> dict[str, LoaderVerdict]:
+    """The rows with what a scan counted: a `rounded` row (an e4m3fnuz checkpoint in e4m3fn parameters) that
+    rounds no code loads exactly; one that does says how many codes and how far. Without a scan: as they are."""
+    if rounding is None:
+        return verdicts
+    return {loader: _scanned_row(v, rounding) for loader, v in verdicts.items()}
+
+
+def _scanned_row(v: LoaderVerdict, rounding: Rounding) -> LoaderVerdict:
+    if v.installed is not None:
+        v = replace(v, installed=_scanned_row(v.installed, rounding))
+    if v.verdict != "rounded":
+        return v
+    if rounding.codes == 0:
+        said = f"; scanned: none of its {rounding.weights:,} e4m3fnuz weights is such a code, every value is kept"
+        return replace(v, verdict="loads", reason=v.reason + said)
+    error = "" if rounding.max_error is None else f", at most {rounding.max_error:.3g} absolute"
+    said = f"; scanned: {rounding.codes:,} of {rounding.weights:,} weights round, by half an e4m3fn step{error}"
+    return replace(v, reason=v.reason + said)
+
+
 def verdicts_json(verdicts: dict[str, LoaderVerdict]) -> dict[str, dict[str, object]]:
     """The verdicts as JSON: `loads` (kept from schema 1), `verdict`, `reason`, `evidence`, the row's
-    `call` (the call it models), `measured` (the real loader runs in the test suite) and `how` (where), and
-    `kv_cache_scales`: what that call does with the checkpoint's kv-cache scales (null: it has none)."""
+    `call` (the call it models), `measured` (the real loader runs in the test suite) and `how` (where),
+    `kv_cache_scales`: what that call does with the checkpoint's kv-cache scales (null: it has none), and
+    `with_package`: where an optional package changes the row, the package and the row with it installed (the
+    same fields; null otherwise)."""
+    return {loader: _verdict_json(loader, v) for loader, v in verdicts.items()}
+
+
+def _verdict_json(loader: str, v: LoaderVerdict) -> dict[str, object]:
+    installed = None
+    if v.installed is not None:
+        row = WITH_PACKAGE_ROWS[v.package]
+        installed = {"package": v.package, "row": row, **_verdict_json(row, v.installed)}
     return {
-        loader: {
-            "loads": v.loads,
-            "verdict": v.verdict,
-            "reason": v.reason,
-            "evidence": v.evidence,
-            "call": CALLS[loader].call,
-            "measured": CALLS[loader].measured,
-            "how": CALLS[loader].how,
-            "kv_cache_scales": None
-            if v.kv_cache is None
-            else {"verdict": v.kv_cache.verdict, "reason": v.kv_cache.reason, "evidence": v.kv_cache.evidence},
-        }
-        for loader, v in verdicts.items()
+        "loads": v.loads,
+        "verdict": v.verdict,
+        "reason": v.reason,
+        "evidence": v.evidence,
+        "call": CALLS[loader].call,
+        "measured": CALLS[loader].measured,
+        "how": CALLS[loader].how,
+        "kv_cache_scales": None
+        if v.kv_cache is None
+        else {"verdict": v.kv_cache.verdict, "reason": v.kv_cache.reason, "evidence": v.kv_cache.evidence},
+        "with_package": installed,
     }
+
+
+#: The row each optional package's outcome is, by package.
+WITH_PACKAGE_ROWS = {package: row for package, row in WITH_PACKAGE.values()}
 
 
 def verdict_line(loader: str, verdict: str, reason: str) -> str:
     """One loader row of the text output; a row no real loader measured says so."""
     mark = "" if CALLS[loader].measured else " [from source, not run]"
     return f"  {verdict:<11}  {loader}: {reason}{mark}"
+
+
+def package_line(package: str, verdict: str, reason: str) -> str:
+    """A row's other outcome, under it: what the loader does with an optional package installed."""
+    return f"  {'':<11}    with {package} installed: {verdict}: {reason}"
 
 
 def kv_cache_line(kv: dict[str, str]) -> str | None:
@@ -231,7 +289,8 @@ def kv_cache_line(kv: dict[str, str]) -> str | None:
 def calls_line() -> str:
     """The calls the measured rows model, in a few words (`--json`: each row's full call and how it is known)."""
     rows: dict[str, list[str]] = {}  # rows that make the same call, named once
-    for name, call in CALLS.items():
+    for name in LOADERS:  # the rows shown (an optional package's row says its call in --json)
+        call = CALLS[name]
         if call.measured:
             rows.setdefault(call.short, []).append(name)
     calls = "; ".join(f"{', '.join(names)}: {short}" for short, names in rows.items())
@@ -424,30 +483,40 @@ def _at_tp_1(model: CheckpointModel) -> set[str]:
 
 
 def loader_verdicts(model: CheckpointModel) -> dict[str, LoaderVerdict]:
-    """Per loader: the first rule of `registry.loaders.RULES` that holds, else it loads."""
+    """Per loader: the first rule of `registry.loaders.RULES` that holds, else it loads; where that rule says
+    an optional package is missing (`WITH_PACKAGE`), also the row with the package installed."""
     facts = facts_of(model)
     verdicts: dict[str, LoaderVerdict] = {}
     for loader in LOADERS:
-        rules = [r for r in RULES if r.loader == loader and (not facts.unquantized or r.condition in PLAIN_MODEL_RULES)]
-        rule = next((r for r in rules if getattr(facts, r.condition)), None)
-        if rule is not None:
-            reason = rule.reason.format(
-                architecture=facts.architecture, nearest=facts.nearest_architecture, rope=facts.rope
-            )
-            verdicts[loader] = LoaderVerdict(rule.verdict, reason, rule.evidence)
-        elif facts.unquantized:
-            verdicts[loader] = LoaderVerdict("loads", PLAIN_MODEL, UNQUANTIZED_EVIDENCE[loader])
-        elif not facts.layout:
-            verdicts[loader] = LoaderVerdict("loads", "no fused modules", DEFAULT_EVIDENCE[loader])
-        elif facts.layout not in LOADS_BECAUSE[loader]:
-            # no rule and no measurement says what it does with this layout: not a guess either way
-            reason = f"no rule or measurement covers the {facts.layout} layout: not judged"
-            verdicts[loader] = LoaderVerdict("not-judged", reason, DEFAULT_EVIDENCE[loader])
-        else:
-            verdicts[loader] = LoaderVerdict("loads", LOADS_BECAUSE[loader][facts.layout], DEFAULT_EVIDENCE[loader])
-        if facts.kv_scales:
-            verdicts[loader] = replace(verdicts[loader], kv_cache=kv_cache_verdict(facts, loader, verdicts[loader]))
+        verdict, condition = _row_verdict(loader, facts)
+        if (loader, condition) in WITH_PACKAGE:
+            package, row = WITH_PACKAGE[(loader, condition)]
+            verdict = replace(verdict, package=package, installed=_row_verdict(row, facts)[0])
+        verdicts[loader] = verdict
     return verdicts
+
+
+def _row_verdict(loader: str, facts: Facts) -> tuple[LoaderVerdict, str]:
+    """`loader`'s verdict, and the condition of the rule that decided it ("" where none did)."""
+    rules = [r for r in RULES if r.loader == loader and (not facts.unquantized or r.condition in PLAIN_MODEL_RULES)]
+    rule = next((r for r in rules if getattr(facts, r.condition)), None)
+    if rule is not None:
+        names = {"architecture": facts.architecture, "nearest": facts.nearest_architecture, "rope": facts.rope}
+        reason = rule.reason.format(**names)
+        verdict = LoaderVerdict(rule.verdict, reason, rule.evidence)
+    elif facts.unquantized:
+        verdict = LoaderVerdict("loads", PLAIN_MODEL, UNQUANTIZED_EVIDENCE[loader])
+    elif not facts.layout:
+        verdict = LoaderVerdict("loads", "no fused modules", DEFAULT_EVIDENCE[loader])
+    elif facts.layout not in LOADS_BECAUSE[loader]:
+        # no rule and no measurement says what it does with this layout: not a guess either way
+        reason = f"no rule or measurement covers the {facts.layout} layout: not judged"
+        verdict = LoaderVerdict("not-judged", reason, DEFAULT_EVIDENCE[loader])
+    else:
+        verdict = LoaderVerdict("loads", LOADS_BECAUSE[loader][facts.layout], DEFAULT_EVIDENCE[loader])
+    if facts.kv_scales:
+        verdict = replace(verdict, kv_cache=kv_cache_verdict(facts, loader, verdict))
+    return verdict, rule.condition if rule is not None else ""
 
 
 def kv_cache_verdict(facts: Facts, loader: str, load: LoaderVerdict) -> KvCacheVerdict:

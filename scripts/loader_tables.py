@@ -25,6 +25,7 @@ from fp8fix.registry.loaders import (
     PLAIN_MODEL_RULES,
     RULES,
     UNQUANTIZED_EVIDENCE,
+    WITH_PACKAGE,
 )
 from fp8fix.verdicts import FACT_DESCRIPTIONS
 
@@ -37,15 +38,16 @@ def render() -> str:
     for loader, c in CALLS.items():
         lines.append(f"| {loader} | {c.call} | {'yes' if c.measured else 'no'} | {c.how} |")
     lines += ["", "| loader | when the checkpoint has | verdict | why | evidence |", "|---|---|---|---|---|"]
-    for loader in LOADERS:
+    for loader in (*LOADERS, *(row for _, row in WITH_PACKAGE.values())):
         plain = ", ".join(
             FACT_DESCRIPTIONS[r.condition] for r in RULES if r.loader == loader and r.condition in PLAIN_MODEL_RULES
         )
         unless = f", unless a rule below on {plain} holds" if plain else ""
-        lines.append(
-            f"| {loader} | {FACT_DESCRIPTIONS['unquantized']} (`convert --to bf16`) | **loads**{unless} "
-            f"| {PLAIN_MODEL} | {UNQUANTIZED_EVIDENCE[loader]} |"
-        )
+        if loader in UNQUANTIZED_EVIDENCE:  # not the rows of an optional package (no plain model needs one)
+            lines.append(
+                f"| {loader} | {FACT_DESCRIPTIONS['unquantized']} (`convert --to bf16`) | **loads**{unless} "
+                f"| {PLAIN_MODEL} | {UNQUANTIZED_EVIDENCE[loader]} |"
+            )
         for rule in (r for r in RULES if r.loader == loader):
             reason = rule.reason.format(
                 architecture="the architecture", nearest=" (and the nearest name vLLM registers)", rope="(what misfits)"

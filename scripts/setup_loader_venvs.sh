@@ -3,7 +3,7 @@
 # variables that point the tests at them. Idempotent: an existing venv is kept.
 #   vLLM 0.32 CPU build: it pins its own transformers (< 5.20) and compressed-tensors (0.17);
 #   the vLLM era releases (0.19.0, 0.20.2, 0.21.0, 0.31.0), the same way with their own pins (below);
-#   transformers 5.x + compressed-tensors, as users load FP8 checkpoints on CPU;
+#   transformers 5.x + compressed-tensors, as users load FP8 checkpoints on CPU, and a copy with amd-quark;
 #   SGLang 0.5.23: its wheel without dependencies (they pin torch 2.14.1 and CUDA kernels), beside the CPU
 #   torch, its own transformers / compressed-tensors pins and what its weight-loading modules import
 #   (tests/loaders/sglang_load.py stubs its GPU kernels the way its CPU tests stub sgl_kernel).
@@ -23,6 +23,17 @@ if [ ! -x "$root/transformers/bin/python" ] || ! "$root/transformers/bin/python"
   python3 -m venv "$root/transformers"
   "$root/transformers/bin/pip" install -q torch==2.13.0
   "$root/transformers/bin/pip" install -q transformers==5.24.0 compressed-tensors==0.20.1 accelerate==1.15.0
+fi
+# transformers with amd-quark 0.13, which its Quark quantizer needs: a hard-linked copy of the transformers venv
+# (as the vLLM era venvs below) with amd-quark installed into it (it JIT-compiles a small C++ extension on first
+# use, into ~/.cache/torch_extensions). Its package without dependencies, and of those the three loading imports
+# (scipy, onnx, onnxslim, at the versions `pip install amd-quark==0.13` takes): the rest (datasets, pandas,
+# pyarrow, plotly, ...) is for quantizing, and a minute of CI. The same loading either way (tests/loaders).
+if [ ! -x "$root/transformers-amd-quark/bin/python" ] || ! "$root/transformers-amd-quark/bin/python" -c "import quark" 2>/dev/null; then
+  rm -rf "$root/transformers-amd-quark"
+  cp -al "$root/transformers" "$root/transformers-amd-quark"
+  "$root/transformers-amd-quark/bin/python" -m pip install -q --no-deps amd-quark==0.13
+  "$root/transformers-amd-quark/bin/python" -m pip install -q scipy==1.17.1 onnx==1.22.0 onnxslim==0.1.98
 fi
 if [ ! -x "$root/sglang/bin/python" ] || ! "$root/sglang/bin/python" -c "import sglang.srt.layers.linear" 2>/dev/null; then
   python3 -m venv "$root/sglang"
@@ -66,4 +77,5 @@ PY
 done
 echo "export FP8FIX_VLLM_PYTHON=$root/vllm/bin/python"
 echo "export FP8FIX_TRANSFORMERS_PYTHON=$root/transformers/bin/python"
+echo "export FP8FIX_TRANSFORMERS_AMD_QUARK_PYTHON=$root/transformers-amd-quark/bin/python"
 echo "export FP8FIX_SGLANG_PYTHON=$root/sglang/bin/python"

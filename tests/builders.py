@@ -184,24 +184,7 @@ def quantization_config(fmt: str, scale: str, static_input: bool, ignore: list[s
             "modules_to_not_convert": ignore,
         }
     if fmt == "quark":
-        qscheme = "per_channel" if scale == "channel" else "per_tensor"
-        weight = {
-            "dtype": "fp8_e4m3",
-            "qscheme": qscheme,
-            "is_dynamic": False,
-            "ch_axis": 0 if scale == "channel" else None,
-        }
-        config: dict[str, Any] = {"weight": weight, "input_tensors": None, "output_tensors": None}
-        if static_input:
-            config["input_tensors"] = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False}
-        return {
-            "quant_method": "quark",
-            "export": {"kv_cache_group": []},
-            "global_quant_config": config,
-            "layer_quant_config": {},
-            "layer_type_quant_config": {},
-            "exclude": ignore,
-        }
+        return _quark_config(scale, static_input, ignore)
     if fmt == "modelopt":
         return None
     if fmt == "fbgemm":
@@ -232,6 +215,61 @@ def quantization_config(fmt: str, scale: str, static_input: bool, ignore: list[s
         "config_groups": {"group_0": group},
         "ignore": ignore,
         "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True},
+    }
+
+
+def _quark_spec(qscheme: str, ch_axis: int | None, observer: str, dynamic: bool) -> dict[str, Any]:
+    """One Quark QuantizationSpec as amd-quark's exporter writes it (every field; amd-quark's own reader,
+    which transformers uses, requires them)."""
+    return {
+        "dtype": "fp8_e4m3",
+        "is_dynamic": dynamic,
+        "qscheme": qscheme,
+        "ch_axis": ch_axis,
+        "group_size": None,
+        "symmetric": True,
+        "round_method": "half_even",
+        "scale_type": "float",
+        "scale_format": None,
+        "scale_calculation_mode": None,
+        "mx_element_dtype": None,
+        "observer_cls": observer,
+        "is_scale_quant": False,
+    }
+
+
+def _quark_config(scale: str, static_input: bool, ignore: list[str]) -> dict[str, Any]:
+    """quantization_config as amd-quark 0.x exports FP8 (amd/Llama-3.1-8B-Instruct-FP8-KV's layout)."""
+    if scale == "channel":
+        weight = _quark_spec("per_channel", 0, "PerChannelMinMaxObserver", dynamic=False)
+    else:
+        weight = _quark_spec("per_tensor", None, "PerTensorMinMaxObserver", dynamic=False)
+    inputs = _quark_spec("per_tensor", None, "PerTensorMinMaxObserver", dynamic=False) if static_input else None
+    return {
+        "quant_method": "quark",
+        "quant_mode": "eager_mode",
+        "version": "0.13",
+        "algo_config": None,
+        "export": {
+            "kv_cache_group": [],
+            "min_kv_scale": 0.0,
+            "pack_method": "reorder",
+            "weight_format": "real_quantized",
+            "weight_merge_groups": None,
+        },
+        "global_quant_config": {
+            "input_tensors": inputs,
+            "output_tensors": None,
+            "weight": weight,
+            "bias": None,
+            "target_device": None,
+        },
+        "layer_quant_config": {},
+        "layer_type_quant_config": {},
+        "kv_cache_quant_config": {},
+        "kv_cache_post_rope": False,
+        "softmax_quant_spec": None,
+        "exclude": ignore,
     }
 
 

@@ -13,17 +13,22 @@ from pathlib import Path
 
 import pytest
 
-from fp8fix.registry.loaders import CALLS, DEFAULT_EVIDENCE, LOADERS, RULES, UNQUANTIZED_EVIDENCE
+from fp8fix.registry.loaders import CALLS, DEFAULT_EVIDENCE, LOADERS, RULES, UNQUANTIZED_EVIDENCE, WITH_PACKAGE
 from tests.builders import build, phi3
 from tests.conftest import run_cli
-from tests.loaders.test_real_loaders import VERDICT_ROWS
+from tests.loaders.conftest import LOADERS as HARNESSES
+from tests.loaders.test_real_loaders import AMD_QUARK, VERDICT_ROWS
 
 HARNESS = Path(__file__).parent / "loaders"
 
 
 def test_the_measured_rows_are_the_rows_the_real_loader_suite_runs() -> None:
-    assert list(CALLS) == list(LOADERS)
-    assert {name for name, c in CALLS.items() if c.measured} == set(VERDICT_ROWS.values())
+    """... and an optional package's row (the transformers row's outcome with amd-quark) is run by its own
+    harness venv."""
+    optional = [row for _, row in WITH_PACKAGE.values()]
+    assert list(CALLS) == [*LOADERS, *optional]
+    assert optional == ["transformers + amd-quark 0.13"] and AMD_QUARK in HARNESSES
+    assert {name for name, c in CALLS.items() if c.measured} == {*VERDICT_ROWS.values(), *optional}
     for name, call in CALLS.items():
         assert call.measured == call.how.startswith("measured"), name
         if not call.measured:  # every verdict of a row nothing runs cites source it was read from, not run

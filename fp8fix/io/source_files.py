@@ -132,6 +132,11 @@ class SourceFiles:
         """True when any byte in [start, end) of `path` is one of `codes`."""
         return any(window_contains(buffer, length, codes) for buffer, _, length in self.windows(path, start, end))
 
+    def count(self, path: Path, start: int, end: int, codes: bytes) -> int:
+        """How many bytes in [start, end) of `path` are one of `codes`."""
+        others = bytes(c for c in range(256) if c not in codes)
+        return sum(window_count(buffer, length, others) for buffer, _, length in self.windows(path, start, end))
+
 
 def read_into(fd: int, view: memoryview, offset: int) -> int:
     """Bytes of `fd` from `offset` into `view`, as many as one read gives: `os.preadv` where the platform
@@ -156,6 +161,13 @@ def read_exactly(fd: int, path: Path, start: int, end: int) -> bytes:
             raise source_changed(path, start + len(data))
         data += more
     return data
+
+
+def window_count(buffer: bytearray, length: int, others: bytes) -> int:
+    """How many of the window's bytes are not in `others` (every byte value but the ones counted): one
+    `translate` pass that keeps only the counted bytes."""
+    kept = buffer.translate(None, others) if length == len(buffer) else buffer[:length].translate(None, others)
+    return len(kept)
 
 
 def window_contains(buffer: bytearray, length: int, codes: tuple[int, ...]) -> bool:

@@ -40,6 +40,9 @@ MOST_KEPT = 0.5
 MOST_CONFIG_ITEMS = 100_000
 _PATTERN = re.compile(r"^re:|[*?\[]")
 _DIGITS = re.compile(r"\d{1,18}")
+#: Keys whose values are release numbers (`transformers_version`, Quark's `version`, ModelOpt's producer
+#: `version`): "0.13" names no layer 13, and would make layers 0 and 13 classes of their own in every checkpoint.
+_VERSION_KEY = re.compile(r"(?:^|_)version$")
 
 Layer = tuple[str, str]  # (the names' prefix before the number, the number as written)
 
@@ -92,9 +95,9 @@ def _in_layer(name: str, layer: Layer) -> str:
 
 
 def _config_numbers(ckpt: Checkpoint) -> set[str] | None:
-    """Every number config.json and hf_quant_config.json hold in a string (key or value), without leading
-    zeros; None where a string holding a number is also a pattern (it may match layers by number) or the
-    files hold more strings than `MOST_CONFIG_ITEMS`."""
+    """Every number config.json and hf_quant_config.json hold in a string (key or value; not a release number
+    under a `version` key), without leading zeros; None where a string holding a number is also a pattern (it
+    may match layers by number) or the files hold more strings than `MOST_CONFIG_ITEMS`."""
     try:
         documents: list[Any] = [ckpt.config, side_config(ckpt.root)]
     except Fp8fixError:
@@ -109,7 +112,7 @@ def _config_numbers(ckpt: Checkpoint) -> set[str] | None:
             return None
         if isinstance(item, dict):
             stack.extend(item.keys())
-            stack.extend(item.values())
+            stack.extend(v for k, v in item.items() if not _VERSION_KEY.search(str(k)))
         elif isinstance(item, list):
             stack.extend(item)
         elif isinstance(item, str):

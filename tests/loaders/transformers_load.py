@@ -9,7 +9,8 @@ call has),
 then, for every linear layer (lm_head included: a format that
 quantizes it by mistake computes with garbage there), the float32 weight [out, in] the
 model computes with (FP8 weights times their scale, as its FP8 layers do; decompressed
-weights as they are), into OUT_DIR/<n>/weights.safetensors,
+weights as they are; amd-quark's layers: the weight their own forward dequantizes), into
+OUT_DIR/<n>/weights.safetensors,
 and OUT_DIR/<n>/result.json with the model class, the loading report's missing and
 unexpected keys, or the error transformers raised. Nothing is patched.
 """
@@ -30,6 +31,8 @@ def dequantized(module: torch.nn.Module) -> torch.Tensor:
     w = module.weight
     if w.dtype not in FP8:
         return w.float()
+    if hasattr(module, "_get_qweight"):  # amd-quark's QParamsLinear: the weight its forward dequantizes
+        return module._get_qweight(w).float()
     scale = getattr(module, "weight_scale_inv", None)
     if scale is None:
         scale = getattr(module, "weight_scale", None)
