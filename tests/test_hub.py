@@ -255,7 +255,9 @@ def test_inspect_a_repo_id_reads_headers_not_weights(tmp_path: Path, fake_hub: F
 
     report = json.loads(proc.stdout)
     assert report["source"] == "org/remote" and len(report["modules"]) == 8
-    assert {f["code"] for f in report["findings"] if f["loaders"]} == {"row-fails", "row-loads-wrong", "row-improved"}
+    # headers only: the split's q / k / v scales are unread, so every vLLM packing them may requantize (rounded):
+    # the default conversion makes no row outside the target load exactly (no row-improved)
+    assert {f["code"] for f in report["findings"] if f["loaders"]} == {"row-fails", "row-loads-wrong"}
     assert {f["code"] for f in report["findings"] if not f["loaders"]} == {
         "per-shard-scales-on-fused",
         "raw-codes-in-transformers",

@@ -46,8 +46,13 @@ def test_glms_per_shard_names_load_before_032(tmp_path: Path, fmt: str) -> None:
     scale = "block" if fmt == "block-fp8" else "tensor"
     src = build(tmp_path / "src", glm(), fmt=fmt, scale=scale)
     assert run_cli("convert", src, tmp_path / "unfused", "--layout", "unfused", "-q").exit_code == 0
-    assert verdicts(tmp_path / "unfused") == ("loads", "loads", "fails")
-    assert verdicts(src) == ("loads", "loads", "loads")  # fused gate_up_proj, as exported: every era
+    # 0.20 and 0.21 - 0.31 pack the per-shard names, requantizing gate / up whose per-tensor scales differ
+    assert verdicts(tmp_path / "unfused") == (("loads", "loads") if scale == "block" else ("rounded", "rounded")) + (
+        "fails",
+    )
+    # fused gate_up_proj, as exported: every era loads; q / k / v with different per-tensor scales are packed and
+    # requantized by the eras' own GLM class, kept apart by 0.32's Transformers backend
+    assert verdicts(src) == ("loads", "loads", "loads") if scale == "block" else ("rounded", "rounded", "loads")
     # the default conversion is for every vLLM since 0.20: it keeps GLM's fused names, which all three load
     assert run_cli("convert", src, tmp_path / "auto", "-q").exit_code == 0
     assert verdicts(tmp_path / "auto") == ("loads", "loads", "loads")

@@ -129,6 +129,13 @@ CALLS: dict[str, LoaderCall] = {
 }
 
 REAL_LOADER_TESTS = "tests/loaders/test_real_loaders.py"
+#: vLLM and SGLang pack q / k / v (gate / up) into one layer with one scale: shards with different scales are
+#: requantized to the largest at load, through float16 (measured: 0.502 - 0.516 fp8 step at most, issue 14).
+PACKED_REQUANTIZED = (
+    "packs q / k / v and gate / up into one layer and requantizes the shards whose per-tensor scales differ to "
+    "their largest at load: each weight moves by up to half an fp8 step (0.52 measured); --layout channel keeps "
+    "every one exactly"
+)
 MIMO_LOADER_TEST = "tests/loaders/test_mimo_loader.py"
 #: vLLM <= 0.5.0 loaded a fused-on-disk module's scale like its weight: one tensor, shape asserted equal.
 VLLM_050_LOADER = (
@@ -299,10 +306,24 @@ VLLM_RULES: tuple[Rule, ...] = (
     FNUZ_RULE,
     Rule(
         VLLM,
+        "packed_on_transformers_backend",
+        "loads",
+        "serves {architecture} through its Transformers backend, which keeps each linear module a layer of its own: "
+        "nothing is packed, nothing requantized",
+        "vllm 0.32 model_executor/models/registry.py _TRANSFORMERS_SUPPORTED_MODELS; " + REAL_LOADER_TESTS,
+    ),
+    Rule(
+        VLLM,
+        "packed_requantized",
+        "rounded",
+        PACKED_REQUANTIZED,
+        "vllm 0.32 quantization/utils/w8a8_utils.py requantize_with_max_scale; " + REAL_LOADER_TESTS,
+    ),
+    Rule(
+        VLLM,
         "packed_per_tensor",
         "loads",
-        "packs q / k / v and gate / up into one layer and requantizes the shards whose per-tensor scales differ to "
-        "their largest at load (within 0.52 fp8 step; exact where they are equal): --layout channel is exact",
+        "packs q / k / v and gate / up into one layer; their per-tensor scales are equal, so nothing is requantized",
         "vllm 0.32 quantization/utils/w8a8_utils.py requantize_with_max_scale; " + REAL_LOADER_TESTS,
     ),
 )
@@ -346,8 +367,8 @@ _ERA_UNRUN = frozenset({"refused_at_tp_1", "misaligned_block_shards"})
 def _in_era(rule: Rule, era: str) -> Rule | None:
     """A vLLM 0.32 rule as an era row's, where the era's releases do the same (measured on both: the real-loader
     suite runs the era releases over the same checkpoints); None where they do not."""
-    if rule.condition == "unfused_on_transformers_backend":
-        return None  # GLM and GPT-NeoX have model classes of their own before 0.32: per-shard names load
+    if rule.condition in ("unfused_on_transformers_backend", "packed_on_transformers_backend"):
+        return None  # GLM and GPT-NeoX have model classes of their own before 0.32: they pack per-shard names
     if rule.condition == "vllm_removed_architecture":
         return None  # still registered in these releases: ERA_FIRST says what they do
     if rule.condition in _ERA_UNRUN:
@@ -509,10 +530,16 @@ SGLANG_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         SGLANG,
+        "packed_requantized",
+        "rounded",
+        PACKED_REQUANTIZED,
+        "sglang 0.5.23 srt/layers/quantization/utils.py requantize_with_max_scale; " + SGLANG_TESTS,
+    ),
+    Rule(
+        SGLANG,
         "packed_per_tensor",
         "loads",
-        "packs q / k / v and gate / up into one layer and requantizes the shards whose per-tensor scales differ to "
-        "their largest at load (within 0.52 fp8 step; exact where they are equal): --layout channel is exact",
+        "packs q / k / v and gate / up into one layer; their per-tensor scales are equal, so nothing is requantized",
         "sglang 0.5.23 srt/layers/quantization/utils.py requantize_with_max_scale; " + SGLANG_TESTS,
     ),
 )
@@ -713,6 +740,18 @@ RULES: tuple[Rule, ...] = (
     Rule(VLLM_LEGACY, "per_shard_fused", "loads", "expects one scale per shard on fused modules", VLLM_050_LOADER),
     Rule(VLLM_LEGACY, "one_scale_fused", "fails", "shape mismatch: torch.Size([n]) vs torch.Size([])", VLLM_050_LOADER),
     Rule(VLLM_OLD, "per_shard_fused", "fails", "asserts a fused-on-disk module carries one scale", VLLM_051_LOADER),
+    *(
+        Rule(
+            loader,
+            "packed_requantized",
+            "rounded",
+            PACKED_REQUANTIZED,
+            "vllm 0.5.0 model_executor/layers/quantization/fp8.py Fp8LinearMethod.process_weights_after_loading "
+            "(each logical weight requantized to the largest scale), 0.5.1-0.6 quantization/utils/w8a8_utils.py "
+            "requantize_with_max_scale; from source, not run",
+        )
+        for loader in (VLLM_LEGACY, VLLM_OLD)
+    ),
     *ERA_RULES,
     *VLLM_RULES,
     *ROCM_RULES,

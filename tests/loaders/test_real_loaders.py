@@ -357,16 +357,36 @@ def fp8fix_grid(folder: Path) -> dict[str, torch.Tensor]:
     return scales
 
 
+@cache
+def written_values(folder: Path) -> dict[str, torch.Tensor]:
+    """The FP8 weights with one weight scale as the checkpoint holds them, codes times that scale, by module:
+    where fp8fix requantized shards to one scale (`--layout fused`) this is what a loader reading the checkpoint
+    exactly computes with (the loss is fp8fix's, reported by convert), unlike the SOURCE's truth."""
+    values = {}
+    for path in folder.glob("*.safetensors"):
+        with safe_open(path, framework="pt") as f:
+            names = set(f.keys())
+            for k in names:
+                scale = k.removesuffix(".weight") + ".weight_scale"
+                if k.endswith(".weight") and scale in names and f.get_slice(scale).get_shape() in ([], [1]):
+                    w = f.get_tensor(k)
+                    if w.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+                        values[k.removesuffix(".weight")] = w.float() * f.get_tensor(scale).float().reshape(())
+    return values
+
+
 def outcome(
     result: Loaded, truth: dict[str, torch.Tensor], folder: Path, rounded: dict[str, torch.Tensor] | None = None
 ) -> tuple[str, str]:
     """(loads | rounded | loads-wrong | fails, why) from what the loader computes with, against the truth:
     exactly (`bf16_exact`), or, for a layer whose rows' true scales differ (`Truth.rows`: requantized to one by
-    the loader or by fp8fix), within REQUANTIZED_STEPS of the one scale's grid. `rounded`: the truth as a loader
-    holding e4m3fn parameters computes it from the checkpoint's e4m3fnuz codes (`true_weights(as_e4m3fn=True)`):
-    a loader that is not exact but computes exactly that rounded its odd subnormal codes (`rounded`)."""
+    the loader or by fp8fix), within REQUANTIZED_STEPS of the one scale's grid: `loads` where the checkpoint
+    holds it so (fp8fix requantized it: `written_values`), `rounded` where the loader requantized it.
+    `rounded` too: the truth as a loader holding e4m3fn parameters computes it from the checkpoint's e4m3fnuz
+    codes (`true_weights(as_e4m3fn=True)`): a loader that is not exact but computes exactly that rounded its
+    odd subnormal codes."""
     verdict, why = _outcome(result, truth, folder)
-    if verdict == "loads-wrong" and rounded is not None and _outcome(result, rounded, folder)[0] == "loads":
+    if verdict == "loads-wrong" and rounded is not None and _outcome(result, rounded, folder)[0] != "loads-wrong":
         return "rounded", why
     return verdict, why
 
@@ -389,7 +409,7 @@ def _outcome(result: Loaded, truth: dict[str, torch.Tensor], folder: Path) -> tu
     if not result.loaded:
         needs_gpu = "requires a GPU" in result.error
         return ("needs-gpu" if needs_gpu else "fails"), result.error
-    wrong = []
+    wrong, requantized_here = [], []
     rows = as_loaded(truth.rows, result.weights) if isinstance(truth, Truth) else None
     for module, expected in as_loaded(truth, result.weights).items():
         got = result.weights.get(module)
@@ -404,7 +424,14 @@ def _outcome(result: Loaded, truth: dict[str, torch.Tensor], folder: Path) -> tu
         if not same_values(got, expected, grid):
             error = (got - expected).abs().max().item() if got.shape == expected.shape else float("nan")
             wrong.append(f"{module}: differs (max abs error {error:.3g})")
-    return ("loads-wrong", "; ".join(wrong[:3])) if wrong else ("loads", "")
+        elif requantized and not bf16_exact(got, expected):
+            written = written_values(folder).get(module)
+            if written is None or not bf16_exact(got, written):  # not as the checkpoint holds it: requantized
+                error = (got - expected).abs().max().item()
+                requantized_here.append(f"{module}: requantized at load (max abs error {error:.3g})")
+    if wrong:
+        return "loads-wrong", "; ".join(wrong[:3])
+    return ("rounded", "; ".join(requantized_here[:3])) if requantized_here else ("loads", "")
 
 
 def inspect_verdict(folder: Path, loader: str) -> str:
