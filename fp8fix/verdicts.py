@@ -84,8 +84,6 @@ FACT_DESCRIPTIONS = {
     "scales differ (or cannot be read: headers only)",
     "fnuz_compressed_tensors": "e4m3fnuz weights in a compressed-tensors checkpoint",
     "packed_per_tensor": "modules vLLM packs into one layer (q / k / v, gate / up), each with a per-tensor scale",
-    "packed_on_transformers_backend": "modules other vLLMs pack whose per-tensor scales differ, in an architecture "
-    "vLLM 0.32 serves through its Transformers backend (GLM)",
     "packed_requantized": "modules vLLM packs into one layer (q / k / v, gate / up) whose per-tensor scales differ "
     "(or cannot be read: headers only)",
     "unfused_names_compressed_tensors": "per-shard module names where the model fuses them, in a "
@@ -145,7 +143,6 @@ class Facts:
     fnuz_compressed_tensors: bool = False
     packed_per_tensor: bool = False  # q / k / v or gate / up apart, each with one scale: vLLM packs them
     packed_requantized: bool = False  # ... and their scales differ: vLLM requantizes them to the largest
-    packed_on_transformers_backend: bool = False  # ... in an architecture vLLM 0.32 serves unpacked
     unfused_names_compressed_tensors: bool = False
     block_scales: bool = False
     remote_code_architecture: bool = False
@@ -331,7 +328,7 @@ def _derive_facts(model: CheckpointModel) -> Facts:
     at_tp_1 = _at_tp_1(model)
     unknown = bool(architecture) and not vllm_resolves(architecture, model.checkpoint.config)
     rope = rope_misfit(model.checkpoint.config)
-    requantized = packed_scales_differ(model)
+    requantized = packed_scales_differ(model)  # vLLM requantizes packed shards at load (ModelOpt's on ROCm: clips)
     return Facts(
         architecture=architecture,
         missing_scales=any(w.scale is None for w in weights),
@@ -362,11 +359,10 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         legacy_names=any(name.endswith(tuple(LEGACY_RENAMES)) for name in model.checkpoint.tensors),
         fbgemm=fmt is not None and fmt.name == "fbgemm_fp8",
         modelopt=modelopt,
-        modelopt_requantized=modelopt and packed_scales_differ(model),
+        modelopt_requantized=modelopt and requantized,
         unfused_names_compressed_tensors=unfused and fmt is not None and fmt.name == "compressed-tensors",
         packed_per_tensor=bool(packed_groups(model)),
         packed_requantized=requantized,
-        packed_on_transformers_backend=requantized and architecture in VLLM_TRANSFORMERS_BACKEND,
         fnuz_weights=fnuz,
         fnuz_chunked=fnuz and chunked,
         fnuz_compressed_tensors=fnuz and fmt is not None and fmt.name == "compressed-tensors",

@@ -306,14 +306,6 @@ VLLM_RULES: tuple[Rule, ...] = (
     FNUZ_RULE,
     Rule(
         VLLM,
-        "packed_on_transformers_backend",
-        "loads",
-        "serves {architecture} through its Transformers backend, which keeps each linear module a layer of its own: "
-        "nothing is packed, nothing requantized",
-        "vllm 0.32 model_executor/models/registry.py _TRANSFORMERS_SUPPORTED_MODELS; " + REAL_LOADER_TESTS,
-    ),
-    Rule(
-        VLLM,
         "packed_requantized",
         "rounded",
         PACKED_REQUANTIZED,
@@ -367,8 +359,8 @@ _ERA_UNRUN = frozenset({"refused_at_tp_1", "misaligned_block_shards"})
 def _in_era(rule: Rule, era: str) -> Rule | None:
     """A vLLM 0.32 rule as an era row's, where the era's releases do the same (measured on both: the real-loader
     suite runs the era releases over the same checkpoints); None where they do not."""
-    if rule.condition in ("unfused_on_transformers_backend", "packed_on_transformers_backend"):
-        return None  # GLM and GPT-NeoX have model classes of their own before 0.32: they pack per-shard names
+    if rule.condition == "unfused_on_transformers_backend":
+        return None  # GLM and GPT-NeoX have model classes of their own before 0.32: per-shard names load
     if rule.condition == "vllm_removed_architecture":
         return None  # still registered in these releases: ERA_FIRST says what they do
     if rule.condition in _ERA_UNRUN:
