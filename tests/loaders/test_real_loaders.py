@@ -362,16 +362,16 @@ def written_values(folder: Path) -> dict[str, torch.Tensor]:
     """The FP8 weights with one weight scale as the checkpoint holds them, codes times that scale, by module:
     where fp8fix requantized shards to one scale (`--layout fused`) this is what a loader reading the checkpoint
     exactly computes with (the loss is fp8fix's, reported by convert), unlike the SOURCE's truth."""
-    values = {}
-    for path in folder.glob("*.safetensors"):
+    tensors: dict[str, torch.Tensor] = {}
+    for path in folder.glob("*.safetensors"):  # a weight and its scale may sit in different files
         with safe_open(path, framework="pt") as f:
-            names = set(f.keys())
-            for k in names:
-                scale = k.removesuffix(".weight") + ".weight_scale"
-                if k.endswith(".weight") and scale in names and f.get_slice(scale).get_shape() in ([], [1]):
-                    w = f.get_tensor(k)
-                    if w.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-                        values[k.removesuffix(".weight")] = w.float() * f.get_tensor(scale).float().reshape(())
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    values = {}
+    for name, w in tensors.items():
+        scale = tensors.get(name.removesuffix(".weight") + ".weight_scale")
+        if name.endswith(".weight") and scale is not None and scale.numel() == 1:
+            if w.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+                values[name.removesuffix(".weight")] = w.float() * scale.float().reshape(())
     return values
 
 
