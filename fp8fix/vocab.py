@@ -28,7 +28,8 @@ ScaleReport = Literal[ScaleKind, "missing", "unknown"]
 InputScaleKind = Literal["static", "static-per-shard", "dynamic"]
 
 #: What verify found for one FP8 weight.
-WeightVerdict = Literal["exact", "rounded", "requantized", "dequantized"]
+#: `mismatch`: OUTPUT differs from what SOURCE makes it (the record counts the codes that differ).
+WeightVerdict = Literal["exact", "rounded", "requantized", "dequantized", "mismatch"]
 
 #: The version of the layout of every `--json` document (and `to_json()` in the Python API): docs/cli-output.md.
 #: 2: a loader verdict may be `rounded`, and `loads` means exact (1: e4m3fnuz rounding was `loads-wrong`).

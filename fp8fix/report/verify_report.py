@@ -11,6 +11,8 @@ def verify_lines(report: VerifyReport, verbose: bool = False) -> list[str]:
     for w in report.weights:
         if verbose and w.kind == "exact":
             lines.append(f"  exact       {w.tensor}")
+        elif w.kind == "mismatch":  # what differs is in the problems below
+            lines.append(f"  mismatch    {w.tensor}: {w.mismatched_codes or 'no'} values counted different")
         elif w.kind != "exact":
             rounded = f", {w.rounded_codes} codes rounded" if w.rounded_codes else ""
             grid = "BF16" if w.kind == "dequantized" else "fp8"  # the steps of the values it was rounded to

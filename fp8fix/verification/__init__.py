@@ -152,18 +152,16 @@ class _TensorChecks:
         for (name, targets), cost in zip(self.items[start:end], self.costs[start:end], strict=True):
             weight = self.weights.get(name)
             if name in ctx.dequantized:  # `--to bf16`, `--dequantize`, `--tp-bf16`: written unquantized
-                ctx.report.weights.append(check_dequantized(ctx, ctx.dequantized[name]))
+                ctx.report.add(check_dequantized(ctx, ctx.dequantized[name]))
             elif name in ctx.ue8m0:  # `--scales ue8m0`: power-of-two block scales (its scale checked with it)
-                ctx.report.weights.append(check_ue8m0(ctx, ctx.ue8m0[name]))
+                ctx.report.add(check_ue8m0(ctx, ctx.ue8m0[name]))
             elif name in ctx.padded:  # `--tp`: a padded MLP weight (its scale is checked with it)
                 if name not in self.scale_names:
-                    check = check_padded(ctx, name, weight)
-                    if check is not None:
-                        ctx.report.weights.append(check)
+                    ctx.report.add(check_padded(ctx, name, weight))
             elif weight is not None and weight.stacked:
-                ctx.report.weights.append(check_stacked_experts(ctx, weight))
+                ctx.report.add(check_stacked_experts(ctx, weight))
             elif weight is not None:
-                ctx.report.weights.append(check_weight(ctx, weight, targets))
+                ctx.report.add(check_weight(ctx, weight, targets))
             elif name in self.input_of:
                 check_input_scale(ctx, name, self.input_of[name], targets)
             elif name not in self.scale_names:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,14 +14,33 @@ from fp8fix.io.source_files import SourceFiles
 from fp8fix.model import CheckpointModel, FusedModule
 from fp8fix.numerics.dtypes import ITEM_SIZE, is_fp8
 from fp8fix.registry.formats import FormatSpec, quantization_config
-from fp8fix.verification.report import VerifyReport
+from fp8fix.verification.report import VerifyReport, WeightCheck
 
 #: Elements compared per step: memory stays at a few row chunks whatever the tensor's size.
 CHUNK_ELEMENTS = 1024 * 1024
 
 
 class Mismatch(Exception):
-    """OUTPUT is not what SOURCE makes it; the message names the tensor. Caught per tensor into the report."""
+    """OUTPUT is not what SOURCE makes it; the message names the tensor. Caught per tensor into its record
+    (`WeightCheck.mismatched`) or the report. `codes`: how many codes (values) of the rows compared differ,
+    for a difference in values (0: what does not fit is not a value: a shape, a scale, a missing tensor), the
+    message describing the largest of them."""
+
+    def __init__(self, text: str, codes: int = 0) -> None:
+        super().__init__(text)
+        self.codes = codes
+
+
+@contextmanager
+def counting(check: WeightCheck) -> Iterator[None]:
+    """Different values in one run of rows go into the weight's record and its check goes on with the next run,
+    so the record counts every differing code; any other mismatch ends the weight's check."""
+    try:
+        yield
+    except Mismatch as e:
+        if not e.codes:
+            raise
+        check.mismatched(str(e), e.codes)
 
 
 @dataclass

@@ -15,7 +15,14 @@ from typing import Any
 
 from fp8fix.model import Fp8Weight
 from fp8fix.numerics.dequantize import BF16, F16, code_values, output_step
-from fp8fix.verification.context import CHUNK_ELEMENTS, Mismatch, VerifyContext, plain_output, scale_values
+from fp8fix.verification.context import (
+    CHUNK_ELEMENTS,
+    Mismatch,
+    VerifyContext,
+    counting,
+    plain_output,
+    scale_values,
+)
 from fp8fix.verification.report import WeightCheck
 from fp8fix.verification.weights import expert_column_scales, scale_rows
 
@@ -63,22 +70,24 @@ def check_dequantized(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
         step_rows = max(1, CHUNK_ELEMENTS // cols)
         for r0 in range(0, rows, step_rows):
             r1 = min(rows, r0 + step_rows)
-            codes = np.frombuffer(ctx.read_rows(t, r0, r1, cols), dtype=np.uint8).reshape(r1 - r0, cols)
-            exact = values[codes] * scales.rows(r0, r1)
-            got = _as_float64(ctx.read_rows(o, r0, r1, cols), o.dtype).reshape(r1 - r0, cols)
-            error = np.abs(got - exact)
-            steps = np.divide(error, output_step(exact, o.dtype), out=np.zeros_like(error), where=exact != 0)
-            bad = ~np.isfinite(got) | ~np.isfinite(exact) | (steps > 0.5) | ((exact == 0) & (got != 0))
-            if bad.any():
-                r, c = (int(i) for i in np.argwhere(bad)[0])
-                raise Mismatch(
-                    f"'{name}' row {r0 + r} column {c}: {float(got[r, c])!r}, expected SOURCE's code times its scale, "
-                    f"{float(exact[r, c])!r}, rounded to {o.dtype} (half a {o.dtype} step at most)"
-                )
-            check.max_error = max(check.max_error, float(error.max(initial=0.0)))
-            check.max_error_steps = max(check.max_error_steps, float(steps.max(initial=0.0)))
+            with counting(check):
+                codes = np.frombuffer(ctx.read_rows(t, r0, r1, cols), dtype=np.uint8).reshape(r1 - r0, cols)
+                exact = values[codes] * scales.rows(r0, r1)
+                got = _as_float64(ctx.read_rows(o, r0, r1, cols), o.dtype).reshape(r1 - r0, cols)
+                error = np.abs(got - exact)
+                steps = np.divide(error, output_step(exact, o.dtype), out=np.zeros_like(error), where=exact != 0)
+                bad = ~np.isfinite(got) | ~np.isfinite(exact) | (steps > 0.5) | ((exact == 0) & (got != 0))
+                if bad.any():
+                    r, c = divmod(int(np.argmax(np.where(bad, np.nan_to_num(error, nan=np.inf), -1.0))), cols)
+                    raise Mismatch(
+                        f"'{name}' row {r0 + r} column {c}: {float(got[r, c])!r}, expected SOURCE's code times its "
+                        f"scale, {float(exact[r, c])!r}, rounded to {o.dtype} (half a {o.dtype} step at most)",
+                        codes=int(bad.sum()),
+                    )
+                check.max_error = max(check.max_error, float(error.max(initial=0.0)))
+                check.max_error_steps = max(check.max_error_steps, float(steps.max(initial=0.0)))
     except Mismatch as e:
-        ctx.report.problem(str(e))
+        check.mismatched(str(e), e.codes)
     return check
 
 

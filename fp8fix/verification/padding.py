@@ -86,7 +86,10 @@ def check_padded(ctx: VerifyContext, name: str, weight: Fp8Weight | None) -> Wei
         ratio = _scale_ratio(ctx, weight) if weight is not None else 1.0
         _compare(ctx, t, o, padded, ratio)
     except Mismatch as e:
-        ctx.report.problem(str(e))
+        if check is None:  # a BF16 tensor: bytes, no weight record
+            ctx.report.problem(str(e))
+        else:
+            check.mismatched(str(e), e.codes)
     return check
 
 

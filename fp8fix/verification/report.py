@@ -1,13 +1,17 @@
-"""What verify found: one record per FP8 weight, counts, and the problems (capped) that make it fail."""
+"""What verify found: one record per FP8 weight, counts, and the problems (capped) that make it fail.
+
+A weight's record is what its check measured, never a default: a difference makes it `mismatch` (with the
+codes that differ and the first difference), and the summary and the problems are counted from the records."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 from fp8fix.vocab import SCHEMA_VERSION, WeightVerdict
 
 MAX_PROBLEMS = 50
+_RANK = {"exact": 0, "rounded": 1, "requantized": 2, "mismatch": 3}
 
 
 @dataclass
@@ -18,6 +22,27 @@ class WeightCheck:
     max_error: float = 0.0
     max_error_steps: float = 0.0
     rounded_codes: int = 0
+    mismatched_codes: int = 0  # codes (or values) found different from SOURCE's, kind `mismatch`
+    mismatch: str | None = None  # what differs first (the largest difference of its row run), kind `mismatch`
+
+    def grade(self, kind: WeightVerdict) -> None:
+        """A loss found in some rows: the record takes the worst found so far (exact < rounded < requantized <
+        mismatch), so rows checked after a difference never make it look better."""
+        if _RANK.get(kind, 0) > _RANK.get(self.kind, 0):
+            self.kind = kind
+
+    def mismatched(self, text: str, codes: int = 0) -> None:
+        """A difference found in this weight: the record says so, and keeps the first one's description."""
+        self.kind = "mismatch"
+        self.mismatched_codes += codes
+        self.mismatch = self.mismatch or text
+
+    def problem(self) -> str | None:
+        """The report's problem for this record (None unless `mismatch`)."""
+        if self.kind != "mismatch":
+            return None
+        count = f" ({self.mismatched_codes} values differ)" if self.mismatched_codes > 1 else ""
+        return f"{self.mismatch}{count}"
 
 
 @dataclass
@@ -39,6 +64,15 @@ class VerifyReport:
         if len(self.problems) < MAX_PROBLEMS:
             self.problems.append(text)
 
+    def add(self, check: WeightCheck | None) -> None:
+        """A weight's record, and its problem where it is a mismatch: one fact, said once."""
+        if check is None:
+            return
+        self.weights.append(check)
+        text = check.problem()
+        if text is not None:
+            self.problem(text)
+
     def merge(self, other: VerifyReport) -> None:
         """Add the findings of another part of the same verification (a worker's run of tensors)."""
         self.weights += other.weights
@@ -47,11 +81,14 @@ class VerifyReport:
         for text in other.problems:
             self.problem(text)
 
+    def mismatched_values(self) -> int:
+        return sum(w.mismatched_codes for w in self.weights)
+
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, **asdict(self), "ok": self.ok}
 
     def summary(self) -> str:
-        kinds = {k: sum(w.kind == k for w in self.weights) for k in ("exact", "rounded", "requantized", "dequantized")}
+        kinds = {k: sum(w.kind == k for w in self.weights) for k in get_args(WeightVerdict)}
         worst = max((w.max_error_steps for w in self.weights if w.kind == "requantized"), default=None)
         rounded = max((w.max_error_steps for w in self.weights if w.kind == "dequantized"), default=None)
         return (
@@ -60,5 +97,7 @@ class VerifyReport:
             f"{kinds['requantized']} requantized"
             + (f", max {worst:.2f} fp8 steps" if worst is not None else "")
             + (f", {kinds['dequantized']} in BF16, max {rounded:.2f} BF16 steps" if rounded is not None else "")
+            + (f", {kinds['mismatch']} MISMATCHED: {self.mismatched_values()} values" if kinds["mismatch"] else "")
             + f"), {self.scales_checked} input scales, {self.identical_tensors} tensors byte-identical"
+            + (f"; {len(self.problems)} problem(s)" if self.problems else "")
         )

@@ -81,7 +81,7 @@ def check_ue8m0(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
                 check.max_error = max(check.max_error, error)
             row = stop
     except Mismatch as e:
-        ctx.report.problem(str(e))
+        check.mismatched(str(e), e.codes)
     return check
 
 

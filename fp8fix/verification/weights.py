@@ -20,12 +20,13 @@ import numpy as np
 
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import Fp8Weight
+from fp8fix.numerics.dequantize import code_values
 from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, NAN_CODES, REQUANT_CLAMP
 from fp8fix.numerics.fp8 import is_power_of_two, steps_at, torch_dtype
 from fp8fix.numerics.recodings import value_map
 from fp8fix.numerics.requantize import requantize_map
 from fp8fix.numerics.torch_extra import import_torch
-from fp8fix.verification.context import CHUNK_ELEMENTS, Mismatch, VerifyContext, scale_values
+from fp8fix.verification.context import CHUNK_ELEMENTS, Mismatch, VerifyContext, counting, scale_values
 from fp8fix.verification.mapping import Target
 from fp8fix.verification.report import WeightCheck
 
@@ -53,7 +54,7 @@ def check_weight(ctx: VerifyContext, weight: Fp8Weight, targets: list[Target]) -
             out_scales = scale_rows(out_scale, o, ctx.shard_of_rows(out_module), "OUTPUT")
             _compare_rows(ctx, w, o, target, src_scales, out_scales, check)
     except Mismatch as e:
-        ctx.report.problem(str(e))
+        check.mismatched(str(e), e.codes)
     return check
 
 
@@ -81,12 +82,13 @@ def check_stacked_experts(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
         for r0 in range(0, rows, step_rows):
             r1 = min(rows, r0 + step_rows)
             a, b = ctx.read_rows(w, r0, r1, cols), ctx.read_rows(o, r0, r1, cols)
-            if not same_values(a, b, w.dtype, o.dtype, ratios[0], name, r0, cols):
-                experts_of_rows = np.arange(r0, r1) // inner
-                s_src, s_out = src_grid[experts_of_rows], out_grid[experts_of_rows]
-                _compare_values(w, o, target, r0, r1, a, b, s_src, s_out, check)
+            with counting(check):
+                if not same_values(a, b, w.dtype, o.dtype, ratios[0], name, r0, cols):
+                    experts_of_rows = np.arange(r0, r1) // inner
+                    s_src, s_out = src_grid[experts_of_rows], out_grid[experts_of_rows]
+                    _compare_values(w, o, target, r0, r1, a, b, s_src, s_out, check)
     except Mismatch as e:
-        ctx.report.problem(str(e))
+        check.mismatched(str(e), e.codes)
     return check
 
 
@@ -155,12 +157,31 @@ def _compare_rows(
         for r0 in range(row, end, step_rows):
             r1 = min(end, r0 + step_rows)
             a, b = ctx.read_rows(w, r0, r1, cols), ctx.read_rows(o, r0 + shift, r1 + shift, cols)
-            exact_ratio = is_power_of_two(ratio)
-            if exact_ratio and same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 + shift, cols):
-                continue
-            if _as_mapped(w, o, a, b, r0, shift, cols, src_scales, out_scales, check, exact_ratio):
-                continue
-            _compare_values(w, o, target, r0, r1, a, b, src_scales, out_scales, check)
+            with counting(check):
+                _compare_chunk(w, o, target, r0, r1, a, b, src_scales, out_scales, check, ratio)
+
+
+def _compare_chunk(
+    w: TensorInfo,
+    o: TensorInfo,
+    target: Target,
+    r0: int,
+    r1: int,
+    a: bytes,
+    b: bytes,
+    src_scales: list[float],
+    out_scales: list[float],
+    check: WeightCheck,
+    ratio: float,
+) -> None:
+    """One chunk of a run of rows: as bytes where it can be, else as floats."""
+    shift, cols = target.out_offset - target.start, math.prod(w.shape[1:])
+    exact_ratio = is_power_of_two(ratio)
+    if exact_ratio and same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 + shift, cols):
+        return
+    if _as_mapped(w, o, a, b, r0, shift, cols, src_scales, out_scales, check, exact_ratio):
+        return
+    _compare_values(w, o, target, r0, r1, a, b, src_scales, out_scales, check)
 
 
 def _runs(start: int, end: int, key: Callable[[int], object]) -> Iterator[tuple[int, int]]:
@@ -184,12 +205,24 @@ def same_values(a: bytes, b: bytes, src: str, out: str, ratio: float, name: str,
         return False
     mapped = a.translate(expected)
     if mapped != b:
-        first = next(i for i in range(len(b)) if mapped[i] != b[i])
-        raise Mismatch(
-            f"'{name}' row {row0 + first // cols} column {first % cols}: code 0x{b[first]:02X}, expected "
-            f"0x{mapped[first]:02X} (the source's value at the output scale)"
-        )
+        raise _code_mismatch(name, mapped, b, out, row0, cols)
     return True
+
+
+def _code_mismatch(name: str, expected: bytes, got: bytes, dtype: str, row0: int, cols: int) -> Mismatch:
+    """The codes of `got` that are not `expected`'s: how many, and the one whose value is furthest off
+    (a NaN code furthest of all)."""
+    want, have = np.frombuffer(expected, dtype=np.uint8), np.frombuffer(got, dtype=np.uint8)
+    differ = np.flatnonzero(want != have)
+    values = code_values(dtype)
+    with np.errstate(invalid="ignore"):
+        errors = np.nan_to_num(np.abs(values[have[differ]] - values[want[differ]]), nan=np.inf)
+    i = int(differ[int(np.argmax(errors))])
+    return Mismatch(
+        f"'{name}' row {row0 + i // cols} column {i % cols}: code 0x{got[i]:02X}, expected 0x{expected[i]:02X} "
+        "(the source's value at the output scale)",
+        codes=len(differ),
+    )
 
 
 def _as_mapped(
@@ -224,10 +257,10 @@ def _as_mapped(
         if exact_ratio:
             rounded = sum(codes.count(c) for c in value_map(w.dtype, o.dtype, pair[1] / pair[0])[1])
             check.rounded_codes += rounded
-            if rounded and check.kind == "exact":
-                check.kind = "rounded"
+            if rounded:
+                check.grade("rounded")
         else:
-            check.kind = "requantized"
+            check.grade("requantized")
             check.max_error_steps = max(check.max_error_steps, worst.max_steps)
     return True
 
@@ -270,21 +303,23 @@ def _compare_values(
     both_nan = torch.isnan(b) & torch.isnan(q)  # a NaN moved as bytes stays the NaN it was
     ok = torch.where(power_of_two, (b == nearest) | both_nan, steps <= 0.5 + 1e-6)
     if not bool(ok.all()):
-        row, col = (~ok).nonzero()[0].tolist()
+        off = torch.where(ok, 0.0, (b * s_out - src_value).abs().nan_to_num(nan=math.inf))
+        row, col = divmod(int(off.argmax()), off.shape[1])
         out_value = float((b * s_out)[row, col])
         out_row = r0 - target.start + target.out_offset + row
         raise Mismatch(
             f"'{o.name}' (from '{w.name}') row {out_row} column {col}: source value "
-            f"{float(src_value[row, col]):.6g}, output {out_value:.6g}"
+            f"{float(src_value[row, col]):.6g}, output {out_value:.6g}",
+            codes=int((~ok).sum()),
         )
     error = torch.where(both_nan, 0.0, (b * s_out - src_value).abs())
     check.max_error = max(check.max_error, float(error.max()) if error.numel() else 0.0)
     if not bool(power_of_two.all()):
-        check.kind = "requantized"
+        check.grade("requantized")
         check.max_error_steps = max(check.max_error_steps, float(steps[~power_of_two].max()))
     rounded = int(((nearest != q) & power_of_two & ~both_nan).sum())
-    if rounded and check.kind == "exact":
-        check.kind = "rounded"
+    if rounded:
+        check.grade("rounded")
     check.rounded_codes += rounded
 
 
@@ -332,12 +367,13 @@ def _compare_block(
         o0 = r0 - target.start + target.out_offset
         a, b = ctx.read_rows(w, r0, r1, cols), ctx.read_rows(o, o0, o0 + (r1 - r0), cols)
         same_scales = all(x * ratio == y for x, y in zip(s_src, s_out, strict=True))
-        if same_scales and same_values(a, b, w.dtype, o.dtype, ratio, o.name, o0, cols):
-            continue
         block = ctx.fmt.block
-        _compare_values(
-            w, o, target, r0, r1, a, b, _expand_row(s_src, cols, block), _expand_row(s_out, cols, block), check
-        )
+        with counting(check):
+            if same_scales and same_values(a, b, w.dtype, o.dtype, ratio, o.name, o0, cols):
+                continue
+            _compare_values(
+                w, o, target, r0, r1, a, b, _expand_row(s_src, cols, block), _expand_row(s_out, cols, block), check
+            )
 
 
 def _out_grid(ctx: VerifyContext, weight_name: str, grid_cols: int) -> list[float]:
