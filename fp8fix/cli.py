@@ -450,7 +450,11 @@ or unsupported checkpoint, 4 Hub error (the conversion record is printed first).
     "verifying with --verify; capped at the shard count. Output is identical whatever the number."
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan (each module: what changes and why); write nothing.")
-@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists and is not empty.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace OUTPUT if it is a folder fp8fix wrote; files it did not write are never deleted (refused, named).",
+)
 @click.option(
     "--push-to-hub",
     metavar="REPO_ID",

@@ -111,7 +111,8 @@ def convert(source: Path, output: Path, options: ConvertOptions, registry: Regis
     if options.dry_run:
         return result
     with output_lock(output):
-        check_output(source, output, options.overwrite)  # again: OUTPUT may have been written meanwhile
+        # again: OUTPUT may have been written meanwhile; and --overwrite loses no file fp8fix did not write
+        check_output(source, output, options.overwrite, [*rewritten, *copies])
         result.warnings += remove_stale_staging(output)
         try:
             _write(ckpt, plan, output, options, registry, result, started)

@@ -259,10 +259,42 @@ def test_existing_output_is_refused_without_overwrite(tmp_path: Path) -> None:
     result = run_cli("convert", src, out, "-q")
     assert result.exit_code == 2 and "--overwrite" in result.output  # a usage error
     assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_overwrite_replaces_only_what_fp8fix_wrote(tmp_path: Path) -> None:
+    """Issue 48: --overwrite of a folder fp8fix did not write (no card with its tag), or of an fp8fix output a
+    user added files to, is refused naming each file it would lose; nothing is touched; an fp8fix output as
+    written (and one whose copied files the new conversion writes again) is replaced."""
+    src = build(tmp_path / "src", phi3())
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    (out / "notes").mkdir()
+    (out / "notes" / "eval.json").write_text("{}")
     result = run_cli("convert", src, out, "-q", "--overwrite")
-    assert result.exit_code == 0
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+    assert result.exit_code == 2 and "keep.txt" in result.output and "notes/eval.json" in result.output
+    assert (out / "keep.txt").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+    for p in (out / "keep.txt", out / "notes" / "eval.json", out / "notes"):
+        p.unlink() if p.is_file() else p.rmdir()
+    assert run_cli("convert", src, out, "-q", "--overwrite").exit_code == 0  # empty
+    written = sorted(p.name for p in out.iterdir())
+    assert "README.md" in written and "tokenizer_config.json" in written
+    assert run_cli("convert", src, out, "-q", "--overwrite", "--layout", "per-shard").exit_code == 0  # fp8fix's
+    (out / "my-eval.md").write_text("results")
+    result = run_cli("convert", src, out, "-q", "--overwrite")
+    assert result.exit_code == 2 and "my-eval.md" in result.output and "README.md" not in result.output
+    assert (out / "my-eval.md").exists()
+    (out / "my-eval.md").unlink()
+    card = (out / "README.md").read_text()
+    (out / "README.md").write_text(card.replace("- fp8fix\n", ""))  # a card without fp8fix's tag: not its folder
+    result = run_cli("convert", src, out, "-q", "--overwrite")
+    assert result.exit_code == 2 and "README.md" in result.output and "config.json" in result.output
+    (out / "README.md").write_text(card)
+    assert run_cli("convert", src, out, "-q", "--overwrite").exit_code == 0
+    assert sorted(p.name for p in out.iterdir()) == written and sorted(p.name for p in tmp_path.iterdir()) == [
+        "out",
+        "src",
+    ]
 
 
 def test_empty_existing_output_is_fine(tmp_path: Path) -> None:

@@ -17,12 +17,15 @@ import re
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fp8fix.errors import OutputBusy, OutputError
+from fp8fix.errors import InvalidCheckpoint, OutputBusy, OutputError
+from fp8fix.io.checkpoint import CARD, CONFIG, INDEX
+from fp8fix.io.json_text import MAX_FILE_BYTES, parse_json
+from fp8fix.io.source_tree import open_regular, read_regular
 
 try:
     import fcntl
@@ -110,8 +113,10 @@ def remove_stale_staging(output: Path) -> list[str]:
     return removed
 
 
-def check_output(source: Path, output: Path, overwrite: bool) -> None:
-    """Refuse destinations that would touch the source or clobber something unasked."""
+def check_output(source: Path, output: Path, overwrite: bool, rewrites: Collection[str] | None = None) -> None:
+    """Refuse destinations that would touch the source or clobber something unasked. `rewrites` (the files the
+    conversion writes, once planned): `--overwrite` replaces an empty folder or one fp8fix wrote, and never loses
+    a file fp8fix did not write (`files_lost`)."""
     src, out = source.resolve(), output.resolve()
     if out == src or out.is_relative_to(src):
         raise OutputError(f"OUTPUT {output}: inside SOURCE; fp8fix never writes into the source checkpoint")
@@ -121,6 +126,79 @@ def check_output(source: Path, output: Path, overwrite: bool) -> None:
         raise OutputError(f"OUTPUT {output}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise OutputError(f"OUTPUT {output}: exists and is not empty; pass --overwrite to replace it")
+    lost = files_lost(out, rewrites) if out.is_dir() and rewrites is not None else []
+    if lost:
+        more = f" and {len(lost) - SHOWN_LOST} more" if len(lost) > SHOWN_LOST else ""
+        raise OutputError(
+            f"OUTPUT {output}: --overwrite replaces only an empty folder or one fp8fix wrote, and replacing this one "
+            f"would lose {', '.join(lost[:SHOWN_LOST])}{more}, which fp8fix did not write; move them away or choose "
+            "another OUTPUT"
+        )
+
+
+#: Files a refusal names; how many entries of OUTPUT are looked at (a hostile folder may hold millions).
+SHOWN_LOST = 10
+MAX_ENTRIES = 100_000
+#: How much of OUTPUT's model card is read for fp8fix's tag.
+CARD_BYTES = 64 * 1024
+_FRONT_MATTER = re.compile(r"---\r?\n(.*?)\r?\n---", re.DOTALL)
+
+
+def files_lost(output: Path, rewrites: Collection[str]) -> list[str]:
+    """The entries of OUTPUT (relative paths, links and folders' files included) that replacing it would lose:
+    every one, unless its model card carries fp8fix's tag; then those fp8fix did not write (its card, config
+    files, index and the shards that index names) and the new conversion does not write again (`rewrites`)."""
+    entries = _entries(output)
+    if not entries or not _written_by_fp8fix(output):
+        return entries
+    ours = {CARD, CONFIG, "hf_quant_config.json", INDEX, *rewrites, *_indexed_shards(output)}
+    return [e for e in entries if e not in ours]
+
+
+def _entries(folder: Path) -> list[str]:
+    """Every file, link and empty folder under `folder`, as sorted relative paths; links are not followed."""
+    found: list[str] = []
+    for root, dirs, files in os.walk(folder):
+        rel = Path(root).relative_to(folder)
+        links = [d for d in dirs if os.path.islink(os.path.join(root, d))]
+        dirs[:] = [d for d in dirs if d not in links]
+        found += [str(rel / name) for name in (*files, *links)]
+        if not dirs and not files and not links and root != str(folder):
+            found.append(str(rel) + "/")
+        if len(found) > MAX_ENTRIES:
+            break
+    return sorted(found)
+
+
+def _written_by_fp8fix(output: Path) -> bool:
+    """OUTPUT's model card is a regular file whose front matter lists the `fp8fix` tag (convert writes it)."""
+    card = output / CARD
+    if card.is_symlink():
+        return False
+    try:
+        fd = open_regular(card)
+    except (OSError, InvalidCheckpoint):
+        return False
+    try:
+        head = os.read(fd, CARD_BYTES).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+    match = _FRONT_MATTER.match(head)
+    return match is not None and re.search(r"(?m)^\s*-\s*fp8fix\s*$", match.group(1)) is not None
+
+
+def _indexed_shards(output: Path) -> set[str]:
+    """The shard files OUTPUT's index names (none for an unreadable index: those shards count as lost)."""
+    index = output / INDEX
+    if not index.exists() and not index.is_symlink():
+        return {"model.safetensors"}
+    try:
+        if index.is_symlink():
+            return set()
+        weight_map = parse_json(read_regular(index, MAX_FILE_BYTES)).get("weight_map", {})
+        return {str(v) for v in weight_map.values()} if isinstance(weight_map, dict) else set()
+    except (OSError, ValueError, AttributeError, InvalidCheckpoint):
+        return set()
 
 
 def write_json(path: Path, data: Any) -> None:
