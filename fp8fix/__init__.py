@@ -7,11 +7,14 @@ first use, so `import fp8fix` (and the CLI's start-up) stays cheap.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 __version__ = "0.1.0"
 
+#: Not `typing.TYPE_CHECKING`: importing typing takes milliseconds of the CLI's start-up, before its Ctrl-C
+#: guard is in place (fp8fix.entry); type checkers treat any `TYPE_CHECKING` as true.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from fp8fix.api import (
         Architecture,
         Fp8fixError,

@@ -288,7 +288,7 @@ def verify(
     downloaded shards (default: three of the largest), nothing in the Hub cache. `part` (K, N): check
     only the K-th of N shares of the tensors (about 1/N of the bytes each; index, config and card in
     every part), for N machines that together check everything."""
-    from fp8fix.io.hub import is_repo_id
+    from fp8fix.io.hub import is_repo_id, local_folder
     from fp8fix.verification import verify as run_verify
 
     _jobs(jobs)
@@ -317,7 +317,8 @@ def verify(
         if max_disk is not None:
             raise UsageError("--max-disk bounds the verify of a Hub repo OUTPUT; this OUTPUT is a local folder")
         folder = _source(source, revision, token)[0]
-        return run_verify(folder, Path(output), quiet=not progress, registry=reg, jobs=jobs, part=part)
+        out = local_folder(output, "OUTPUT")  # missing: a usage error, as a missing SOURCE is
+        return run_verify(folder, out, quiet=not progress, registry=reg, jobs=jobs, part=part)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from fp8fix import __version__
-from fp8fix.errors import DEBUG_VARIABLE, EXIT_BUG, EXIT_HUB, RegistryEntryError, UsageError, bug_line, user_error
+from fp8fix.errors import (
+    DEBUG_VARIABLE,
+    EXIT_BUG,
+    EXIT_HUB,
+    EXIT_MISMATCH,
+    EXIT_REASONS,
+    RegistryEntryError,
+    UsageError,
+    bug_line,
+    exit_codes_line,
+    user_error,
+)
 from fp8fix.vocab import AUTO_JOBS, ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, PRECISIONS, SCALES, SCHEMA_VERSION, TARGETS
 
 if TYPE_CHECKING:
@@ -69,9 +80,11 @@ def say(line: str, err: bool = False) -> None:
     click.echo(printable(line), err=err)
 
 
-def echo_json(payload: dict[str, Any]) -> None:
-    """`payload` as strict JSON: a figure that is not finite (vLLM's float32 arithmetic overflowing on a
-    hostile scale) is null, not the `NaN` / `Infinity` most JSON parsers reject."""
+def echo_json(payload: dict[str, Any], code: int = 0) -> None:
+    """`payload` as strict JSON, with `exit_reason` (the exit code's class, `errors.EXIT_CODES`): a figure that
+    is not finite (vLLM's float32 arithmetic overflowing on a hostile scale) is null, not the `NaN` / `Infinity`
+    most JSON parsers reject."""
+    payload = {**payload, "exit_reason": EXIT_REASONS[code]}
     try:
         text = json_text(payload)
     except ValueError:  # a figure that is not finite: the payload walked to replace it (rare; seconds at 50k rows)
@@ -99,6 +112,11 @@ def json_text(payload: dict[str, Any]) -> str:
     return "{\n" + ",\n".join(fields) + "\n}"
 
 
+def with_exit_codes(epilog: str) -> str:
+    """A command's epilog with the one exit-code table (`errors.EXIT_CODES`) where it says `{exit_codes}`."""
+    return epilog.replace("{exit_codes}", exit_codes_line())
+
+
 def finite(value: Any) -> Any:
     """`value` with every float that is not finite replaced by None, through lists and dicts."""
     if isinstance(value, float):
@@ -115,7 +133,12 @@ def error_json(code: int, line: str, error: BaseException) -> dict[str, Any]:
     message = line.removeprefix("Error: ")
     return {
         "schema_version": SCHEMA_VERSION,
-        "error": {"type": type(error).__name__, "message": message, "exit_code": code},
+        "error": {
+            "type": type(error).__name__,
+            "message": message,
+            "exit_code": code,
+            "exit_reason": EXIT_REASONS[code],
+        },
     }
 
 
@@ -143,7 +166,7 @@ def reports_errors(func: F) -> F:
             code, line = known
             with exiting(code):
                 if kwargs.get("as_json"):
-                    echo_json(error_json(code, line, e))
+                    echo_json(error_json(code, line, e), code)
                 say(line, err=True)
 
     return wrapper  # type: ignore[return-value]
@@ -383,14 +406,11 @@ Layouts (how fused modules such as qkv_proj carry their scales); without
   channel    fused weight, one scale per row, as compressed-tensors: exact
              where shard scales differ (current vLLM, transformers)
 
-\b
-Exit codes: 0 done, 1 --verify found a mismatch or OUTPUT could not be
-written, 2 usage error (options, OUTPUT not empty or inside SOURCE), 3 invalid
-or unsupported checkpoint, 4 Hub error (the conversion record is printed first).
+{exit_codes} With --push-to-hub, a push that fails exits 4 after the conversion record.
 """
 
 
-@main.command(epilog=CONVERT_EPILOG)
+@main.command(epilog=with_exit_codes(CONVERT_EPILOG))
 @source_options
 @click.argument("output", type=click.Path(path_type=Path), required=False)
 @click.option(
@@ -558,7 +578,10 @@ def convert(
                 raise error from None
             # the conversion happened: its record goes out with the push's error, then the exit code
             with exiting(EXIT_HUB):
-                echo_json({**payload, "pushed": None, "push_error": error_json(EXIT_HUB, str(error), error)["error"]})
+                echo_json(
+                    {**payload, "pushed": None, "push_error": error_json(EXIT_HUB, str(error), error)["error"]},
+                    EXIT_HUB,
+                )
                 say(f"Error: {error}", err=True)
         payload["pushed"] = pushed.url
         if not as_json and not quiet:
@@ -668,12 +691,11 @@ Examples:
 REPO_ID comes first, as in `hf upload`. The old order (FOLDER REPO_ID) still works,
 with a deprecation warning, when FOLDER is an existing folder and REPO_ID is not.
 
-\b
-Exit codes: 0 pushed, 2 usage error, 3 FOLDER is not a checkpoint folder, 4 Hub error.
+{exit_codes}
 """
 
 
-@main.command(epilog=PUSH_EPILOG)
+@main.command(epilog=with_exit_codes(PUSH_EPILOG))
 @click.argument("repo_id")
 @click.argument("folder", type=click.Path(path_type=Path))
 @push_options
@@ -721,13 +743,11 @@ correctly, or when `fp8fix convert --target TARGET` would make a row load that
 does not: the findings name each such row (row-fails, row-rounded, row-loads-wrong,
 row-not-judged, row-improved) and the command that makes it load, if any.
 
-\b
-Exit codes: 0 inspected (no --strict finding), 1 --strict and a row finding,
-2 usage error, 3 invalid checkpoint, 4 Hub error.
+{exit_codes}
 """
 
 
-@main.command(epilog=INSPECT_EPILOG)
+@main.command(epilog=with_exit_codes(INSPECT_EPILOG))
 @source_options
 @click.option(
     "--strict",
@@ -763,9 +783,10 @@ def inspect(
     from fp8fix.report.inspect_report import report_lines
 
     report = api.inspect(source, registry=registry, progress=not (quiet or as_json), **options)
-    with exiting(1 if strict and report.gate else 0):
+    code = EXIT_MISMATCH if strict and report.gate else 0
+    with exiting(code):
         if as_json:
-            echo_json(report.to_json())
+            echo_json(report.to_json(), code)
         else:
             echo_lines(report_lines(report, verbose), quiet)
 
@@ -777,13 +798,11 @@ Examples:
   fp8fix verify org/model-FP8 me/model-FP8-fixed --max-disk 30GB   # both on the Hub, shard by shard
   fp8fix verify org/model-FP8 me/model-FP8-fixed --part 2/4         # a quarter of the tensors, on one of 4 machines
 
-\b
-Exit codes: 0 faithful, 1 mismatch (the tensors are named), 2 usage error,
-3 invalid input, 4 Hub error.
+{exit_codes}
 """
 
 
-@main.command("verify", epilog=VERIFY_EPILOG)
+@main.command("verify", epilog=with_exit_codes(VERIFY_EPILOG))
 @source_options
 @click.argument("output")
 @jobs_option("Processes checking tensors in parallel. The report is identical whatever the number.")
@@ -816,9 +835,10 @@ def verify_command(
     if is_repo_id(output) and not given_on_command_line("jobs"):
         options["jobs"] = 1  # a Hub OUTPUT is checked in one process, as its shards download (api.verify)
     report = api.verify(source, output, registry=registry, progress=not (quiet or as_json), **options)
-    with exiting(0 if report.ok else 1):
+    code = 0 if report.ok else EXIT_MISMATCH
+    with exiting(code):
         if as_json:
-            echo_json(report.to_json())
+            echo_json(report.to_json(), code)
         else:
             echo_lines(verify_lines(report, verbose), quiet and report.ok)
 

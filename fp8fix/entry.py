@@ -13,9 +13,22 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from types import FrameType
 
-from fp8fix.errors import (
+
+def _early_exit(signum: int, frame: object) -> None:
+    """Ctrl-C or SIGTERM before `run` holds its guards (while fp8fix.errors and click import): one line and the
+    signal's exit code, at once; nothing has been written yet."""
+    interrupted = signum == signal.SIGINT
+    os.write(2, b"Interrupted: nothing was written.\n" if interrupted else b"Terminated: nothing was written.\n")
+    os._exit(130 if interrupted else 143)
+
+
+signal.signal(signal.SIGINT, _early_exit)  # the first thing the process does once Python runs fp8fix's code
+signal.signal(signal.SIGTERM, _early_exit)
+
+from types import FrameType  # noqa: E402 (after the guard above)
+
+from fp8fix.errors import (  # noqa: E402
     DEBUG_VARIABLE,
     EXIT_BUG,
     EXIT_INTERRUPTED,
@@ -30,8 +43,9 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 
 def run() -> None:
-    signal.signal(signal.SIGTERM, _terminate)
     try:
+        signal.signal(signal.SIGTERM, _terminate)  # from here on, both are exceptions the handlers below catch
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         import click
 
         from fp8fix.cli import main

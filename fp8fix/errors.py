@@ -14,9 +14,46 @@ EXIT_MISMATCH = 1
 EXIT_USAGE = 2
 EXIT_INVALID_INPUT = 3
 EXIT_HUB = 4
+EXIT_ENVIRONMENT = 5
 EXIT_BUG = 70  # sysexits' EX_SOFTWARE: fp8fix itself failed
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+@dataclass(frozen=True)
+class ExitCode:
+    """One exit code: one class of cause, so a CI step can tell a bad model from a bad runner."""
+
+    code: int
+    reason: str  # JSON `exit_reason`
+    meaning: str
+
+
+#: The one table of exit codes: README, every command's `--help` and JSON `exit_reason` are made from it.
+EXIT_CODES: tuple[ExitCode, ...] = (
+    ExitCode(0, "ok", "done: converted, faithful, inspected (or a dry run)"),
+    ExitCode(1, "difference", "the model: verify found a difference, or `--strict` a finding"),
+    ExitCode(2, "usage", "the command: an option, a path, OUTPUT not replaceable"),
+    ExitCode(3, "bad-input", "the checkpoint: invalid or unsupported (which file, which tensor)"),
+    ExitCode(4, "hub", "the Hub or the network: not found, no permission, gated, offline"),
+    ExitCode(
+        5,
+        "environment",
+        "the machine: disk full, OUTPUT locked by another fp8fix, out of memory, a SOURCE "
+        "file changed while read, a missing extra (torch)",
+    ),
+    ExitCode(EXIT_BUG, "bug", "a bug in fp8fix (one line; FP8FIX_DEBUG=1 shows the traceback)"),
+    ExitCode(EXIT_INTERRUPTED, "interrupted", "Ctrl-C, at any moment; nothing written"),
+    ExitCode(EXIT_TERMINATED, "terminated", "SIGTERM; nothing written"),
+)
+EXIT_REASONS = {e.code: e.reason for e in EXIT_CODES}
+
+
+def exit_codes_line() -> str:
+    """The exit-code table as every command's `--help` ends with it."""
+    return "Exit codes: " + "; ".join(f"{e.code} {e.reason}" for e in EXIT_CODES) + " (docs/cli-output.md)."
+
+
 #: Set to see a bug's traceback instead of its one line.
 DEBUG_VARIABLE = "FP8FIX_DEBUG"
 ISSUES_URL = "https://github.com/fp8fix/fp8fix/issues"
@@ -98,19 +135,20 @@ class ErrorForm:
 #: Error type -> what the user sees; the first entry the error is an instance of wins.
 ERROR_TABLE: tuple[tuple[type[BaseException], ErrorForm], ...] = (
     (VerificationFailed, ErrorForm(EXIT_MISMATCH, "Error: {message}")),
-    (OutputBusy, ErrorForm(EXIT_MISMATCH, "Error: {message}")),
-    (SourceChanged, ErrorForm(EXIT_MISMATCH, "Error: {message}")),
-    (WorkerDied, ErrorForm(EXIT_MISMATCH, "Error: {message}")),
-    (OutputWriteFailed, ErrorForm(EXIT_MISMATCH, "Error: {message}")),
+    (OutputBusy, ErrorForm(EXIT_ENVIRONMENT, "Error: {message}")),
+    (SourceChanged, ErrorForm(EXIT_ENVIRONMENT, "Error: {message}")),
+    (WorkerDied, ErrorForm(EXIT_ENVIRONMENT, "Error: {message}")),
+    (OutputWriteFailed, ErrorForm(EXIT_ENVIRONMENT, "Error: {message}")),
     (UsageError, ErrorForm(EXIT_USAGE, "Error: {message}")),
     (HubError, ErrorForm(EXIT_HUB, "Error: {message}")),
     (InvalidCheckpoint, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
     (UnsupportedCheckpoint, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
-    (MissingExtra, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
+    (MissingExtra, ErrorForm(EXIT_ENVIRONMENT, "Error: {message}")),
     (Fp8fixError, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
     (Terminated, ErrorForm(EXIT_TERMINATED, "Terminated: nothing was written.")),
     (KeyboardInterrupt, ErrorForm(EXIT_INTERRUPTED, "Interrupted: nothing was written.")),
-    (OSError, ErrorForm(EXIT_MISMATCH, "Error: {message}")),  # disk full, permissions: OUTPUT not written
+    (MemoryError, ErrorForm(EXIT_ENVIRONMENT, "Error: out of memory ({message}); nothing was written")),
+    (OSError, ErrorForm(EXIT_ENVIRONMENT, "Error: {message}")),  # disk full, permissions: OUTPUT not written
 )
 
 

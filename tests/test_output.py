@@ -67,12 +67,15 @@ def test_every_json_document_has_a_schema_version_and_errors_are_json(tmp_path: 
     error = json.loads(proc.stdout)
     assert error == {
         "schema_version": 2,
-        "error": {"type": "UsageError", "message": error["error"]["message"], "exit_code": 2},
+        "error": {"type": "UsageError", "message": error["error"]["message"], "exit_code": 2, "exit_reason": "usage"},
+        "exit_reason": "usage",
     }
     assert error["error"]["message"].startswith(f"SOURCE {tmp_path / 'missing'}: no such folder")
     assert proc.stderr.startswith("Error: SOURCE")  # and the one line for people
     mismatch = fp8fix("verify", EXAMPLE, src, "--json")  # another checkpoint: a mismatch, exit 1, still JSON
     assert mismatch.returncode == 1 and json.loads(mismatch.stdout)["ok"] is False
+    assert json.loads(mismatch.stdout)["exit_reason"] == "difference"
+    assert all(json.loads(d)["exit_reason"] == "ok" for d in documents)
 
 
 def test_progress_lines_in_a_log_and_huggingface_hub_switch(tmp_path: Path) -> None:
