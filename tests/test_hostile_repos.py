@@ -603,3 +603,37 @@ def test_verify_refuses_a_size_edit_no_padded_weight_explains(tmp_path: Path, mo
     edit_json(out / "config.json", lambda c: c.update({key: c[key] * 2}))
     result = run_cli("verify", src, out)
     assert result.exit_code == 1 and "config.json: differs from SOURCE's" in result.output, result.output
+
+
+# --- issue 48: a Hub cache that points out of itself; a shard path no file system takes ---------------------------
+
+
+@pytest.mark.parametrize("escape", ["ref", "snapshot link"])
+def test_a_hub_cache_that_points_out_of_itself_is_refused(tmp_path: Path, escape: str) -> None:
+    """refs/main naming `../../../outside_snapshot`, or a snapshot folder that is a link to a folder outside the
+    cache: huggingface_hub follows either; fp8fix reads nothing there (exit 3, bad input), for every command."""
+    from tests.test_hub import SHA, make_hub_cache
+
+    cache = make_hub_cache(tmp_path)
+    outside = build(tmp_path / "outside_snapshot", phi3())
+    repo = cache / "models--org--tiny-fp8"
+    if escape == "ref":
+        (repo / "refs" / "main").write_text("../../../outside_snapshot")
+    else:
+        shutil.rmtree(repo / "snapshots" / SHA)
+        (repo / "snapshots" / SHA).symlink_to(outside, target_is_directory=True)
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+    for command in (("inspect", "org/tiny-fp8"), ("convert", "org/tiny-fp8", tmp_path / "out")):
+        result = fp8fix(*command, env={**os.environ, **env})
+        clean_failure(result, 3, tmp_path, "org/tiny-fp8", "not a snapshot folder of that repo", str(outside))
+
+
+@pytest.mark.parametrize(
+    "name", ["d/" * 2500 + "x.safetensors", "s/" + "b" * 250 + "/" + "c/" * 2000 + "x.safetensors"]
+)
+def test_a_shard_path_longer_than_a_file_system_takes_is_bad_input(tmp_path: Path, src: Path, name: str) -> None:
+    """Every part under 255 bytes, the whole past PATH_MAX: the lookup's ENAMETOOLONG was an OS error (exit 1, now
+    the environment's 5); it is the checkpoint's fault, exit 3, naming the index."""
+    edit_json(src / INDEX, lambda index: index["weight_map"].update(dict.fromkeys(index["weight_map"], name)))
+    for command in (("inspect", src), ("convert", src, tmp_path / "out"), ("verify", src, src)):
+        clean_failure(fp8fix(*command), 3, tmp_path, INDEX)

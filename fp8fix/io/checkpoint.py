@@ -255,6 +255,8 @@ def _weight_map(index: Any) -> dict[str, str]:
 
 #: The longest file name (one path component) Linux and macOS file systems take, in bytes.
 MAX_NAME_BYTES = 255
+#: The longest path a shard name may be, in bytes: Linux's PATH_MAX (4096) less room for the folder it is in.
+MAX_PATH_BYTES = 3072
 
 
 def shard_name(name: str) -> str:
@@ -273,6 +275,8 @@ def shard_name(name: str) -> str:
         problem = f"is not a {SHARD_SUFFIX} file (a shard cannot be config.json, the index or README.md)"
     elif any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for part in normal.split("/")):
         problem = f"has a part longer than the {MAX_NAME_BYTES} bytes a file name can be"
+    elif len(normal.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        problem = f"is a path longer than {MAX_PATH_BYTES} bytes, more than a file system takes under a folder"
     if problem:
         raise InvalidCheckpoint(f"{INDEX}: names the file {shown}, which {problem}; refusing to read it")
     return normal
@@ -280,7 +284,11 @@ def shard_name(name: str) -> str:
 
 def _shard_path(tree: SourceTree, name: str) -> Path:
     path = tree.root / name
-    if not path.exists() and not path.is_symlink():
+    try:
+        missing = not path.exists() and not path.is_symlink()
+    except OSError as e:  # a path the file system refuses (too long under this folder, a loop of links)
+        raise InvalidCheckpoint(f"{INDEX}: names '{name[:80]}...', which cannot be looked up: {e.strerror}") from None
+    if missing:
         raise InvalidCheckpoint(
             f"{INDEX}: names '{name}', which does not exist in {tree.root}; the download is incomplete"
         )

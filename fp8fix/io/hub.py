@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fp8fix.errors import Fp8fixError, HubError, RepoNotReached, UsageError
+from fp8fix.errors import Fp8fixError, HubError, InvalidCheckpoint, RepoNotReached, UsageError
 from fp8fix.io.checkpoint import Checkpoint, checkpoint_from_headers
 from fp8fix.io.source_tree import SourceTree
 
@@ -216,7 +216,24 @@ def resolve_source(
     with hub_errors(source, revision, role=role):
         bounded_session()
         snapshot = retried(snapshot_download, source, revision=revision, allow_patterns=ALLOW_PATTERNS, token=token)
-    return Path(snapshot), source
+    return inside_cache(Path(snapshot), source, role), source
+
+
+def inside_cache(snapshot: Path, repo_id: str, role: str = "SOURCE") -> Path:
+    """`snapshot`, refused unless it is a folder of the repo's own `snapshots/` in the Hub cache: a ref
+    (`refs/main`) or a snapshot link of a hostile cache could name any folder of the machine."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    snapshots = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots"
+    real = Path(os.path.realpath(snapshot))
+    if real.parent != Path(os.path.realpath(snapshots)) or not real.is_dir():
+        raise InvalidCheckpoint(
+            f"{role} {repo_id}: the local Hub cache resolves it to {real}, which is not a snapshot folder of that "
+            f"repo in the cache ({snapshots}); a ref or link there points elsewhere. fp8fix reads only inside the "
+            "cache: delete the repo's cache folder (hf cache delete) and download it again"
+        )
+    return real
 
 
 def local_folder(source: str | os.PathLike[str], role: str = "SOURCE") -> Path:
@@ -374,4 +391,4 @@ def remote_headers(repo_id: str, revision: str | None, token: str | None = None)
         file: (fm.metadata, {n: (t.dtype, t.shape, t.data_offsets) for n, t in fm.tensors.items()})
         for file, fm in meta.files_metadata.items()
     }
-    return checkpoint_from_headers(Path(folder), headers)
+    return checkpoint_from_headers(inside_cache(Path(folder), repo_id), headers)
