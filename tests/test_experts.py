@@ -260,3 +260,25 @@ def test_verify_names_stacked_experts_of_the_wrong_dtype(tmp_path: Path) -> None
     result = run_cli("verify", src, out)
     shape = list(tensors[GATE_UP].shape)
     assert result.exit_code == 1 and f"'{GATE_UP}' is F32 {shape}, expected FP8 {shape}" in result.output
+
+
+@pytest.mark.parametrize("key", ["ignored_layers", "modules_to_not_convert"])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "language_model.model.layers.0.feed_forward.experts.0.down_proj",  # one expert of the stack: FP8 codes
+        "language_model.model.layers.0.feed_forward.experts",  # the whole stack
+        "model.layers.0.mlp.experts.0.down_proj",  # no module of this model: not SOURCE's, no rule writes it
+    ],
+)
+def test_an_ignore_list_entry_naming_fp8_experts_or_nothing_fails_verify(tmp_path: Path, key: str, entry: str) -> None:
+    """Issue 48: an ignore-list entry added to an output with stacked FP8 experts passed verify (the name lists
+    knew only `.weight` modules): a loader that honours it reads that expert's FP8 codes as BF16."""
+    src = build_llama4(tmp_path / "src", "tensor")
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "--format", "keep", "-q").exit_code == 0
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"][key] = [entry]
+    (out / "config.json").write_text(json.dumps(config))
+    result = run_cli("verify", src, out)
+    assert result.exit_code == 1 and f"quantization_config.{key}" in result.output and entry in result.output

@@ -26,7 +26,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fp8fix"
     "error,code",
     [
         (VerificationFailed("x"), 1),
-        (OSError(28, "No space left on device", "/out/model.safetensors"), 1),
+        (OSError(28, "No space left on device", "/out/model.safetensors"), 5),
+        (MemoryError(), 5),
         (UsageError("x"), 2),
         (OutputError("x"), 2),
         (RegistryEntryError("x"), 2),

@@ -173,9 +173,11 @@ def test_convert_verify_fails_without_leaving_output(tmp_path: Path) -> None:
     assert "Verified with `fp8fix verify`" in (tmp_path / "out" / "README.md").read_text()
 
 
-def test_verify_invalid_input_is_exit_3(tmp_path: Path) -> None:
+def test_verify_invalid_input_is_exit_3_and_a_missing_output_a_usage_error(tmp_path: Path) -> None:
     src = build(tmp_path / "src", phi3())
-    assert run_cli("verify", src, tmp_path / "missing").exit_code == 3
+    assert run_cli("verify", src, tmp_path / "missing").exit_code == 2  # as a missing SOURCE (issue 48)
+    (tmp_path / "empty").mkdir()
+    assert run_cli("verify", src, tmp_path / "empty").exit_code == 3
 
 
 @pytest.mark.parametrize("damaged", [False, True])

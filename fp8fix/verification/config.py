@@ -116,8 +116,43 @@ def _model_keys(ctx: VerifyContext, renames: dict[str, list[str]], sizes: dict[s
 
 
 def _modules(ckpt: Checkpoint) -> list[str]:
-    """The modules a name list can name: those with a matrix weight (or stacked experts)."""
-    return [n.removesuffix(".weight") for n, t in ckpt.tensors.items() if n.endswith(".weight") and len(t.shape) >= 2]
+    """The modules a name list can name: those with a matrix weight, and stacked experts ([E, ...] tensors of
+    an `experts` module, Llama-4 style: the stack and each expert `experts.{e}.NAME` in it, which an entry may
+    name to take one expert's FP8 codes for BF16)."""
+    modules = []
+    for name, t in ckpt.tensors.items():
+        if name.endswith(".weight") and len(t.shape) >= 2:
+            modules.append(name.removesuffix(".weight"))
+        elif len(t.shape) >= 3 and ".experts." in name and is_fp8(t.dtype):
+            stack, leaf = name.rsplit(".experts.", 1)
+            modules.append(name)
+            modules += [f"{stack}.experts.{e}.{leaf}" for e in range(min(t.shape[0], MAX_EXPERTS))]
+    return modules
+
+
+def _shard_names(ctx: VerifyContext, modules: list[str]) -> list[str]:
+    """The per-shard names of OUTPUT's fused modules (Phi-3's q_proj / k_proj / v_proj of a qkv_proj): lists
+    name a fused module by its shards too, as vLLM matches them."""
+    present = set(modules)
+    return [
+        f.spec.unfused_path(f.path, shard)
+        for f in ctx.model.fused.values()
+        if f.path in present
+        for shard in f.spec.shards
+        if shard.unfused
+    ]
+
+
+#: Experts per stacked tensor named one by one (a bound for a hostile header's first dimension).
+MAX_EXPERTS = 4096
+
+
+def _strays(entries: Any, source_entries: Any, modules: list[str], grammar: Any) -> list[str]:
+    """Entries of OUTPUT's list that name no module of OUTPUT and are not SOURCE's own (kept as they were): a
+    list entry no rule of a conversion writes."""
+    kept = set(source_entries) if isinstance(source_entries, list) else set()
+    texts = [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
+    return [e for e in texts if e not in kept and not any(matches(e, m, grammar) for m in modules)]
 
 
 def _named(entries: Any, modules: list[str], grammar: Any) -> set[str]:
@@ -140,6 +175,7 @@ def _same_but_names(
     blank_source, blank_output = copy.deepcopy(source), copy.deepcopy(output)
     origin = {shard: fused for fused, shards in renames.items() for shard in shards}
     out_modules = _modules(ctx.out)
+    nameable = out_modules + _shard_names(ctx, out_modules)
     bf16 = set(unquantized)
     # compressed-tensors outputs also name every Linear without FP8 weights (checked in _compressed_tensors)
     may_add = set(unquantized_linears(ctx.out.tensors)) if ctx.fmt.name == COMPRESSED_TENSORS.name else set()
@@ -154,6 +190,12 @@ def _same_but_names(
             if name_list.unquantized and (name_list.unquantized != "if-set" or src_entries):
                 expected |= bf16
             got = _named(out_entries, out_modules, name_list.grammar)
+            strays = _strays(out_entries, src_entries, nameable, name_list.grammar)
+            if strays:
+                ctx.report.problem(
+                    f"{file}: {spot}: names {', '.join(map(repr, strays[:3]))}, which is no module of OUTPUT and not "
+                    "in SOURCE's list"
+                )
             if (got ^ expected) - may_add:
                 more, fewer = sorted(got - expected), sorted(expected - got)
                 ctx.report.problem(
