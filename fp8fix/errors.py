@@ -147,7 +147,7 @@ ERROR_TABLE: tuple[tuple[type[BaseException], ErrorForm], ...] = (
     (Fp8fixError, ErrorForm(EXIT_INVALID_INPUT, "Error: {message}")),
     (Terminated, ErrorForm(EXIT_TERMINATED, "Terminated: nothing was written.")),
     (KeyboardInterrupt, ErrorForm(EXIT_INTERRUPTED, "Interrupted: nothing was written.")),
-    (MemoryError, ErrorForm(EXIT_ENVIRONMENT, "Error: out of memory ({message}); nothing was written")),
+    (MemoryError, ErrorForm(EXIT_ENVIRONMENT, "Error: out of memory; nothing was written (try fewer --jobs)")),
     (OSError, ErrorForm(EXIT_ENVIRONMENT, "Error: {message}")),  # disk full, permissions: OUTPUT not written
 )
 
