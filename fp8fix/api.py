@@ -281,14 +281,20 @@ def verify(
     arch_files: Sequence[PathArg] = (),
     registry: Registry | None = None,
     progress: bool = False,
+    accept_edits: bool = False,
 ) -> VerifyReport:
     """Check that `output` is a faithful conversion of `source`; `report.ok`, `report.problems`.
+
+    Three classes of files, each in `report.classes`: the weights and the config, the model card's facts (what
+    it was converted from, layout, encoding, tags, the loader table as the rules say for OUTPUT) and the files
+    copied from SOURCE (OUTPUT holding no other). `accept_edits`: card facts and files fp8fix did not write
+    are `report.edits`, not problems (a card people edited on purpose).
 
     `output` may be a Hub repo id: then both are read shard by shard, in at most `max_disk` bytes of
     downloaded shards (default: three of the largest), nothing in the Hub cache. `part` (K, N): check
     only the K-th of N shares of the tensors (about 1/N of the bytes each; index, config and card in
     every part), for N machines that together check everything."""
-    from fp8fix.io.hub import is_repo_id, local_folder
+    from fp8fix.io.hub import is_repo_id, local_folder, source_label
     from fp8fix.verification import verify as run_verify
 
     _jobs(jobs)
@@ -313,12 +319,20 @@ def verify(
                 part=part,
                 registry=reg,
                 quiet=not progress,
+                accept_edits=accept_edits,
             )
         if max_disk is not None:
             raise UsageError("--max-disk bounds the verify of a Hub repo OUTPUT; this OUTPUT is a local folder")
-        folder = _source(source, revision, token)[0]
+        folder, repo_id = _source(source, revision, token)
         out = local_folder(output, "OUTPUT")  # missing: a usage error, as a missing SOURCE is
-        return run_verify(folder, out, quiet=not progress, registry=reg, jobs=jobs, part=part)
+        name = source_label(folder, repo_id, revision)
+        report = run_verify(
+            folder, out, not progress, reg, jobs, part=part, source_name=name, accept_edits=accept_edits
+        )
+        from fp8fix.card_facts import check_card_verdicts
+
+        check_card_verdicts(report, out, reg)
+        return report
 
 
 @dataclass(frozen=True)

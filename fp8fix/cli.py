@@ -817,6 +817,12 @@ Examples:
     help="Check only the K-th of N shares of the tensors (about 1/N of the bytes; index, config and card "
     "in every part): N machines, one part each, together check every tensor once.",
 )
+@click.option(
+    "--accept-edits",
+    is_flag=True,
+    help="A model card people edited (its facts: source, layout, encoding, loader table) and files fp8fix did not "
+    "write are listed as edits, not differences. Weights, config and copied files are checked as ever.",
+)
 @output_options("Also list every weight found exact.")
 @reports_errors
 def verify_command(
@@ -826,7 +832,8 @@ def verify_command(
 
     Splits and fn <-> fnuz changes must be exact in value, requantized modules
     within half an fp8 step; every other tensor byte-identical; index, config and
-    copied files as they should be. Streams with bounded memory.
+    copied files as they should be; the model card's facts true of OUTPUT. Streams
+    with bounded memory.
     """
     from fp8fix import api
     from fp8fix.io.hub import is_repo_id

@@ -166,7 +166,17 @@ def _write(
         if options.verify:
             from fp8fix.verification import verify  # numpy: only a --verify run needs it before writing
 
-            result.verification = verify(ckpt.root, staging, quiet=options.quiet, registry=registry, jobs=jobs)
+            result.verification = verify(
+                ckpt.root,
+                staging,
+                quiet=options.quiet,
+                registry=registry,
+                jobs=jobs,
+                source_name=_source_name(ckpt, options),
+            )
+            from fp8fix.card_facts import check_card_verdicts
+
+            check_card_verdicts(result.verification, staging, registry)  # the card's table, as `verify` checks it
             if not result.verification.ok:
                 raise VerificationFailed(
                     "verification failed, nothing written: " + "; ".join(result.verification.problems[:5])
@@ -217,9 +227,9 @@ def write_card_for(
 
 def _source_name(ckpt: Checkpoint, options: ConvertOptions) -> str:
     """SOURCE as the card and the commit title name it: the Hub repo (and revision) or the folder's name."""
-    if options.source_repo:
-        return options.source_repo + (f"@{options.revision}" if options.revision else "")
-    return ckpt.root.resolve().name
+    from fp8fix.io.hub import source_label
+
+    return source_label(ckpt.root, options.source_repo, options.revision)
 
 
 def record_stats(plan: ConversionPlan, stats: WriteStats) -> None:

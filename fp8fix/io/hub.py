@@ -236,6 +236,12 @@ def inside_cache(snapshot: Path, repo_id: str, role: str = "SOURCE") -> Path:
     return real
 
 
+def source_label(folder: Path, repo_id: str | None, revision: str | None) -> str:
+    """SOURCE as OUTPUT's card and commit title name it (and verify expects it): the Hub repo (and revision)
+    or the folder's name."""
+    return repo_id + (f"@{revision}" if revision else "") if repo_id else folder.resolve().name
+
+
 def local_folder(source: str | os.PathLike[str], role: str = "SOURCE") -> Path:
     """A local SOURCE (or OUTPUT), which must exist: else a usage error naming it and `role`."""
     folder = Path(source).expanduser()

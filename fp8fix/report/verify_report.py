@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fp8fix.verification.report import VerifyReport
+from fp8fix.verification.report import CLASS_NAMES, VerifyReport
 
 
 def verify_lines(report: VerifyReport, verbose: bool = False) -> list[str]:
@@ -19,4 +19,11 @@ def verify_lines(report: VerifyReport, verbose: bool = False) -> list[str]:
             error = f"max error {w.max_error:.3g} ({w.max_error_steps:.2f} {grid} steps)"
             lines.append(f"  {w.kind:<11} {w.tensor}: {error}{rounded}")
     lines += [f"  problem: {p}" for p in report.problems]
+    lines += [f"  edit (accepted): {e}" for e in report.edits]
+    checked = [f"{name} {_count(len(report.classes[kind]))}" for kind, name in CLASS_NAMES.items()]
+    lines.append("  checked: " + "; ".join(checked))
     return lines
+
+
+def _count(problems: int) -> str:
+    return "ok" if not problems else f"{problems} difference{'s' if problems > 1 else ''}"

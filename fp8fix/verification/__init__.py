@@ -65,6 +65,8 @@ def verify(
     jobs: Jobs = 1,
     files: SourceFiles | None = None,
     part: tuple[int, int] | None = None,
+    source_name: str | None = None,
+    accept_edits: bool = False,
 ) -> VerifyReport:
     """Check OUTPUT against SOURCE; the report's `problems` say what is wrong (empty: faithful).
 
@@ -74,7 +76,9 @@ def verify(
     `files`: how the shards are read (a Hub repo's, downloaded as read: `verification.remote`);
     then one process. `part` (K, N): only the K-th of N consecutive shares of SOURCE's tensors, of
     about equal bytes, is checked (the checks of index, config and card in every part): N machines
-    each run one, and together they check every tensor once.
+    each run one, and together they check every tensor once. `source_name`: SOURCE as OUTPUT's card names it
+    (default: the folder's name). `accept_edits`: the card's facts and files fp8fix did not write are listed as
+    edits, not problems.
     """
     global _checks
     started = window_start()  # jobs "auto": what other processes ran while this one started and read headers
@@ -84,7 +88,8 @@ def verify(
     fmt = model.require_format()
     remote = files is not None  # a Hub repo's shards, downloaded as read: one process
     with files or SourceFiles() as files:
-        ctx = VerifyContext(model, out, fmt, VerifyReport(str(source), str(output)), files)
+        report = VerifyReport(str(source), str(output), accept_edits=accept_edits)
+        ctx = VerifyContext(model, out, fmt, report, files, source_name=source_name or Path(source).resolve().name)
         ctx.padded = padded_tensors(ctx)
         ctx.dequantized = dequantized_weights(ctx)
         ctx.dropped = dropped_scales(ctx, ctx.dequantized)
@@ -190,6 +195,6 @@ def _check_run(progress: Progress, start: int, end: int) -> VerifyReport:
     """A worker's share: tensors [start, end), into a report of their own."""
     assert _checks is not None
     ctx = _checks.ctx
-    ctx.report = VerifyReport(ctx.report.source, ctx.report.output)
+    ctx.report = VerifyReport(ctx.report.source, ctx.report.output, accept_edits=ctx.report.accept_edits)
     _checks.check(start, end, progress)
     return ctx.report

@@ -15,11 +15,12 @@ from fp8fix.io.checkpoint import CARD
 from fp8fix.io.source_tree import read_regular
 from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ, is_fp8
 from fp8fix.verification.context import VerifyContext
+from fp8fix.verification.report import METADATA
 
 #: A card fp8fix writes is kilobytes; verify reads at most this much of OUTPUT's.
 MAX_CARD_BYTES = 16 * 1024 * 1024
 _LAYOUT = re.compile(r"^- Layout: \*\*([a-z-]+)\*\*$", re.MULTILINE)
-_CONVERTED = re.compile(r"^Converted from `[^`\n]*` with fp8fix ", re.MULTILINE)
+_CONVERTED = re.compile(r"^Converted from `([^`\n]*)` with fp8fix ", re.MULTILINE)
 
 
 def check_card(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
@@ -27,38 +28,69 @@ def check_card(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
     try:
         text = read_regular(path, MAX_CARD_BYTES).decode("utf-8", errors="replace")
     except FileNotFoundError:
-        ctx.report.problem(f"{CARD}: missing; a conversion writes a model card")
+        ctx.report.problem(f"{CARD}: missing; a conversion writes a model card", METADATA, edit=True)
         return
     except InvalidCheckpoint as e:
-        ctx.report.problem(str(e))
+        ctx.report.problem(str(e), METADATA)
         return
-    problem = ctx.report.problem
+
+    def problem(text: str) -> None:
+        ctx.report.problem(text, METADATA, edit=True)
+
     front, _, body = text.removeprefix("---\n").partition("\n---\n")
     if not text.startswith("---\n") or not body:
         problem(f"{CARD}: no front matter")
         return
     tags = _tags(front.splitlines())
-    body = body.split("\n## Original model card\n")[0]  # fp8fix's section: SOURCE's own card may be one too
+    body = fp8fix_section(body)
     fp8 = any(is_fp8(t.dtype) for t in ctx.out.tensors.values())
     for tag in ("fp8", "fp8fix") if fp8 else ("fp8fix",):
         if tag not in tags:
             problem(f"{CARD}: no `{tag}` tag")
     if not fp8 and "fp8" in tags:
         problem(f"{CARD}: an `fp8` tag on a model with no FP8 weights")
-    if not _CONVERTED.search(body):
+    converted = _CONVERTED.findall(body)
+    if not converted:
         problem(f"{CARD}: does not say what it was converted from")
+    elif ctx.source_name is not None and set(converted) != {ctx.source_name}:
+        problem(f"{CARD}: says it was converted from `{converted[0]}`; SOURCE is `{ctx.source_name}`")
     layouts = _LAYOUT.findall(body)
     said = layouts[0] if len(layouts) == 1 else "no one layout"
+    held = _fused_layout(ctx)
     if renames and said != "unfused":
         problem(f"{CARD}: says {said}, but OUTPUT holds SOURCE's fused modules unfused")
     elif not renames and said == "unfused" and ctx.model.fused:
         problem(f"{CARD}: says unfused, but OUTPUT keeps SOURCE's fused modules")
+    elif not renames and held is not None and said != held and held != "channel":
+        problem(f"{CARD}: says {said}, but OUTPUT's fused modules have the {held} layout's scales")
     encodings = {t.dtype for t in ctx.out.tensors.values()} & {E4M3FN, E4M3FNUZ}
     recoded = bool(encodings) and encodings != {t.dtype for t in ctx.src.tensors.values()} & {E4M3FN, E4M3FNUZ}
     if recoded != ("FP8 encoding: e4m3fn" in body and "->" in body):
         problem(f"{CARD}: {'does not say' if recoded else 'says'} the FP8 weights changed encoding")
     if recoded and encodings == {E4M3FNUZ} and "e4m3fnuz" not in tags:
         problem(f"{CARD}: no `e4m3fnuz` tag on e4m3fnuz weights")
+
+
+def _fused_layout(ctx: VerifyContext) -> str | None:
+    """The layout OUTPUT's fused FP8 modules have, read off their weight scales' sizes: one value `fused`, one
+    per shard `per-shard`, one per row `channel` (which a source's per-row scales keep under any layout but
+    `unfused`: not checked); None where none is FP8 with such a scale, or they differ."""
+    found = set()
+    for module in ctx.model.fused.values():
+        weight = ctx.out.tensors.get(f"{module.path}.weight")
+        scale = ctx.out.tensors.get(f"{module.path}.{ctx.fmt.weight_scale}")
+        if weight is None or scale is None or not is_fp8(weight.dtype) or len(scale.shape) > 2:
+            continue
+        if len(scale.shape) == 2 and scale.shape[1] != 1:
+            continue  # a block grid: no per-tensor layout
+        rows, shards = weight.shape[0], len(module.rows)
+        found.add({1: "fused", shards: "per-shard", rows: "channel"}.get(scale.numel, "?"))
+    return found.pop() if len(found) == 1 and "?" not in found else None
+
+
+def fp8fix_section(text: str) -> str:
+    """The card's text up to SOURCE's own card, which fp8fix keeps below it (and which may be one too)."""
+    return text.split("\n## Original model card\n")[0]
 
 
 def _tags(lines: list[str]) -> set[str]:

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from fp8fix.errors import UsageError
-from fp8fix.io.hub import looks_local
+from fp8fix.io.hub import looks_local, source_label
 from fp8fix.io.remote_source import LazyShards, StandIn, fill_small_floats, mirror, open_remote
 from fp8fix.registry.architectures import Registry
 from fp8fix.verification import verify
@@ -34,6 +34,7 @@ def verify_remote(
     part: tuple[int, int] | None = None,
     registry: Registry | None = None,
     quiet: bool = False,
+    accept_edits: bool = False,
 ) -> VerifyReport:
     """`verify` of the Hub repo OUTPUT against SOURCE (a Hub repo at `revision`, or a local folder)."""
     work = Path(tempfile.mkdtemp(prefix="fp8fix-verify-"))
@@ -56,7 +57,9 @@ def verify_remote(
         bound = max_disk if max_disk is not None else max(DEFAULT_SHARDS_ON_DISK * sizes[0], least)
         if bound < least:
             raise UsageError(f"--max-disk {bound}: verify reads two shards at once, {least} bytes; give that or more")
-        report = verify(src, out, quiet=quiet, registry=registry, files=LazyShards(stand_ins, bound), part=part)
+        name = source_label(src, None if looks_local(source) else source, revision)
+        files = LazyShards(stand_ins, bound)
+        report = verify(src, out, quiet, registry, 1, files, part, name, accept_edits)
         report.source, report.output = source, output
         return report
     finally:

@@ -14,6 +14,7 @@ from fp8fix.verification.card import check_card
 from fp8fix.verification.config import check_config
 from fp8fix.verification.context import VerifyContext, plain_output
 from fp8fix.verification.mapping import Target
+from fp8fix.verification.report import COPIED
 
 
 def check_input_scale(ctx: VerifyContext, name: str, weight: str, targets: list[Target]) -> None:
@@ -85,14 +86,14 @@ def check_repo(
     copies = src.copied_files([*rewritten, *dropped])
     present, unreadable = SourceTree.of(out.root).files()
     for line in unreadable:
-        report.problem(f"{line.split('; ')[0]} in OUTPUT; a conversion writes only regular files")
+        report.problem(f"{line.split('; ')[0]} in OUTPUT; a conversion writes only regular files", COPIED)
     for rel in copies:
         if rel not in present or not filecmp.cmp(out.root / rel, src.root / rel, shallow=False):
-            report.problem(f"{rel}: missing from OUTPUT or not a copy of SOURCE's")
+            report.problem(f"{rel}: missing from OUTPUT or not a copy of SOURCE's", COPIED)
     expected = {*out.model_files, *rewritten, *copies, CARD}
     for rel in present:
         if rel not in expected:
-            report.problem(f"{rel}: in OUTPUT, but not a file a conversion of SOURCE writes")
+            report.problem(f"{rel}: in OUTPUT, but not a file a conversion of SOURCE writes", COPIED, edit=True)
 
 
 def _check_index(ctx: VerifyContext) -> None:

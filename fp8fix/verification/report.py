@@ -11,6 +11,11 @@ from typing import Any, get_args
 from fp8fix.vocab import SCHEMA_VERSION, WeightVerdict
 
 MAX_PROBLEMS = 50
+#: The classes of OUTPUT's files verify checks, each named in text and JSON (`classes`): the weights and what the
+#: config says of them; what fp8fix wrote about them (the model card's facts); the files copied from SOURCE, and
+#: OUTPUT holding no other file.
+WEIGHTS, METADATA, COPIED = "weights-and-config", "metadata", "copied-files"
+CLASS_NAMES = {WEIGHTS: "weights and config", METADATA: "model card facts", COPIED: "files copied from SOURCE"}
 _RANK = {"exact": 0, "rounded": 1, "requantized": 2, "mismatch": 3}
 
 
@@ -55,14 +60,24 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     #: [K, N] when only the K-th of N shares of the tensors was checked (`verify --part`).
     part: list[int] | None = None
+    #: The problems again, by class of file (WEIGHTS, METADATA, COPIED).
+    classes: dict[str, list[str]] = field(default_factory=lambda: {c: [] for c in CLASS_NAMES})
+    #: `verify --accept-edits`: the card's facts and the files fp8fix did not write are edits, listed, not problems.
+    accept_edits: bool = False
+    edits: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
-    def problem(self, text: str) -> None:
-        if len(self.problems) < MAX_PROBLEMS:
+    def problem(self, text: str, kind: str = WEIGHTS, edit: bool = False) -> None:
+        """A difference of class `kind`; `edit`: one a person may have made on purpose (the card, a file added),
+        listed in `edits` instead with `--accept-edits`."""
+        if edit and self.accept_edits:
+            self.edits.append(text)
+        elif len(self.problems) < MAX_PROBLEMS:
             self.problems.append(text)
+            self.classes[kind].append(text)
 
     def add(self, check: WeightCheck | None) -> None:
         """A weight's record, and its problem where it is a mismatch: one fact, said once."""
@@ -78,8 +93,10 @@ class VerifyReport:
         self.weights += other.weights
         self.identical_tensors += other.identical_tensors
         self.scales_checked += other.scales_checked
-        for text in other.problems:
-            self.problem(text)
+        for kind, texts in other.classes.items():
+            for text in texts:
+                self.problem(text, kind)
+        self.edits += other.edits
 
     def mismatched_values(self) -> int:
         return sum(w.mismatched_codes for w in self.weights)

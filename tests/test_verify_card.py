@@ -1,0 +1,97 @@
+"""verify checks every file of OUTPUT in three classes (issue 48): the weights and config, the model card's facts
+(what it was converted from, the layout, the loader table as fp8fix's rules say for OUTPUT as it is) and the files
+copied from SOURCE. A false fact fails (exit 1, in its class); a human edit that keeps the facts passes;
+`--accept-edits` lists card facts and added files as edits instead of failing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.builders import build, phi3
+from tests.conftest import run_cli
+
+
+def edit_card(folder: Path, old: str, new: str) -> None:
+    card = (folder / "README.md").read_text()
+    assert old in card, card
+    (folder / "README.md").write_text(card.replace(old, new, 1))
+
+
+def other_source(folder: Path) -> None:
+    edit_card(folder, "Converted from `src`", "Converted from `meta-llama/Llama-3.1-8B-Instruct-FP8`")
+
+
+def altered_row(folder: Path) -> None:
+    card = (folder / "README.md").read_text()
+    row = next(line for line in card.splitlines() if line.startswith("| transformers | "))
+    edit_card(
+        folder,
+        row,
+        "| transformers | loads | as edited by hand |"
+        if "| loads |" not in row
+        else row.replace("| loads |", "| fails |"),
+    )
+
+
+def layout_line(folder: Path) -> None:
+    edit_card(folder, "- Layout: **fused**", "- Layout: **per-shard**")
+
+
+def added_file(folder: Path) -> None:
+    (folder / "EVAL.md").write_text("our evaluation\n")
+
+
+#: edit -> (the class it is a difference of, a word of the problem)
+FALSE_FACTS: dict[str, tuple[Callable[[Path], None], str, str]] = {
+    "another source": (other_source, "metadata", "meta-llama/Llama-3.1-8B-Instruct-FP8"),
+    "an altered verdict row": (altered_row, "metadata", "transformers"),
+    "the layout line": (layout_line, "metadata", "per-shard"),
+    "a file fp8fix did not write": (added_file, "copied-files", "EVAL.md"),
+}
+
+
+@pytest.fixture
+def converted(tmp_path: Path) -> tuple[Path, Path]:
+    src = build(tmp_path / "src", phi3())
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "--layout", "fused", "-q").exit_code == 0
+    return src, out
+
+
+@pytest.mark.parametrize("case", list(FALSE_FACTS))
+def test_a_false_fact_fails_in_its_class_and_accept_edits_lists_it(converted: tuple[Path, Path], case: str) -> None:
+    src, out = converted
+    edit, kind, word = FALSE_FACTS[case]
+    edit(out)
+    result = run_cli("verify", src, out, "--json")
+    report = json.loads(result.stdout)
+    assert result.exit_code == 1 and not report["ok"]
+    assert [k for k, problems in report["classes"].items() if problems] == [kind], report["classes"]
+    assert any(word in p for p in report["classes"][kind]) and report["problems"] == report["classes"][kind]
+    text = run_cli("verify", src, out).output
+    assert "checked: weights and config ok;" in text and "1 difference" in text
+    accepted = run_cli("verify", src, out, "--accept-edits", "--json")
+    report = json.loads(accepted.stdout)
+    assert accepted.exit_code == 0 and report["ok"] and any(word in e for e in report["edits"]), report
+
+
+def test_human_edits_that_keep_the_facts_pass(converted: tuple[Path, Path]) -> None:
+    src, out = converted
+    edit_card(out, "## FP8 conversion by fp8fix", "We serve this model at example.com.\n\n## FP8 conversion by fp8fix")
+    (out / "README.md").write_text((out / "README.md").read_text() + "\n## Our notes\n\nWorks with vLLM 0.32.\n")
+    result = run_cli("verify", src, out, "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["edits"] == []
+
+
+def test_weights_are_never_an_edit(converted: tuple[Path, Path]) -> None:
+    from tests.test_verify import flip
+
+    src, out = converted
+    flip(out, "model.layers.0.mlp.down_proj.weight", 5)
+    result = run_cli("verify", src, out, "--accept-edits", "--json")
+    report = json.loads(result.stdout)
+    assert result.exit_code == 1 and report["classes"]["weights-and-config"] and not report["edits"]
