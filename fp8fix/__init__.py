@@ -35,9 +35,9 @@ if TYPE_CHECKING:
         push,
         verify,
     )
-    from fp8fix.conversion import ConvertResult
     from fp8fix.inspection import Report as InspectReport
     from fp8fix.registry.architectures import Registry
+    from fp8fix.report.convert_report import ConvertResult
     from fp8fix.streaming import StreamResult
     from fp8fix.verification import VerifyReport
 
@@ -71,7 +71,7 @@ __all__ = [
 
 #: Where the public names that `fp8fix.api` does not define (or re-export) live: (module, attribute).
 _ELSEWHERE = {
-    "ConvertResult": ("fp8fix.conversion", "ConvertResult"),
+    "ConvertResult": ("fp8fix.report.convert_report", "ConvertResult"),
     "StreamResult": ("fp8fix.streaming", "StreamResult"),
     "InspectReport": ("fp8fix.inspection", "Report"),
     "VerifyReport": ("fp8fix.verification", "VerifyReport"),

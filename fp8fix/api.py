@@ -50,9 +50,10 @@ from fp8fix.vocab import (
 )
 
 if TYPE_CHECKING:
-    from fp8fix.conversion import ConvertOptions, ConvertResult
+    from fp8fix.conversion import ConvertOptions
     from fp8fix.inspection import Report
     from fp8fix.registry.architectures import Registry
+    from fp8fix.report.convert_report import ConvertResult
     from fp8fix.streaming import StreamResult
     from fp8fix.verification import VerifyReport
 

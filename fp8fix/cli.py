@@ -1,374 +1,39 @@
 """The `fp8fix` command line: parse options, call the Python API (`fp8fix.api`), print the result.
 
 Kept thin on purpose: every command is one API call under the same option names (a test
-checks the two against each other), and every decision lives in the library. What this
-module owns is output: text wrapped to 80 columns, or `--json` (errors too, as JSON
-objects), `-q` (nothing but errors) and `-v` (each module and tensor). User mistakes
-become one line on stderr and their exit code, never a traceback; which error exits how
-is `errors.ERROR_TABLE`'s call. A closed pipe (`fp8fix verify ... | head`) ends quietly,
-with the command's exit status (`exiting`).
+checks the two against each other), and every decision lives in the library. The options the
+commands share and their value types are `cli_options`; what is printed and how a command ends
+(text wrapped to 80 columns, `--json` with errors as JSON objects, `-q`, `-v`, one line and an exit
+code per user error, a quiet end on a closed pipe) is `cli_output`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
-import math
-import os
-import re
-import shutil
-import sys
-import textwrap
-from collections.abc import Callable, Iterable, Iterator
-from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from fp8fix import __version__
-from fp8fix.errors import (
-    DEBUG_VARIABLE,
-    EXIT_BUG,
-    EXIT_HUB,
-    EXIT_MISMATCH,
-    EXIT_REASONS,
-    RegistryEntryError,
-    UsageError,
-    bug_line,
-    exit_codes_line,
-    user_error,
+from fp8fix.cli_options import (
+    ByteSize,
+    PartOfN,
+    SizeList,
+    arch_file_option,
+    given_on_command_line,
+    jobs_option,
+    output_options,
+    push_options,
+    source_options,
+    token_option,
 )
-from fp8fix.vocab import AUTO_JOBS, ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, PRECISIONS, SCALES, SCHEMA_VERSION, TARGETS
+from fp8fix.cli_output import echo_json, echo_lines, error_json, exiting, reports_errors, say, with_exit_codes
+from fp8fix.errors import EXIT_HUB, EXIT_MISMATCH, UsageError
+from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, PRECISIONS, SCALES, SCHEMA_VERSION, TARGETS
 
 if TYPE_CHECKING:
     from fp8fix.registry.architectures import Registry
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-#: Text output is wrapped to the terminal's width, or to COLUMNS, or (a log, a pipe) to this.
-WIDTH = 80
-
-
-def wrapped(lines: Iterable[str], width: int | None = None) -> list[str]:
-    """Each line cut at spaces to `width` columns (the terminal's, COLUMNS, else 80), continuation lines
-    indented 4 more than the line; a word longer than the width (a tensor path) stays whole."""
-    width = width or shutil.get_terminal_size((WIDTH, 24)).columns
-    out: list[str] = []
-    for line in lines:
-        if len(line) <= width:
-            out.append(line)
-            continue
-        indent = " " * (len(line) - len(line.lstrip(" ")) + 4)
-        out += textwrap.wrap(line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False) or [
-            line
-        ]
-    return out
-
-
-def echo_lines(lines: Iterable[str], quiet: bool = False) -> None:
-    if not quiet:
-        for line in wrapped(lines):
-            say(line)
-
-
-def say(line: str, err: bool = False) -> None:
-    """Print one line of text output, its control characters escaped (`report.text.printable`)."""
-    from fp8fix.report.text import printable
-
-    click.echo(printable(line), err=err)
-
-
-def echo_json(payload: dict[str, Any], code: int = 0) -> None:
-    """`payload` as strict JSON, with `exit_reason` (the exit code's class, `errors.EXIT_CODES`): a figure that
-    is not finite (vLLM's float32 arithmetic overflowing on a hostile scale) is null, not the `NaN` / `Infinity`
-    most JSON parsers reject."""
-    payload = {**payload, "exit_reason": EXIT_REASONS[code]}
-    try:
-        text = json_text(payload)
-    except ValueError:  # a figure that is not finite: the payload walked to replace it (rare; seconds at 50k rows)
-        text = json_text(finite(payload))
-    click.echo(text)
-
-
-#: A top-level list longer than this is printed one item per line (`json_text`).
-LONG_LIST = 100
-
-
-def json_text(payload: dict[str, Any]) -> str:
-    """`json.dumps(payload, indent=2)`, but for top-level lists longer than LONG_LIST, whose items are one
-    line each: Python's indenting encoder is pure Python (4 s for inspect's 50,000 module rows), its compact
-    one C. Raises ValueError on a float that is not finite."""
-    if not payload:
-        return "{}"
-    fields = []
-    for key, value in payload.items():
-        if isinstance(value, list) and len(value) > LONG_LIST:
-            text = "[\n" + ",\n".join("    " + json.dumps(v, allow_nan=False) for v in value) + "\n  ]"
-        else:
-            text = json.dumps(value, indent=2, allow_nan=False).replace("\n", "\n  ")
-        fields.append(f"  {json.dumps(key)}: {text}")
-    return "{\n" + ",\n".join(fields) + "\n}"
-
-
-def with_exit_codes(epilog: str) -> str:
-    """A command's epilog with the one exit-code table (`errors.EXIT_CODES`) where it says `{exit_codes}`."""
-    return epilog.replace("{exit_codes}", exit_codes_line())
-
-
-def finite(value: Any) -> Any:
-    """`value` with every float that is not finite replaced by None, through lists and dicts."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite(v) for v in value]
-    return value
-
-
-def error_json(code: int, line: str, error: BaseException) -> dict[str, Any]:
-    """An error as `--json` prints it (docs/cli-output.md, "JSON output")."""
-    message = line.removeprefix("Error: ")
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "error": {
-            "type": type(error).__name__,
-            "message": message,
-            "exit_code": code,
-            "exit_reason": EXIT_REASONS[code],
-        },
-    }
-
-
-def reports_errors(func: F) -> F:
-    """Turn the errors of `errors.ERROR_TABLE` (fp8fix's own, Ctrl-C, OS errors) into one line and an exit
-    code (and, under --json, a JSON error object on stdout); a closed stdout into a quiet exit.
-
-    Anything else is a bug: one line saying so and exit 70 (FP8FIX_DEBUG=1 re-raises it for the traceback).
-    """
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            if kwargs.get("quiet") and kwargs.get("verbose"):
-                raise UsageError("-q and -v: -q prints nothing but errors, -v more detail; give one of them")
-            return func(*args, **kwargs)
-        except BrokenPipeError:
-            quiet_exit()
-        except (Exception, KeyboardInterrupt) as e:
-            known = user_error(e)
-            if known is None:
-                if os.environ.get(DEBUG_VARIABLE):
-                    raise
-                known = EXIT_BUG, bug_line(e)
-            code, line = known
-            with exiting(code):
-                if kwargs.get("as_json"):
-                    echo_json(error_json(code, line, e), code)
-                say(line, err=True)
-
-    return wrapper  # type: ignore[return-value]
-
-
-@contextlib.contextmanager
-def exiting(code: int) -> Iterator[None]:
-    """Print the outcome of a command that then exits with `code`: a reader that went away (`| head`) stops
-    the printing quietly, and the exit status is `code` still, so a failing verify or `inspect --strict`
-    cannot pass through a pipe as 0."""
-    try:
-        yield
-    except BrokenPipeError:
-        quiet_exit(code)
-    if code:
-        sys.exit(code)
-
-
-def quiet_exit(code: int = 0) -> None:
-    """The reader of stdout went away (`| head`): stop without a word, as Unix tools do, with the exit
-    status the command had come to (0 for a command whose output is all there is)."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    for stream in (sys.stdout, sys.stderr):  # so the interpreter's own flush at exit cannot fail again
-        try:
-            os.dup2(devnull, stream.fileno())
-        except (OSError, ValueError):
-            pass
-    sys.exit(code)
-
-
-def _registry(ctx: click.Context, param: click.Parameter, paths: tuple[Path, ...]) -> Registry | None:
-    """The built-in registry extended by every --arch-file entry (validated: a bad one is a usage error)."""
-    from fp8fix.registry.architectures import Registry
-
-    if not paths:
-        return None
-    try:
-        return Registry.builtin().with_arch_files(paths)
-    except RegistryEntryError as e:
-        raise click.BadParameter(str(e), ctx=ctx, param=param) from None
-
-
-def arch_file_option(func: F) -> F:
-    return click.option(
-        "--arch-file",
-        "registry",
-        type=click.Path(path_type=Path, dir_okay=False),
-        multiple=True,
-        callback=_registry,
-        help="A registry entry (JSON, as in fp8fix/registry/architectures/; `fp8fix architectures --template` "
-        "starts one) for an architecture fp8fix does not know.",
-    )(func)
-
-
-def token_option(func: F) -> F:
-    return click.option(
-        "--token",
-        metavar="TOKEN",
-        help="Hugging Face token [default: HF_TOKEN, or the one `hf auth login` saved].",
-    )(func)
-
-
-def source_options(func: F) -> F:
-    """SOURCE: a checkpoint folder, or a Hub repo id with --revision; --arch-file for unknown architectures."""
-    func = arch_file_option(func)
-    func = token_option(func)
-    func = click.option("--revision", help="Branch, tag or commit of a Hub SOURCE.")(func)
-    return click.argument("source")(func)
-
-
-def output_options(verbose: str | None) -> Callable[[F], F]:
-    """--json, -q and (where there is more to say) -v."""
-
-    def apply(func: F) -> F:
-        if verbose:
-            func = click.option("-v", "--verbose", is_flag=True, help=verbose)(func)
-        func = click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (no progress, no report).")(
-            func
-        )
-        return click.option(
-            "--json",
-            "as_json",
-            is_flag=True,
-            help="Print the result as JSON on stdout (docs/cli-output.md).",
-        )(func)
-
-    return apply
-
-
-def given_on_command_line(name: str) -> bool:
-    """Whether the option `name` of the running command was given, not left at its default."""
-    from click.core import ParameterSource
-
-    return click.get_current_context().get_parameter_source(name) is ParameterSource.COMMANDLINE
-
-
-def jobs_option(help_text: str) -> Callable[[F], F]:
-    """--jobs for the commands whose work can run in several processes (convert, verify)."""
-    return click.option(
-        "--jobs",
-        type=JobCount(),
-        metavar="N|auto",
-        default=AUTO_JOBS,
-        show_default=True,
-        help=help_text + " auto: the cores other processes leave idle (1 on a busy machine, or under 64 MB).",
-    )
-
-
-if TYPE_CHECKING:
-    IntParam = click.ParamType[int]  # generic in click >= 8.2's typing; a plain class at run time before
-    JobsParam = click.ParamType[int | str]
-    SizesParam = click.ParamType[tuple[int, ...]]
-    PairParam = click.ParamType[tuple[int, int]]
-else:
-    IntParam = SizesParam = PairParam = JobsParam = click.ParamType
-
-
-class SizeList(SizesParam):
-    """A comma-separated list of tensor-parallel sizes: 4,8."""
-
-    name = "sizes"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
-        if isinstance(value, tuple):
-            return value
-        try:
-            sizes = tuple(int(part) for part in str(value).split(",") if part.strip())
-        except ValueError:
-            sizes = (0,)
-        if any(n < 1 for n in sizes):
-            self.fail(f"{value!r} is not a list of sizes such as 4,8", param, ctx)
-        return sizes
-
-
-class JobCount(JobsParam):
-    """A number of processes, at least 1, or "auto"."""
-
-    name = "N|auto"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
-        if isinstance(value, int):
-            return value
-        text = str(value).strip()
-        if text == AUTO_JOBS:
-            return AUTO_JOBS
-        if not re.fullmatch(r"\d{1,6}", text) or int(text) < 1:
-            self.fail(f"{value!r:.40} is not a number of processes (1 or more) or 'auto'", param, ctx)
-        return int(text)
-
-
-class PartOfN(PairParam):
-    """K/N: the K-th of N parts, 1 <= K <= N."""
-
-    name = "K/N"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, int]:
-        if isinstance(value, tuple):
-            return value
-        m = re.fullmatch(r"\s*(\d{1,6})\s*/\s*(\d{1,6})\s*", str(value))
-        if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
-            self.fail(f"{value!r:.40} is not K/N with 1 <= K <= N, such as 2/4", param, ctx)
-        return int(m.group(1)), int(m.group(2))
-
-
-class ByteSize(IntParam):
-    """A size in bytes: 1000, 100KB, 20GB, 5GiB."""
-
-    name = "size"
-    UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-    UNITS |= {"KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
-    #: A commit of more than a pebibyte is no limit at all; a number past it is a typo.
-    LARGEST = 2**50
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
-            return value
-        m = re.fullmatch(r"\s*(\d{1,20}(?:\.\d{1,20})?)\s*([kKmMgGtT]i?)?[bB]?\s*", str(value))
-        if not m:
-            self.fail(f"{value!r:.60} is not a size such as 20GB, 512MiB or 1000000", param, ctx)
-        size = int(Fraction(m.group(1)) * self.UNITS[(m.group(2) or "").upper()])
-        if not 1 <= size <= self.LARGEST:
-            self.fail(f"{value!r:.60} is {size} bytes; a size is 1 byte to 1PiB", param, ctx)
-        return size
-
-
-def push_options(func: F) -> F:
-    for option in reversed(
-        [
-            click.option("--private", is_flag=True, help="Create the Hub repo private (when it does not exist)."),
-            click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to main."),
-            click.option("--commit-message", help="Commit / PR title [default: what was converted and how]."),
-            click.option("--commit-description", help="Commit / PR description, below the title."),
-            click.option(
-                "--commit-size",
-                type=ByteSize(),
-                help="Bytes per commit: larger folders go out in several commits, which a rerun resumes "
-                "[default: 20GiB].",
-            ),
-        ]
-    ):
-        func = option(func)
-    return func
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

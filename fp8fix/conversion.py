@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import errno
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fp8fix.collector import collector_paused
 from fp8fix.errors import OutputWriteFailed, VerificationFailed
@@ -31,13 +31,11 @@ from fp8fix.io.workers import CpuReading, Jobs, resolve_jobs, window_start
 from fp8fix.io.writer import WriteStats, write_plan
 from fp8fix.model import CheckpointModel, describe_checkpoint
 from fp8fix.plan.pieces import ConversionPlan
-from fp8fix.plan.planner import plan_for_target
+from fp8fix.plan.target_plan import plan_for_target
 from fp8fix.registry.architectures import Registry
+from fp8fix.report.convert_report import ConvertResult
 from fp8fix.report.model_card import commit_title, write_card
 from fp8fix.vocab import ConvertTo, Layout, OutputFormat, Target
-
-if TYPE_CHECKING:
-    from fp8fix.verification import VerifyReport
 
 
 @dataclass(frozen=True)
@@ -71,25 +69,6 @@ class ConvertOptions:
             + (f" --scales {self.scales}" if self.scales else "")
             + (" --verify" if self.verify else "")
         )
-
-
-@dataclass
-class ConvertResult:
-    plan: ConversionPlan
-    output: Path
-    written: bool
-    config_edits: list[str] = field(default_factory=list)
-    copied_files: list[str] = field(default_factory=list)
-    verification: VerifyReport | None = None
-    commit_title: str = ""  # what was converted and how, for a Hub commit
-    warnings: list[str] = field(default_factory=list)  # what the user should know but did not stop the conversion
-    processes: int = 1  # how many processes wrote the shards (`jobs` applies where the work is CPU-bound)
-
-    def to_json(self) -> dict[str, Any]:
-        """What `convert --json` prints (docs/cli-output.md, "JSON output")."""
-        from fp8fix.report.convert_report import result_json
-
-        return result_json(self)
 
 
 def convert(source: Path, output: Path, options: ConvertOptions, registry: Registry | None = None) -> ConvertResult:

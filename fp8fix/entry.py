@@ -56,7 +56,7 @@ def run() -> None:
         except click.Abort as e:
             raise (e.__context__ if isinstance(e.__context__, KeyboardInterrupt) else KeyboardInterrupt()) from None
         except click.ClickException as e:  # a usage error click found: under --json, a JSON error too
-            from fp8fix.cli import echo_json, error_json, exiting
+            from fp8fix.cli_output import echo_json, error_json, exiting
 
             with exiting(e.exit_code):
                 if "--json" in sys.argv[1:][: (sys.argv[1:] + ["--"]).index("--")]:

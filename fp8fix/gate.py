@@ -24,9 +24,9 @@ from fp8fix.numerics.dtypes import E4M3FNUZ
 from fp8fix.parallel import shares_at
 from fp8fix.plan.output import output_model
 from fp8fix.plan.pieces import ConversionPlan
-from fp8fix.plan.planner import plan_for_target
+from fp8fix.plan.target_plan import plan_for_target
 from fp8fix.plan.targets import TARGET_LOADERS, Candidate, best, candidates
-from fp8fix.registry.loaders import VLLM
+from fp8fix.registry.loader_rows import VLLM
 from fp8fix.verdicts import LoaderVerdict, Rounding, loader_verdicts, scanned
 from fp8fix.vocab import Target, Verdict
 

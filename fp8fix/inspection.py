@@ -27,7 +27,7 @@ from fp8fix.parallel import heads_refusal, tensor_parallel_report
 from fp8fix.plan.targets import score
 from fp8fix.registry.architectures import Registry, unregistered_note
 from fp8fix.registry.formats import quantization_config
-from fp8fix.registry.loaders import CALLS, TRANSFORMERS
+from fp8fix.registry.loader_rows import CALLS, TRANSFORMERS
 from fp8fix.registry.parallel import HEADS_EVIDENCE
 from fp8fix.report.text import joined
 from fp8fix.verdicts import Rounding, facts_of, loader_verdicts, scanned, verdicts_json

@@ -27,7 +27,7 @@ from typing import Any
 
 from fp8fix import __version__
 from fp8fix.collector import collector_paused
-from fp8fix.conversion import ConvertOptions, ConvertResult, plan_with, record_stats, write_repo_files
+from fp8fix.conversion import ConvertOptions, plan_with, record_stats, write_repo_files
 from fp8fix.errors import UsageError
 from fp8fix.io.checkpoint import Checkpoint, open_checkpoint
 from fp8fix.io.hub_pull_request import StreamPullRequest, stats_from_json
@@ -40,6 +40,7 @@ from fp8fix.model import CheckpointModel, describe_checkpoint
 from fp8fix.numerics.dtypes import E4M3FNUZ
 from fp8fix.plan.pieces import ConversionPlan, OutputShard
 from fp8fix.registry.architectures import Registry
+from fp8fix.report.convert_report import ConvertResult
 from fp8fix.report.model_card import commit_title
 
 #: The default disk bound: this many times the largest source shard (or what one output shard needs).

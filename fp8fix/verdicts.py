@@ -16,17 +16,15 @@ from fp8fix.io.checkpoint import known_values
 from fp8fix.model import CheckpointModel, Fp8Weight, ignore_linears
 from fp8fix.numerics.dtypes import E4M3FNUZ
 from fp8fix.registry.formats import LEGACY_RENAMES, modelopt_kv_cache, quantization_config
+from fp8fix.registry.kv_rules import KV_RULES
+from fp8fix.registry.loader_rows import CALLS, LOADERS, WITH_PACKAGE
 from fp8fix.registry.loaders import (
-    CALLS,
     DEFAULT_EVIDENCE,
-    KV_RULES,
-    LOADERS,
     LOADS_BECAUSE,
     PLAIN_MODEL,
     PLAIN_MODEL_RULES,
     RULES,
     UNQUANTIZED_EVIDENCE,
-    WITH_PACKAGE,
 )
 from fp8fix.registry.parallel import PACKED_SHARDS
 from fp8fix.registry.vllm_names import nearest_vllm_name, vllm_resolves

@@ -15,17 +15,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from fp8fix.registry.kv_rules import KV_RULES
+from fp8fix.registry.loader_rows import CALLS, LOADERS, WITH_PACKAGE
 from fp8fix.registry.loaders import (
-    CALLS,
     DEFAULT_EVIDENCE,
-    KV_RULES,
-    LOADERS,
     LOADS_BECAUSE,
     PLAIN_MODEL,
     PLAIN_MODEL_RULES,
     RULES,
     UNQUANTIZED_EVIDENCE,
-    WITH_PACKAGE,
 )
 from fp8fix.verdicts import FACT_DESCRIPTIONS
 

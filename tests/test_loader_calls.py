@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fp8fix.registry.loaders import CALLS, DEFAULT_EVIDENCE, LOADERS, RULES, UNQUANTIZED_EVIDENCE, WITH_PACKAGE
+from fp8fix.registry.loader_rows import CALLS, LOADERS, WITH_PACKAGE
+from fp8fix.registry.loaders import DEFAULT_EVIDENCE, RULES, UNQUANTIZED_EVIDENCE
 from tests.builders import build, phi3
 from tests.conftest import run_cli
 from tests.loaders.conftest import LOADERS as HARNESSES

@@ -195,7 +195,7 @@ def test_a_bad_scale_among_many_in_a_shard_is_named(tmp_path: Path) -> None:
 def test_json_output_is_indented_json_and_fast_for_long_lists() -> None:
     """`--json` text: what `json.dumps(indent=2)` prints for small payloads; long top-level lists one item per
     line (the C encoder); a figure that is not finite is null either way."""
-    from fp8fix.cli import LONG_LIST, json_text
+    from fp8fix.cli_output import LONG_LIST, json_text
 
     small = {"schema_version": 3, "a": [1, {"b": [None, "é"]}], "c": {"d": {}}}
     assert json_text(small) == json.dumps(small, indent=2)
@@ -264,14 +264,14 @@ def test_what_every_candidate_asks_of_source_is_worked_out_once(tmp_path: Path, 
     matched against its tensor names (for compressed-tensors' `ignore`) and its plain linear modules (a pass
     over every tensor name) are worked out once for each checkpoint described, not once per candidate."""
     import fp8fix.model as model_module
-    import fp8fix.plan.config_edit as config_edit
+    import fp8fix.plan.scheme as scheme
 
     src = build(tmp_path / "src", llama())
     # by the tensors' dict: SOURCE's is one object, each output's another (held, so no id is used twice)
     matched: Counter[int] = Counter()
     linears: Counter[int] = Counter()
     held: list[object] = []
-    named, plain = config_edit.named_modules, model_module.unquantized_linears
+    named, plain = scheme.named_modules, model_module.unquantized_linears
 
     def counted_named(model, entries, grammar):  # type: ignore[no-untyped-def]
         held.append(model.checkpoint.tensors)
@@ -283,7 +283,7 @@ def test_what_every_candidate_asks_of_source_is_worked_out_once(tmp_path: Path, 
         linears[id(tensors)] += 1
         return plain(tensors)
 
-    monkeypatch.setattr(config_edit, "named_modules", counted_named)
+    monkeypatch.setattr(scheme, "named_modules", counted_named)
     monkeypatch.setattr(model_module, "unquantized_linears", counted_plain)
     found = _candidates(src)
     assert len([c for c in found if c.output_format == "compressed-tensors"]) >= 2

@@ -93,3 +93,44 @@ def test_the_loader_table_is_generated_from_the_rules() -> None:
     script = PACKAGE.parent / "scripts" / "loader_tables.py"
     proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
     assert proc.returncode == 0, "docs/loader-rules.md's table is stale: run python scripts/loader_tables.py"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the fp8fix modules it imports, anywhere in it (top level, inside functions, under TYPE_CHECKING)."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    modules = {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (root / "fp8fix").rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fp8fix"):
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            graph[module] |= {n for n in names if n in modules and n not in (module, "fp8fix")}
+    return graph
+
+
+def test_imports_form_no_circle() -> None:
+    """Issue 48: every import goes down the tree; no two modules need each other, even lazily or for types
+    (three circles were broken: conversion / convert_report / model_card, compressed_tensors / config_edit,
+    planner / targets / unquantized)."""
+    graph = _import_graph()
+    circles = []
+    for start in graph:  # a module that reaches itself again
+        stack, seen = [(start, [start])], set()
+        while stack:
+            module, path = stack.pop()
+            for nxt in graph[module]:
+                if nxt == start:
+                    circles.append(" -> ".join([*path, nxt]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert not circles, circles[:3]

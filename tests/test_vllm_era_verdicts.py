@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8fix.registry.loaders import CALLS
+from fp8fix.registry.loader_rows import CALLS
 from tests.builders import build, glm, llama, mimo_v2, phi3
 from tests.conftest import run_cli
 from tests.test_registry import baichuan

@@ -24,8 +24,8 @@ import math
 from typing import Any
 
 from fp8fix.model import CheckpointModel
-from fp8fix.plan.config_edit import Scheme, can_write, scheme_of
 from fp8fix.plan.pieces import OutputShard, OutputTensor
+from fp8fix.plan.scheme import Scheme, can_write, scheme_of
 from fp8fix.registry.formats import COMPRESSED_TENSORS, compressed_tensors_names, quantization_config
 
 __all__ = ["Scheme", "can_write", "scheme_of"]  # re-exported: the planner's one place for compressed-tensors

@@ -34,59 +34,11 @@ from fp8fix.plan.pieces import (
     Ue8m0Scales,
 )
 from fp8fix.plan.selection import select_modules
-from fp8fix.plan.targets import best, candidates
 from fp8fix.plan.ue8m0 import plan_ue8m0
-from fp8fix.plan.unquantized import plan_unquantized_model
 from fp8fix.registry.architectures import unregistered_note
 from fp8fix.registry.formats import COMPRESSED_TENSORS
 from fp8fix.verdicts import loader_verdicts
-from fp8fix.vocab import ENCODING_NAMES, ConvertTo, Encoding, Layout, OutputFormat, Target
-
-
-def plan_for_target(
-    model: CheckpointModel,
-    layout: Layout | None,
-    to: ConvertTo | None = None,
-    target: Target = "auto",
-    output_format: OutputFormat | None = None,
-    tp: int | None = None,
-    tp_bf16: bool = False,
-    dequantize: tuple[str, ...] = (),
-    scales: str | None = None,
-) -> ConversionPlan:
-    """The conversion `convert` writes: `layout` and `output_format` where given, the rest what `target`'s
-    loaders take best. An explicit layout alone keeps the source's format: it asks for that change only
-    (`channel` excepted: compressed-tensors is the one format vLLM takes it in). `to` an unquantized
-    dtype (bf16, float16): the whole model written so (`unquantized.py`)."""
-    if scales and layout is None and any(w.fused and w.scale_kind == "block" for w in model.module_weights()):
-        layout = "fused"  # `--scales ue8m0` rewrites block-scaled modules kept as they are: fused ones stay fused
-    if to is not None and to not in ENCODING_NAMES:
-        plan = plan_unquantized_model(model, to, tp)
-        plan.target = target
-        return plan
-    encoding: Encoding | None = to  # narrowed: an FP8 encoding or none
-    if layout is not None and output_format is None:  # channel: only compressed-tensors holds it
-        output_format = (channel_format(model) or "keep") if layout == "channel" else "keep"
-    if layout is None or output_format is None:
-        model.require_format()
-        _, arch = model.require_architecture()
-        model.require_convertible()
-        found = candidates(model, layout, output_format, to=encoding)
-        if not found:  # every candidate refused: plan the first for its error
-            lay = layout or arch.default_layout
-            return plan_conversion(model, lay, encoding, output_format or "keep", tp, tp_bf16, dequantize, scales)
-        chosen = best(found, target, arch.default_layout)
-        only_layout = encoding is None and tp is None and not tp_bf16 and not dequantize and not scales
-        if only_layout and chosen.whole and not chosen.plan.sketch:  # the candidate is the conversion, planned
-            plan = chosen.plan
-        else:
-            lay, fmt = chosen.layout, chosen.output_format
-            plan = plan_conversion(model, lay, encoding, fmt, tp, tp_bf16, dequantize, scales)
-        plan.layout_was_default = layout is None
-    else:
-        plan = plan_conversion(model, layout, encoding, output_format, tp, tp_bf16, dequantize, scales)
-    plan.target = target
-    return plan
+from fp8fix.vocab import Encoding, Layout, OutputFormat
 
 
 def plan_conversion(

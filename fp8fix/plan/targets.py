@@ -32,7 +32,8 @@ from fp8fix.io.checkpoint import check_scale_values
 from fp8fix.model import CheckpointModel
 from fp8fix.plan.layer_classes import representatives
 from fp8fix.plan.pieces import ConversionPlan
-from fp8fix.registry.loaders import TRANSFORMERS, VLLM_LEGACY, VLLM_ROWS
+from fp8fix.plan.planner import channel_format, plan_conversion
+from fp8fix.registry.loader_rows import TRANSFORMERS, VLLM_LEGACY, VLLM_ROWS
 from fp8fix.verdicts import LoaderVerdict, packed_groups
 from fp8fix.vocab import LAYOUTS, OUTPUT_FORMATS, Encoding, Layout, OutputFormat, Target
 
@@ -81,8 +82,6 @@ def candidates(
     not its e4m3fn output's); `by_class`: on one layer of each class where the
     checkpoint has modules a candidate rewrites (`layer_classes`; the verdicts, formats and losses are the
     whole checkpoint's), so the chosen candidate is planned whole again (`Candidate.whole`)."""
-    from fp8fix.plan.planner import plan_conversion
-
     whole = True
     if by_class and (_may_rewrite(model) or to is not None):  # with `to` every candidate is a whole plan
         reduced = representatives(model)
@@ -106,8 +105,6 @@ def _may_rewrite(model: CheckpointModel) -> bool:
     """Some candidate rewrites modules (fused ones; per-row scales for the channel layout): only then are
     there plans worth reducing; otherwise every candidate is SOURCE's verdicts or a format's renames, and
     working out the classes costs more than it saves (non-fused block-FP8 at 100k tensors: +15%)."""
-    from fp8fix.plan.planner import channel_format
-
     return bool(model.fused or model.fused_experts()) or channel_format(model) is not None
 
 

