@@ -119,14 +119,15 @@ def _modules(ckpt: Checkpoint) -> list[str]:
     """The modules a name list can name: those with a matrix weight, and stacked experts ([E, ...] tensors of
     an `experts` module, Llama-4 style: the stack and each expert `experts.{e}.NAME` in it, which an entry may
     name to take one expert's FP8 codes for BF16)."""
-    modules = []
+    modules, experts = [], 0
     for name, t in ckpt.tensors.items():
         if name.endswith(".weight") and len(t.shape) >= 2:
             modules.append(name.removesuffix(".weight"))
         elif len(t.shape) >= 3 and ".experts." in name and is_fp8(t.dtype):
             stack, leaf = name.rsplit(".experts.", 1)
-            modules.append(name)
-            modules += [f"{stack}.experts.{e}.{leaf}" for e in range(min(t.shape[0], MAX_EXPERTS))]
+            count = max(0, min(t.shape[0], MAX_EXPERTS, MAX_EXPERT_NAMES - experts))
+            modules += [name, *(f"{stack}.experts.{e}.{leaf}" for e in range(count))]
+            experts += count
     return modules
 
 
@@ -143,8 +144,10 @@ def _shard_names(ctx: VerifyContext, modules: list[str]) -> list[str]:
     ]
 
 
-#: Experts per stacked tensor named one by one (a bound for a hostile header's first dimension).
+#: Experts per stacked tensor named one by one, and in all (bounds for a hostile header's first dimensions:
+#: Llama-4 Maverick has 128 experts x 48 layers x 2 stacks).
 MAX_EXPERTS = 4096
+MAX_EXPERT_NAMES = 1_000_000
 
 
 def _strays(entries: Any, source_entries: Any, modules: list[str], grammar: Any) -> list[str]:
