@@ -10,23 +10,24 @@ the standard library so the guards are in place almost at once.
 
 from __future__ import annotations
 
+import _signal  # the C module, built in: importing `signal` builds its enums first (milliseconds, unguarded)
 import os
-import signal
-import sys
 
 
 def _early_exit(signum: int, frame: object) -> None:
     """Ctrl-C or SIGTERM before `run` holds its guards (while fp8fix.errors and click import): one line and the
     signal's exit code, at once; nothing has been written yet."""
-    interrupted = signum == signal.SIGINT
+    interrupted = signum == _signal.SIGINT
     os.write(2, b"Interrupted: nothing was written.\n" if interrupted else b"Terminated: nothing was written.\n")
     os._exit(130 if interrupted else 143)
 
 
-signal.signal(signal.SIGINT, _early_exit)  # the first thing the process does once Python runs fp8fix's code
-signal.signal(signal.SIGTERM, _early_exit)
+_signal.signal(_signal.SIGINT, _early_exit)  # the first thing the process does once Python runs fp8fix's code
+_signal.signal(_signal.SIGTERM, _early_exit)
 
-from types import FrameType  # noqa: E402 (after the guard above)
+import signal  # noqa: E402 (after the guard above)
+import sys  # noqa: E402
+from types import FrameType  # noqa: E402
 
 from fp8fix.errors import (  # noqa: E402
     DEBUG_VARIABLE,
