@@ -61,7 +61,7 @@ def run() -> None:
 
             with exiting(e.exit_code):
                 if "--json" in sys.argv[1:][: (sys.argv[1:] + ["--"]).index("--")]:
-                    echo_json(error_json(e.exit_code, e.format_message(), e))
+                    echo_json(error_json(e.exit_code, e.format_message(), e), e.exit_code)
                 e.show()
         sys.exit(code if isinstance(code, int) else 0)
     except BrokenPipeError:  # the reader of stdout went away (`| head`): end quietly, as Unix tools do

@@ -74,6 +74,7 @@ def test_each_class_exits_with_its_code_and_says_its_reason(tmp_path: Path) -> N
     outcomes = {"ok": fp8fix("convert", src, out, "--json")}
     outcomes["difference"] = fp8fix("verify", EXAMPLE, out, "--json")  # another checkpoint
     outcomes["usage"] = fp8fix("verify", src, tmp_path / "missing", "--json")  # a missing OUTPUT, as a SOURCE
+    outcomes["usage (click)"] = fp8fix("convert", src, tmp_path / "o2", "--layout", "sideways", "--json")
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{")
@@ -82,8 +83,8 @@ def test_each_class_exits_with_its_code_and_says_its_reason(tmp_path: Path) -> N
     with output_lock(tmp_path / "locked"):
         outcomes["environment"] = fp8fix("convert", src, tmp_path / "locked", "--json")
     for reason, proc in outcomes.items():
-        code = next(c for c, r in CLASSES.items() if r == reason)
-        assert proc.returncode == code and json_reason(proc) == reason, (reason, proc.stdout[-500:], proc.stderr)
+        code = next(c for c, r in CLASSES.items() if r == reason.split()[0])
+        assert proc.returncode == code and json_reason(proc) == reason.split()[0], (reason, proc.stdout[-500:])
         assert "Traceback" not in proc.stderr
 
 
