@@ -328,7 +328,14 @@ def verify(
         out = local_folder(output, "OUTPUT")  # missing: a usage error, as a missing SOURCE is
         name = source_label(folder, repo_id, revision)
         report = run_verify(
-            folder, out, not progress, reg, jobs, part=part, source_name=name, accept_edits=accept_edits
+            folder,
+            out,
+            quiet=not progress,
+            registry=reg,
+            jobs=jobs,
+            part=part,
+            source_name=name,
+            accept_edits=accept_edits,
         )
         from fp8fix.card_facts import check_card_verdicts
 

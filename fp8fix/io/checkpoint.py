@@ -129,6 +129,22 @@ def side_config(root: Path) -> Any:
     return read_json(path) if path.is_file() else None
 
 
+def card_front_matter(text: str) -> tuple[set[str], str] | None:
+    """(the items of the model card's front-matter `tags:` list, as YAML's block style writes them (`- fp8`);
+    the text after the front matter), or None for a card without front matter. What verify checks of the tags
+    and `--overwrite` recognises an fp8fix folder by."""
+    front, _, body = text.removeprefix("---\n").partition("\n---\n")
+    if not text.startswith("---\n") or not body:
+        return None
+    lines = front.splitlines()
+    tags: set[str] = set()
+    for line in lines[lines.index("tags:") + 1 :] if "tags:" in lines else []:
+        if not line.startswith("- "):
+            break
+        tags.add(line[2:].strip().strip("'\""))
+    return tags, body
+
+
 def read_json(path: Path, what: str = "") -> Any:
     """A small JSON file (config, index, quantization config), bounded and checked: any problem is one line."""
     try:
@@ -161,7 +177,7 @@ def _read_checkpoint(root: Path) -> Checkpoint:
     index = None
     if (root / INDEX).exists():
         index = read_json(root / INDEX, "")
-        weight_map = _weight_map(index)
+        weight_map = index_weight_map(index)
         index = {**index, "weight_map": weight_map}  # file names normalized: one name per file
         shard_names = sorted(set(weight_map.values()))
     else:
@@ -236,7 +252,7 @@ def _warnings(index: Any, tensors: dict[str, TensorInfo]) -> list[str]:
     return found
 
 
-def _weight_map(index: Any) -> dict[str, str]:
+def index_weight_map(index: Any) -> dict[str, str]:
     """The index's weight map, each file name checked and normalized (`shard_name`)."""
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:

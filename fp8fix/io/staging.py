@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint, OutputBusy, OutputError
-from fp8fix.io.checkpoint import CARD, CONFIG, INDEX
-from fp8fix.io.json_text import MAX_FILE_BYTES, parse_json
-from fp8fix.io.source_tree import open_regular, read_regular
+from fp8fix.io.checkpoint import CARD, CONFIG, INDEX, card_front_matter, index_weight_map, read_json
+from fp8fix.io.source_tree import open_regular
 
 try:
     import fcntl
@@ -141,7 +140,6 @@ SHOWN_LOST = 10
 MAX_ENTRIES = 100_000
 #: How much of OUTPUT's model card is read for fp8fix's tag.
 CARD_BYTES = 64 * 1024
-_FRONT_MATTER = re.compile(r"---\r?\n(.*?)\r?\n---", re.DOTALL)
 
 
 def files_lost(output: Path, rewrites: Collection[str]) -> list[str]:
@@ -183,21 +181,20 @@ def _written_by_fp8fix(output: Path) -> bool:
         head = os.read(fd, CARD_BYTES).decode("utf-8", "replace")
     finally:
         os.close(fd)
-    match = _FRONT_MATTER.match(head)
-    return match is not None and re.search(r"(?m)^\s*-\s*fp8fix\s*$", match.group(1)) is not None
+    found = card_front_matter(head)
+    return found is not None and "fp8fix" in found[0]
 
 
 def _indexed_shards(output: Path) -> set[str]:
     """The shard files OUTPUT's index names (none for an unreadable index: those shards count as lost)."""
     index = output / INDEX
-    if not index.exists() and not index.is_symlink():
+    if index.is_symlink():
+        return set()
+    if not index.exists():
         return {"model.safetensors"}
     try:
-        if index.is_symlink():
-            return set()
-        weight_map = parse_json(read_regular(index, MAX_FILE_BYTES)).get("weight_map", {})
-        return {str(v) for v in weight_map.values()} if isinstance(weight_map, dict) else set()
-    except (OSError, ValueError, AttributeError, InvalidCheckpoint):
+        return set(index_weight_map(read_json(index)).values())
+    except InvalidCheckpoint:
         return set()
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from fp8fix.errors import InvalidCheckpoint
-from fp8fix.io.checkpoint import CARD
+from fp8fix.io.checkpoint import CARD, card_front_matter
 from fp8fix.io.source_tree import read_regular
 from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ, is_fp8
 from fp8fix.verification.context import VerifyContext
@@ -37,11 +37,11 @@ def check_card(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
     def problem(text: str) -> None:
         ctx.report.problem(text, METADATA, edit=True)
 
-    front, _, body = text.removeprefix("---\n").partition("\n---\n")
-    if not text.startswith("---\n") or not body:
+    found = card_front_matter(text)
+    if found is None:
         problem(f"{CARD}: no front matter")
         return
-    tags = _tags(front.splitlines())
+    tags, body = found
     body = fp8fix_section(body)
     fp8 = any(is_fp8(t.dtype) for t in ctx.out.tensors.values())
     for tag in ("fp8", "fp8fix") if fp8 else ("fp8fix",):
@@ -91,15 +91,3 @@ def _fused_layout(ctx: VerifyContext) -> str | None:
 def fp8fix_section(text: str) -> str:
     """The card's text up to SOURCE's own card, which fp8fix keeps below it (and which may be one too)."""
     return text.split("\n## Original model card\n")[0]
-
-
-def _tags(lines: list[str]) -> set[str]:
-    """The items of the front matter's `tags:` list, as YAML's block style writes them (`- fp8`)."""
-    if "tags:" not in lines:
-        return set()
-    found = set()
-    for line in lines[lines.index("tags:") + 1 :]:
-        if not line.startswith("- "):
-            break
-        found.add(line[2:].strip().strip("'\""))
-    return found

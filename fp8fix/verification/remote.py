@@ -59,7 +59,16 @@ def verify_remote(
             raise UsageError(f"--max-disk {bound}: verify reads two shards at once, {least} bytes; give that or more")
         name = source_label(src, None if looks_local(source) else source, revision)
         files = LazyShards(stand_ins, bound)
-        report = verify(src, out, quiet, registry, 1, files, part, name, accept_edits)
+        report = verify(
+            src,
+            out,
+            quiet=quiet,
+            registry=registry,
+            files=files,
+            part=part,
+            source_name=name,
+            accept_edits=accept_edits,
+        )
         report.source, report.output = source, output
         return report
     finally:

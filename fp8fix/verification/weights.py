@@ -154,34 +154,16 @@ def _compare_rows(
                 f"({src_scales[row]:.6g}) nor the largest of its module ({top_scale:.6g}) times a power of two"
             )
         step_rows = max(1, CHUNK_ELEMENTS // max(cols, 1))
+        exact_ratio = is_power_of_two(ratio)
         for r0 in range(row, end, step_rows):
             r1 = min(end, r0 + step_rows)
             a, b = ctx.read_rows(w, r0, r1, cols), ctx.read_rows(o, r0 + shift, r1 + shift, cols)
             with counting(check):
-                _compare_chunk(w, o, target, r0, r1, a, b, src_scales, out_scales, check, ratio)
-
-
-def _compare_chunk(
-    w: TensorInfo,
-    o: TensorInfo,
-    target: Target,
-    r0: int,
-    r1: int,
-    a: bytes,
-    b: bytes,
-    src_scales: list[float],
-    out_scales: list[float],
-    check: WeightCheck,
-    ratio: float,
-) -> None:
-    """One chunk of a run of rows: as bytes where it can be, else as floats."""
-    shift, cols = target.out_offset - target.start, math.prod(w.shape[1:])
-    exact_ratio = is_power_of_two(ratio)
-    if exact_ratio and same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 + shift, cols):
-        return
-    if _as_mapped(w, o, a, b, r0, shift, cols, src_scales, out_scales, check, exact_ratio):
-        return
-    _compare_values(w, o, target, r0, r1, a, b, src_scales, out_scales, check)
+                if exact_ratio and same_values(a, b, w.dtype, o.dtype, ratio, o.name, r0 + shift, cols):
+                    continue
+                if _as_mapped(w, o, a, b, r0, shift, cols, src_scales, out_scales, check, exact_ratio):
+                    continue
+                _compare_values(w, o, target, r0, r1, a, b, src_scales, out_scales, check)
 
 
 def _runs(start: int, end: int, key: Callable[[int], object]) -> Iterator[tuple[int, int]]:
