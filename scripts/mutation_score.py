@@ -42,6 +42,8 @@ TESTS = {
     "verification": [
         "tests/test_verify.py",
         "tests/test_verify_witness.py",
+        "tests/test_verify_records.py",  # records, summary and exit code from what was measured
+        "tests/test_verify_card.py",  # the model card's facts, --accept-edits
         "tests/test_hostile_repos.py",
         "tests/test_rocm.py",
         "tests/test_padding.py",

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from fp8fix.report.model_card import commit_message
 from tests.builders import build, llama, phi3
 from tests.conftest import folder_digest, load_tensors, run_cli, stopped_while
 from tests.test_grouped import neox
@@ -91,6 +92,25 @@ def test_a_link_out_of_source_is_skipped_never_copied(tmp_path: Path, src: Path,
     assert SECRET not in everything_in(tmp_path / "out")
     assert not (tmp_path / "out" / name).exists() or name == "README.md"
     assert run_cli("verify", src, tmp_path / "out", "-q").exit_code == 0
+
+
+def test_outputs_card_linked_out_is_never_opened(tmp_path: Path, src: Path) -> None:
+    """verify, `--overwrite` and push's commit title read OUTPUT's card; a link there was followed out (to a
+    copy of the true card: verify then found no fault in the card's facts, only the link among the files)."""
+    out = tmp_path / "out"
+    assert fp8fix("convert", src, out, "-q").returncode == 0
+    outside = tmp_path / "elsewhere.md"
+    shutil.move(out / "README.md", outside)
+    (out / "README.md").symlink_to(outside)
+    result = fp8fix("verify", src, out, "--json")
+    assert result.returncode == 1, result.stderr
+    problems = json.loads(result.stdout)["problems"]
+    assert "README.md: is a symbolic link, not a regular file; not followed" in problems, problems
+    assert not any("loader table" in p for p in problems), problems  # card_facts did not read it either
+    assert commit_message(out) == "fp8fix: upload converted FP8 checkpoint"  # the generic title
+    again = fp8fix("convert", src, out, "-q", "--overwrite")
+    assert again.returncode == 2 and "would lose README.md" in again.stderr, again.stderr
+    assert (out / "README.md").is_symlink()
 
 
 def test_a_readme_linked_to_the_environment_does_not_reach_the_card(tmp_path: Path, src: Path) -> None:

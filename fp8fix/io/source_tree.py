@@ -9,8 +9,10 @@ and it is a regular file, and never more bytes than the caller's bound. Model fi
 (config, index, shards) that break the rule are refused; other files (tokenizer, card,
 license) are skipped with a warning, never followed out.
 
-The check is made on the real path, then the file is opened without following a link
-and checked again on the open descriptor (`fstat`), so what is read is what was checked.
+The check is made on the real path, then the file is opened and checked again on the open
+descriptor (`fstat`): a regular file within the caller's bound. OUTPUT's files, which no
+SourceTree checks and which fp8fix writes as regular files, are opened without following a
+link at all (`follow_links=False`).
 """
 
 from __future__ import annotations
@@ -26,14 +28,21 @@ from fp8fix.errors import InvalidCheckpoint
 MAX_FILES = 100_000
 
 
-def open_regular(path: Path, limit: int | None = None) -> int:
+def open_regular(path: Path, limit: int | None = None, *, follow_links: bool = True) -> int:
     """A read-only descriptor of `path`, which must be a regular file of at most `limit` bytes.
 
     Opened non-blocking, so a FIFO cannot hang the open; checked on the descriptor, so a
     FIFO, device or folder is refused before any read. Raises InvalidCheckpoint naming the file.
+    `follow_links=False` refuses a symbolic link itself (for OUTPUT's files, which fp8fix writes
+    as regular files, and which no SourceTree checked): its target is never opened.
     """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_links:
+        if path.is_symlink():
+            raise InvalidCheckpoint(f"{path.name}: is a symbolic link, not a regular file; not followed")
+        flags |= getattr(os, "O_NOFOLLOW", 0)  # and if it became one since: ELOOP, below
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise
     except OSError as e:
@@ -50,10 +59,10 @@ def open_regular(path: Path, limit: int | None = None) -> int:
     return fd
 
 
-def read_regular(path: Path, limit: int) -> bytes:
+def read_regular(path: Path, limit: int, *, follow_links: bool = True) -> bytes:
     """The whole content of the regular file `path` (at most `limit` bytes: a file that grows past
     its size while being read is cut there, never read without end)."""
-    fd = open_regular(path, limit)
+    fd = open_regular(path, limit, follow_links=follow_links)
     try:
         size = os.fstat(fd).st_size
         chunks, got = [], 0

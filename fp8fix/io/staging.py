@@ -170,11 +170,8 @@ def _entries(folder: Path) -> list[str]:
 
 def _written_by_fp8fix(output: Path) -> bool:
     """OUTPUT's model card is a regular file whose front matter lists the `fp8fix` tag (convert writes it)."""
-    card = output / CARD
-    if card.is_symlink():
-        return False
     try:
-        fd = open_regular(card)
+        fd = open_regular(output / CARD, follow_links=False)
     except (OSError, InvalidCheckpoint):
         return False
     try:

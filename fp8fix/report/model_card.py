@@ -298,7 +298,7 @@ def commit_title(source_name: str, options: str) -> str:
 def commit_message(folder: Path) -> str:
     """The commit title for a folder converted earlier (`fp8fix push`), from the card this module wrote."""
     try:
-        text = read_regular(folder / CARD, MAX_CARD_BYTES).decode("utf-8", errors="replace")
+        text = read_regular(folder / CARD, MAX_CARD_BYTES, follow_links=False).decode("utf-8", errors="replace")
     except (OSError, Fp8fixError):  # no card, or none that can be read: the generic title
         text = ""
     match = CONVERTED_PATTERN.search(text)

@@ -26,7 +26,7 @@ _CONVERTED = re.compile(r"^Converted from `([^`\n]*)` with fp8fix ", re.MULTILIN
 def check_card(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
     path = ctx.out.root / CARD
     try:
-        text = read_regular(path, MAX_CARD_BYTES).decode("utf-8", errors="replace")
+        text = read_regular(path, MAX_CARD_BYTES, follow_links=False).decode("utf-8", errors="replace")
     except FileNotFoundError:
         ctx.report.problem(f"{CARD}: missing; a conversion writes a model card", METADATA, edit=True)
         return
