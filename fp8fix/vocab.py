@@ -49,7 +49,7 @@ ConvertTo = Literal["e4m3fn", "e4m3fnuz", "bf16", "float16"]
 TO_NAMES: tuple[ConvertTo, ...] = get_args(ConvertTo)
 
 #: How a config list's entries match module names (see `registry.formats.NameList`).
-Grammar = Literal["exact", "exact-or-re", "transformers", "fnmatch"]
+Grammar = Literal["exact", "exact-or-re", "transformers", "fnmatch", "quark-layer"]
 
 #: What a loader does with a checkpoint, graded by loss: loads it with the right weights (`loads`), loads it
 #: with some weights rounded by at most half an fp8 step (`rounded`: e4m3fnuz codes cast into e4m3fn), loads it

@@ -16,6 +16,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from fp8fix.errors import UnsupportedCheckpoint
 from fp8fix.io.checkpoint import CONFIG, read_json
 from fp8fix.model import ignore_linears
 from fp8fix.plan.compressed_tensors import channel_strategy_config, compressed_tensors_config
@@ -162,6 +163,9 @@ def rewrite_name_lists(
 def _rewrite(root: dict[str, Any], lists: list[NameList], renames: dict[str, list[str]], label: str) -> list[str]:
     edits = []
     for name_list in lists:
+        if name_list.keyed:
+            _refuse_keyed_renames(root, name_list, renames, label)
+            continue
         for where, holder, key in _lists_at(root, name_list.path.split("."), label):
             entries = holder[key]
             rewritten = _rename_entries(entries, renames, name_list.grammar)
@@ -169,6 +173,23 @@ def _rewrite(root: dict[str, Any], lists: list[NameList], renames: dict[str, lis
                 holder[key] = rewritten
                 edits.append(f"{where}: {len(entries)} -> {len(rewritten)} entries (fused modules renamed)")
     return edits
+
+
+def _refuse_keyed_renames(root: dict[str, Any], name_list: NameList, renames: dict[str, list[str]], label: str) -> None:
+    """A dict keyed by module names (Quark's `layer_quant_config`) whose key names a module the conversion
+    renames: its settings would silently stop applying (the loader falls back to the global ones), and a key
+    pattern has no faithful rewrite for the new names. Refused, naming the key and the ways out."""
+    for where, holder, key in locations(root, name_list.path.split("."), label):
+        settings = holder[key]
+        for entry in settings if isinstance(settings, dict) else ():
+            fused = next((f for f in renames if matches(entry, f, name_list.grammar)), None)
+            if fused is not None:
+                raise UnsupportedCheckpoint(
+                    f"config.json: {where} sets '{entry}', which names the fused module '{fused}'; the unfused "
+                    f"layout renames it to {', '.join(renames[fused])}, and fp8fix does not rewrite these per-layer "
+                    "settings (the loader would fall back to the global ones): use --layout per-shard or --layout "
+                    "fused, which keep the fused names"
+                )
 
 
 def _lists_at(node: Any, parts: list[str], where: str) -> list[tuple[str, dict[str, Any], str]]:

@@ -28,8 +28,11 @@ class NameList:
 
     grammar: `exact`, `exact-or-re` (exact, or a `re:` pattern matched from the start),
     `transformers` (a regex matched from the start up to a module boundary, or a plain suffix:
-    `modules_to_not_convert`), `fnmatch` (shell wildcards), each as the loader that reads the
-    list matches it (`evidence`).
+    `modules_to_not_convert`), `fnmatch` (shell wildcards), `quark-layer` (a key of Quark's
+    `layer_quant_config`: fnmatch where it holds `*`, else the module name as a part of it), each
+    as the loader that reads the list matches it (`evidence`).
+    `keyed`: the names are the keys of a dict of per-module settings (Quark's `layer_quant_config`),
+    which fp8fix does not rewrite: a rename its keys name is refused, and verify checks their meaning.
     """
 
     path: str  # dotted path inside the quantization config; '*' = every key
@@ -39,6 +42,7 @@ class NameList:
     # A list of modules left unquantized, where `--tp-bf16` and `--dequantize` name the modules they write in BF16:
     # "always" (created when absent), "if-set" (only a non-empty list: a loader reads it only then), "" not one.
     unquantized: str = ""
+    keyed: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,10 @@ _TRANSFORMERS_MATCH = (
 _EXACT_OR_RE = (
     "vllm 0.32 quantization/{} should_ignore_layer -> config_utils.is_equal_or_regex_match "
     "(exact, or re.match after 're:'; no fnmatch)"
+)
+_QUARK_LAYER = (
+    "vllm 0.32 quantization/quark/quark.py get_layer_quant_config_from_name (a key with '*': fnmatch, "
+    "else `layer_name in key`)"
 )
 _MODELOPT_FNMATCH = "vllm 0.32 quantization/modelopt.py is_layer_excluded (exact, then fnmatch wildcards)"
 
@@ -156,6 +164,7 @@ QUARK = FormatSpec(
     scalar_shape=(),
     name_lists=(
         NameList("exclude", "exact-or-re", evidence=_EXACT_OR_RE.format("quark/utils.py"), unquantized="always"),
+        NameList("layer_quant_config", "quark-layer", evidence=_QUARK_LAYER, keyed=True),
     ),
 )
 MODELOPT = FormatSpec(
@@ -208,6 +217,8 @@ def matches(entry: str, name: str, grammar: Grammar) -> bool:
         return _match(rf"(?:{entry}){_BOUNDARY}", entry, name) or name.endswith(entry)
     if grammar == "fnmatch":
         return fnmatch.fnmatchcase(name, entry)
+    if grammar == "quark-layer":
+        return fnmatch.fnmatchcase(name, entry) if "*" in entry else name in entry
     raise ValueError(f"unknown name-list grammar {grammar!r}")
 
 
@@ -276,6 +287,11 @@ def _check_name_lists(qc: dict[str, Any], spec: FormatSpec) -> None:
             value = holder[key]
             if value is None:
                 continue
+            if name_list.keyed:
+                if not isinstance(value, dict):
+                    shown = f"{value!r:.60}"
+                    raise InvalidCheckpoint(f"config.json: {where} must map module names to settings, not {shown}")
+                value = list(value)
             if not isinstance(value, list) or not all(isinstance(e, str) for e in value):
                 raise InvalidCheckpoint(f"config.json: {where} must be a list of module names, not {value!r:.60}")
             for entry in value:

@@ -153,14 +153,18 @@ MAX_EXPERT_NAMES = 1_000_000
 def _strays(entries: Any, source_entries: Any, modules: list[str], grammar: Any) -> list[str]:
     """Entries of OUTPUT's list that name no module of OUTPUT and are not SOURCE's own (kept as they were): a
     list entry no rule of a conversion writes."""
-    kept = set(source_entries) if isinstance(source_entries, list) else set()
-    texts = [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
-    return [e for e in texts if e not in kept and not any(matches(e, m, grammar) for m in modules)]
+    kept = set(_texts(source_entries))
+    return [e for e in _texts(entries) if e not in kept and not any(matches(e, m, grammar) for m in modules)]
 
 
 def _named(entries: Any, modules: list[str], grammar: Any) -> set[str]:
-    texts = [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
+    texts = _texts(entries)
     return {m for m in modules if any(matches(e, m, grammar) for e in texts)}
+
+
+def _texts(entries: Any) -> list[str]:
+    """A name list's names: a list's strings, or a dict's keys (Quark's `layer_quant_config`)."""
+    return [e for e in entries if isinstance(e, str)] if isinstance(entries, list | dict) else []
 
 
 def _same_but_names(
@@ -206,8 +210,9 @@ def _same_but_names(
                     + (f"; also {', '.join(more[:3])}" if more else "")
                     + (f"; not {', '.join(fewer[:3])}" if fewer else "")
                 )
-            _blank(blank_source, keys, _NAME_LIST)
-            _blank(blank_output, keys, _NAME_LIST)
+            if not name_list.keyed:  # a keyed list's settings are SOURCE's, under SOURCE's keys (convert keeps them)
+                _blank(blank_source, keys, _NAME_LIST)
+                _blank(blank_output, keys, _NAME_LIST)
     for blank in (blank_source, blank_output):
         for group in (
             (blank.get("config_groups") or {}).values() if isinstance(blank.get("config_groups"), dict) else ()
@@ -304,7 +309,7 @@ def _source_skipped(ctx: VerifyContext, modules: list[str], origin: dict[str, st
     """Those of OUTPUT's `modules` whose SOURCE module a name list of SOURCE's format names, as the
     source's loader matches it (its config.json lists, and side files such as ModelOpt's)."""
     found: set[str] = set()
-    for name_list in ctx.fmt.name_lists:
+    for name_list in (n for n in ctx.fmt.name_lists if not n.keyed):  # a keyed list's modules are quantized
         path = ctx.src.root / name_list.file
         if name_list.file == CONFIG:
             holder: Any = quantization_of(ctx.src.config) or {}
