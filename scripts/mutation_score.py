@@ -44,6 +44,10 @@ TESTS = {
         "tests/test_verify_witness.py",
         "tests/test_verify_records.py",  # records, summary and exit code from what was measured
         "tests/test_verify_card.py",  # the model card's facts, --accept-edits
+        "tests/test_verify_measures.py",  # errors, counts and names verify reports, stated from the files
+        "tests/test_quark_layer_settings.py",  # Quark's layer_quant_config keys
+        "tests/test_ue8m0.py",  # --scales ue8m0 (verification/ue8m0.py)
+        "tests/test_formats.py",  # name lists of every format, ModelOpt's side config renamed
         "tests/test_hostile_repos.py",
         "tests/test_rocm.py",
         "tests/test_padding.py",

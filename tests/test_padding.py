@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.builders import FP8, build, phi3, write_files
+from tests.builders import FP8, block_fp8_checkpoint, build, phi3, write_files
 from tests.conftest import load_tensors, patch_bytes, raw, run_cli
-from tests.test_parallel import deepseek_dense, narrow_heads, partial_q, qwen3_moe, shared_expert
+from tests.test_parallel import deepseek_attention, deepseek_dense, narrow_heads, partial_q, qwen3_moe, shared_expert
 
 B = 128
 
@@ -335,3 +335,28 @@ def test_tp_bf16_refuses_nan_codes_naming_the_weight(tmp_path: Path) -> None:
     result = run_cli("convert", src, tmp_path / "out", "--tp", "8", "--tp-bf16")
     assert result.exit_code != 0 and f"weight '{q}' holds 2 NaN codes (0x7F/0xFF)" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bf16_mlp_of_a_block_fp8_model_is_padded_and_verified(tmp_path: Path) -> None:
+    """An MLP left in BF16 (`modules_to_not_convert`) is padded with the rest (config.json's size is the
+    model's): its original region byte-identical, the padding zeros, and verify checks both (issue 48's mutation
+    sample: verify's check of unquantized padded bytes had no test)."""
+    reference = deepseek_dense(tmp_path / "reference")
+    config = json.loads((reference / "config.json").read_text())
+    p = "model.layers.0"
+    attention = deepseek_attention(p)
+    shapes = {"gate_proj": (4608, 256), "up_proj": (4608, 256), "down_proj": (256, 4608)}
+    gen = torch.Generator().manual_seed(1)
+    mlp_bf16 = {
+        f"{p}.mlp.{n}.weight": (torch.randn(*s, generator=gen) * 0.02).to(torch.bfloat16) for n, s in shapes.items()
+    }
+    config["quantization_config"]["modules_to_not_convert"] = [f"{p}.mlp.{n}" for n in shapes]
+    src, out = block_fp8_checkpoint(tmp_path / "src", config, attention, mlp_bf16), tmp_path / "out"
+    assert run_cli("convert", src, out, "--tp", "32", "-q").exit_code == 0  # run_cli verifies it
+    o = load_tensors(out)
+    assert torch.equal(o[f"{p}.mlp.gate_proj.weight"][:4608], mlp_bf16[f"{p}.mlp.gate_proj.weight"])
+    assert not o[f"{p}.mlp.gate_proj.weight"][4608:].any()
+    assert torch.equal(o[f"{p}.mlp.down_proj.weight"][:, :4608], mlp_bf16[f"{p}.mlp.down_proj.weight"])
+    patch_bytes(out, f"{p}.mlp.up_proj.weight", {2: 0x11})  # one byte of the original region changed
+    result = run_cli("verify", src, out)
+    assert result.exit_code == 1 and "the original region is not SOURCE's bytes" in result.output

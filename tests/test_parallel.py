@@ -84,16 +84,19 @@ def deepseek_dense(root: Path, intermediate: int = 4608) -> Path:
         "first_k_dense_replace": 1,
         "vocab_size": 256,
     }
-    p = "model.layers.0"
-    linears = {
+    linears = {**deepseek_attention("model.layers.0"), **mlp_linears("model.layers.0.mlp", intermediate, 256)}
+    return block_fp8_checkpoint(root, config, linears)
+
+
+def deepseek_attention(p: str) -> dict[str, tuple[int, int]]:
+    """deepseek_dense's MLA attention linears of layer `p`: (rows, columns)."""
+    return {
         f"{p}.self_attn.q_a_proj": (128, 256),
         f"{p}.self_attn.q_b_proj": (128 * 128, 128),
         f"{p}.self_attn.kv_a_proj_with_mqa": (128 + 64, 256),
         f"{p}.self_attn.kv_b_proj": (128 * 128, 128),
         f"{p}.self_attn.o_proj": (256, 128 * 64),
-        **mlp_linears(f"{p}.mlp", intermediate, 256),
     }
-    return block_fp8_checkpoint(root, config, linears)
 
 
 def shared_expert(root: Path) -> Path:

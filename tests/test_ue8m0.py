@@ -292,3 +292,29 @@ def test_a_hostile_huge_scale_gives_strict_json_and_no_warnings(tmp_path: Path) 
     # the block at 1e38 is written at 2^127 (the smallest power of two holding it: 1e38 x 448 / 448)
     written = load_file(next(p for p in (tmp_path / "out").glob("*.safetensors") if name in load_file(p)))
     assert written[name].view(-1)[0].item() in (2.0**127, 2.0**126)
+
+
+# --- verify's own arithmetic, against the e4m3fn definition (issue 48's mutation sample) ---------------------------
+
+
+def test_verifys_step_is_the_gap_to_the_next_e4m3fn_value() -> None:
+    """The step verify measures rounding in, at each positive e4m3fn value: the distance to the next one up
+    (from torch's table of the 126 finite positive codes), subnormals included."""
+    from fp8fix.verification.ue8m0 import _steps
+
+    values = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
+    gaps = np.diff(values)
+    assert np.array_equal(_steps(values[:-1]), gaps)
+
+
+@pytest.mark.parametrize("k", [-3, 0, 1, 4, 20])
+def test_verifys_smallest_block_scale_holding_a_maximum(k: int) -> None:
+    """The smallest power of two p with amax <= 448 p, by exact arithmetic, where float log2 rounds down: amax
+    one ulp above 448 * 2^k needs 2^(k+1)."""
+    from fp8fix.verification.ue8m0 import _smallest_holding
+
+    for amax in (448.0 * 2.0**k, math.nextafter(448.0 * 2.0**k, math.inf), 448.0 * 2.0**k * 0.75):
+        p = Fraction(1, 2**40)
+        while Fraction(amax) > 448 * p:
+            p *= 2
+        assert _smallest_holding(amax) == p, amax

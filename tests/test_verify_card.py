@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.builders import build, phi3
-from tests.conftest import run_cli
+from tests.builders import build, glm, phi3
+from tests.conftest import load_tensors, run_cli
 
 
 def edit_card(folder: Path, old: str, new: str) -> None:
@@ -95,3 +95,17 @@ def test_weights_are_never_an_edit(converted: tuple[Path, Path]) -> None:
     result = run_cli("verify", src, out, "--accept-edits", "--json")
     report = json.loads(result.stdout)
     assert result.exit_code == 1 and report["classes"]["weights-and-config"] and not report["edits"]
+
+
+def test_a_block_grid_is_no_per_shard_layout_on_the_card(tmp_path: Path) -> None:
+    """A block scale grid of 1 x 2 blocks (GLM's fused gate/up, 32 rows by 64 columns) holds as many values as
+    the module has shards: still block scales, and the card's layout line is not judged from them (issue 48's
+    mutation sample: a planted change that read such grids as per-shard scales survived)."""
+    src = build(tmp_path / "src", glm(intermediate=16), fmt="block-fp8")
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "--layout", "fused", "-q", check_output=False).exit_code == 0
+    assert "- Layout: **fused**" in (out / "README.md").read_text()
+    grid = load_tensors(out)["model.layers.0.mlp.gate_up_proj.weight_scale_inv"]
+    assert tuple(grid.shape) == (1, 2)
+    result = run_cli("verify", src, out, "--json")
+    assert result.exit_code == 0, result.output

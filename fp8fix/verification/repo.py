@@ -25,6 +25,9 @@ def check_input_scale(ctx: VerifyContext, name: str, weight: str, targets: list[
         o = ctx.out.tensors[target.name]
         got = read_values(o)
         out_weight = target.name.rsplit(".", 1)[0] + ".weight" if weight.endswith(".weight") else weight
+        if out_weight not in ctx.out.tensors:  # an edited OUTPUT: check_shapes names the weight missing
+            ctx.report.problem(f"input scale '{target.name}': OUTPUT holds no weight '{out_weight}' for it")
+            continue
         f = scale_factor(ctx.src.tensors[weight].dtype, ctx.out.tensors[out_weight].dtype)
         if target.index is not None and len(values) > 1:
             expected = [[values[target.index] * f]]
