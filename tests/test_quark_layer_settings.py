@@ -113,3 +113,11 @@ def test_a_layer_settings_value_that_is_no_dict_is_refused(tmp_path: Path) -> No
 )
 def test_layer_keys_match_as_vllms_quark_reader(key: str, module: str, named: bool) -> None:
     assert matches(key, module, "quark-layer") is named
+
+
+def test_a_huge_key_is_refused_in_one_short_line(tmp_path: Path) -> None:
+    """A hostile 200,000-character key was echoed whole in the refusal."""
+    src = quark_phi3(tmp_path / "src", {"*" * 200_000: None})
+    result = run_cli("convert", src, tmp_path / "out", "--layout", "unfused", "-q")
+    assert result.exit_code == 3 and "which names the fused module" in result.output
+    assert len(result.output) < 1_000, len(result.output)

@@ -185,7 +185,7 @@ def _refuse_keyed_renames(root: dict[str, Any], name_list: NameList, renames: di
             fused = next((f for f in renames if matches(entry, f, name_list.grammar)), None)
             if fused is not None:
                 raise UnsupportedCheckpoint(
-                    f"config.json: {where} sets '{entry}', which names the fused module '{fused}'; the unfused "
+                    f"config.json: {where} sets {entry!r:.80}, which names the fused module '{fused}'; the unfused "
                     f"layout renames it to {', '.join(renames[fused])}, and fp8fix does not rewrite these per-layer "
                     "settings (the loader would fall back to the global ones): use --layout per-shard or --layout "
                     "fused, which keep the fused names"
