@@ -289,6 +289,9 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
     fixes = _layout_fixes(model, ("auto", "vllm-legacy"))
     layout_fix, legacy_fix = fixes["auto"], fixes["vllm-legacy"]
     raw_codes_in_transformers = facts_of(model).fp8_per_tensor
+    # a format fp8fix does not read lays its scales out its own way (MX: one E8M0 byte per 32 elements): their
+    # shapes are not wrong, only unread; the format note says so once
+    scales_read = not facts_of(model).unread_format
     # vLLM requantizes per-tensor and per-shard weight scales through float16; per-channel and block
     # scales it takes as they are (measured exact, issue 11)
     requantized_scales = {
@@ -311,9 +314,9 @@ def _findings(model: CheckpointModel, modules: list[ModuleInfo], scan: bool) -> 
                 "a fused weight with a per-shard scale vector: vLLM >= 0.5.1 and transformers reject it",
                 layout_fix,
             )
-        if m.scale == "missing":
+        if m.scale == "missing" and scales_read:
             add("missing-scale", m.module, "an FP8 weight without a scale: its values cannot be recovered", None)
-        if m.scale == "unknown":
+        if m.scale == "unknown" and scales_read:
             add("unknown-scale-shape", m.module, "a scale whose shape fits no known convention", None)
         if raw_codes_in_transformers and m.scale in ("tensor", "channel", "shard"):
             add(

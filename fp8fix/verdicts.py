@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fp8fix.errors import UnsupportedCheckpoint
 from fp8fix.io.checkpoint import known_values
 from fp8fix.model import CheckpointModel, Fp8Weight, ignore_linears
 from fp8fix.numerics.dtypes import E4M3FNUZ
@@ -51,6 +52,8 @@ TRANSFORMERS_MISSING = frozenset({"MiMoV2ForCausalLM"})
 
 #: What each fact means, for the table of rules in docs/loader-rules.md (scripts/loader_tables.py).
 FACT_DESCRIPTIONS = {
+    "unread_format": "a quantization format fp8fix does not read yet (MX blocks, FP4, mixed precision: the format "
+    "line names it)",
     "missing_scales": "an FP8 weight without a scale tensor",
     "odd_scales": "an FP8 weight scale of a shape no convention fits (not per tensor, shard, row or block)",
     "per_shard_fused": "a fused module with one weight scale per shard",
@@ -159,6 +162,7 @@ class Facts:
     kv_scales_under_fp8: bool = False  # ... under quant_method fp8, which declares none vLLM reads
     kv_cache_scheme: bool = False  # ... declared by compressed-tensors' kv_cache_scheme
     vllm_unknown_architecture: bool = False  # vLLM resolves config.json's name to no model class
+    unread_format: bool = False  # a quantization format fp8fix does not read yet (format_error: unsupported)
     phi3_rope_factors: bool = False  # a Phi-3 config whose LongRoPE factor lists do not fit (Phi3Config refuses)
     rope: str = ""  # what is wrong with them, for the reason
     nearest_architecture: str = ""  # the vLLM name closest to an unknown one, for the reason
@@ -345,6 +349,7 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         nearest_architecture=_nearest(architecture) if unknown else "",
         phi3_rope_factors=bool(rope),
         rope=rope,
+        unread_format=isinstance(model.format_error, UnsupportedCheckpoint) and not unquantized,
         vllm_added_after_020=architecture in VLLM_ADDED_AFTER_020,
         block_scaled_qkv_fused=any(
             w.scale_kind == "block" and {s.shard for s in w.fused.spec.shards} == {"q", "k", "v"}

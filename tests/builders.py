@@ -717,3 +717,67 @@ def block_fp8_shards(root: Path, shards: int, shard_mib: int, hidden: int = 1024
     (root / "config.json").write_text(json.dumps(config))
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return root
+
+
+#: compressed-tensors' MXFP8 preset (compressed_tensors 0.20 quantization/quant_scheme.py MXFP8): E4M3 weights in
+#: groups of 32 along the input dimension with E8M0 scales stored as uint8, activations quantized the same way
+#: at run time; the checkpoint's format `mxfp8-quantized` (compressors/mxfp8: weight_scale U8 [out, in / 32]).
+MXFP8_ARGS = {
+    "num_bits": 8,
+    "type": "float",
+    "strategy": "group",
+    "group_size": 32,
+    "symmetric": True,
+    "dynamic": False,
+    "scale_dtype": "torch.uint8",
+    "zp_dtype": "torch.uint8",
+}
+
+
+def mxfp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3fn codes of `w` [out, in] and their E8M0 bytes [out, in / 32]: each group's scale the power of two at
+    or above amax / 448, as vLLM's and llm-compressor's MXFP8 quantizers choose it."""
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // 32, 32)
+    amax = groups.abs().amax(-1).clamp(min=2.0**-126)
+    exponent = (torch.ceil(torch.log2(amax / FP8_MAX)) + 127).clamp(0, 254)
+    codes = (groups / torch.exp2(exponent - 127)[..., None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+    return codes, exponent.to(torch.uint8)
+
+
+def mxfp8_compressed_tensors(root: Path, model: Model | None = None, seed: int = 0) -> Path:
+    """`model` (a Llama by default) as llm-compressor writes it with the MXFP8 preset: every linear layer but
+    lm_head MXFP8, BF16 embeddings, norms and lm_head."""
+    gen = torch.Generator().manual_seed(seed)
+    model = model or llama()
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(model.layers):
+        prefix = model.layer_prefix.format(i=i)
+        linears = [(f.suffix, sum(f.rows), f.in_features) for f in model.fused] + list(model.plain)
+        for suffix, out, inp in linears:
+            codes, scales = mxfp8_quantize(torch.randn(out, inp, generator=gen) * 0.02)
+            tensors[f"{prefix}{suffix}.weight"], tensors[f"{prefix}{suffix}.weight_scale"] = codes, scales
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{prefix}{norm}.weight"] = torch.ones(model.hidden, dtype=torch.bfloat16)
+    tensors["model.embed_tokens.weight"] = torch.randn(model.vocab, model.hidden, generator=gen).to(torch.bfloat16)
+    tensors["model.norm.weight"] = torch.ones(model.hidden, dtype=torch.bfloat16)
+    tensors["lm_head.weight"] = torch.randn(model.vocab, model.hidden, generator=gen).to(torch.bfloat16)
+    group = {
+        "targets": ["Linear"],
+        "weights": MXFP8_ARGS,
+        "input_activations": {**MXFP8_ARGS, "dynamic": True},
+        "format": "mxfp8-quantized",
+    }
+    config = {
+        **model.config,
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "format": "mxfp8-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": group},
+            "ignore": ["lm_head"],
+        },
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    write_files(root, [tensors], config)
+    return root

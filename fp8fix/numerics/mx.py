@@ -1,0 +1,145 @@
+"""OCP Microscaling (MX) blocks: E8M0 scales, E2M1 (FP4) elements, and their values in BF16.
+
+An MX block is 32 elements along the input dimension sharing one E8M0 scale byte b, worth 2^(b - 127)
+(b = 255 is NaN; there is no zero and no sign). MXFP8's elements are e4m3fn codes; MXFP4's are E2M1
+nibbles, two per byte, the lower nibble first (gpt-oss `*_blocks`, compressed-tensors `mxfp4-pack-quantized`,
+DeepSeek-V4's experts: the element at even index in bits 0-3).
+
+A code times a power of two only moves its exponent: every e4m3 value (4 significant bits) and every E2M1
+value (2) is a BF16 value (8), so code x 2^(b - 127) is exact in BF16 unless it leaves BF16's normal range
+(fp8fix keeps that range, as `numerics.dequantize` does). Which (scale byte, code) pairs leave it is known in
+advance: one 65,536-entry table of BF16 bit patterns per element type, indexed by (b << 8) | code, turns a
+block row into BF16 with two numpy passes and no float math; the pairs outside the range are marked, and a
+chunk holding one is refused with the block named (`MxRangeError`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from fp8fix.numerics.dtypes import E4M3FN
+from fp8fix.numerics.fp8 import e4m3_value
+
+#: Elements per MX block (OCP MX v1.0 section 5: k = 32 for every MX element type).
+MX_BLOCK = 32
+#: The E8M0 byte that is NaN; every other byte b is 2^(b - 127).
+E8M0_NAN = 0xFF
+E8M0_BIAS = 127
+#: E2M1's eight magnitudes, by the low three bits of a nibble (OCP MX v1.0 table 5: 1 exponent bias).
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: BF16's normal range: what a dequantized value must lie in (`numerics.dequantize` refuses the rest too).
+_BF16_MIN_NORMAL = 2.0**-126
+_BF16_MAX = float.fromhex("0x1.fep127")
+#: Marks a (scale, code) pair whose value leaves BF16's normal range, or is NaN: 0x7FC1 is a NaN payload no
+#: rounding produces, so a lookup that returns it can be told from any real value.
+OUT_OF_RANGE = 0x7FC1
+
+
+def e8m0_value(byte: int) -> float:
+    """2^(byte - 127); NaN for 255."""
+    return math.nan if byte == E8M0_NAN else math.ldexp(1.0, byte - E8M0_BIAS)
+
+
+def e2m1_value(nibble: int) -> float:
+    """The value of one E2M1 nibble (bit 3 the sign)."""
+    magnitude = E2M1_MAGNITUDES[nibble & 0x7]
+    return -magnitude if nibble & 0x8 else magnitude
+
+
+def element_value(element: str, code: int) -> float:
+    """The value of one element code of an MX element type: `e4m3` (a byte) or `e2m1` (a nibble)."""
+    return e4m3_value(code, E4M3FN) if element == "e4m3" else e2m1_value(code)
+
+
+@cache
+def element_values(element: str) -> Any:
+    """float64[256]: the value of each code byte (a nibble type: of its low 4 bits; NaN codes NaN)."""
+    import numpy as np
+
+    codes = 256 if element == "e4m3" else 16
+    return np.array([element_value(element, code % codes) for code in range(256)], dtype=np.float64)
+
+
+@cache
+def bf16_table(element: str) -> Any:
+    """uint16[65536]: at (b << 8) | code, the BF16 bits of code x 2^(b - 127), or OUT_OF_RANGE where that is
+    NaN or outside BF16's normal range."""
+    import numpy as np
+
+    exponents = np.arange(256) - E8M0_BIAS
+    products = np.ldexp(element_values(element)[None, :], exponents[:, None])  # exact in float64
+    magnitudes = np.abs(products)
+    fits = np.isfinite(products) & ((magnitudes == 0) | ((magnitudes >= _BF16_MIN_NORMAL) & (magnitudes <= _BF16_MAX)))
+    fits[E8M0_NAN, :] = False
+    # BF16 values are float32 values: their bits are the top half of float32's (exact: no rounding here)
+    bits = (np.where(fits, products, 0.0).astype(np.float32).view(np.uint32) >> 16).astype("<u2")
+    return np.where(fits, bits, np.uint16(OUT_OF_RANGE)).astype("<u2").reshape(-1)
+
+
+class MxRangeError(ValueError):
+    """A block's scale byte makes one of its elements NaN or leave BF16's normal range."""
+
+    def __init__(self, row: int, block: int, scale_byte: int) -> None:
+        self.row, self.block, self.scale_byte = row, block, scale_byte
+        why = "is NaN (E8M0 255)" if scale_byte == E8M0_NAN else f"2^{scale_byte - E8M0_BIAS} puts an element"
+        where = "" if scale_byte == E8M0_NAN else " outside BF16's normal range (or the element code is NaN)"
+        super().__init__(f"row {row}, block {block}: the scale {why}{where}")
+
+
+@dataclass(frozen=True)
+class MxRows:
+    """Rows of an MX tensor: `rows` x `cols` elements (cols a multiple of MX_BLOCK), `element` e4m3 or e2m1."""
+
+    rows: int
+    cols: int
+    element: str
+
+    @property
+    def blocks(self) -> int:
+        return self.cols // MX_BLOCK
+
+    @property
+    def code_bytes(self) -> int:
+        """Bytes of the element codes: one per e4m3 element, one per two E2M1 elements."""
+        per_row = self.cols if self.element == "e4m3" else self.cols // 2
+        return self.rows * per_row
+
+
+def element_codes(data: bytes | bytearray | memoryview, element: str) -> Any:
+    """The element codes of packed MX data as uint8: e4m3 bytes as they are; E2M1 nibbles unpacked, the low
+    nibble of each byte first."""
+    import numpy as np
+
+    packed = np.frombuffer(data, dtype=np.uint8)
+    if element == "e4m3":
+        return packed
+    codes = np.empty(packed.size * 2, dtype=np.uint8)
+    np.bitwise_and(packed, 0x0F, out=codes[0::2])
+    np.right_shift(packed, 4, out=codes[1::2])
+    return codes
+
+
+def mx_to_bf16(data: bytes | bytearray | memoryview, scales: bytes | bytearray | memoryview, shape: MxRows) -> bytes:
+    """Rows of MX element codes and their E8M0 scale bytes ([rows, cols / 32], row-major) as little-endian
+    BF16 bytes [rows, cols]: each value exactly code x 2^(b - 127). MxRangeError names the first block with an
+    element it cannot hold (a NaN scale, a value outside BF16's normal range, or a NaN e4m3 code)."""
+    import numpy as np
+
+    if len(data) != shape.code_bytes or len(scales) != shape.rows * shape.blocks:
+        raise ValueError(
+            f"{len(data)} code bytes and {len(scales)} scale bytes do not make {shape.rows} x {shape.cols} "
+            f"{shape.element} elements in blocks of {MX_BLOCK}"
+        )
+    codes = element_codes(data, shape.element).reshape(shape.rows, shape.blocks, MX_BLOCK)
+    exponents = np.frombuffer(scales, dtype=np.uint8).reshape(shape.rows, shape.blocks, 1)
+    index = np.left_shift(exponents, 8, dtype=np.uint16) | codes
+    out = np.take(bf16_table(shape.element), index)
+    bad = out == OUT_OF_RANGE
+    if bad.any():
+        row, block, _ = (int(i[0]) for i in np.nonzero(bad))
+        raise MxRangeError(row, block, int(exponents[row, block, 0]))
+    converted: bytes = out.astype("<u2", copy=False).tobytes()
+    return converted

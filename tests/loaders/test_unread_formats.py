@@ -1,0 +1,56 @@
+"""What the real loaders do with a format fp8fix does not read yet (issue 49), where fp8fix's rows say `not
+judged` (fp8fix/registry/loaders.py UNREAD_FORMAT_RULES): a compressed-tensors MXFP8 checkpoint as
+llm-compressor writes it (tests/builders.mxfp8_compressed_tensors).
+
+Measured: vLLM 0.19.0 and SGLang 0.5.23 have no compressed-tensors scheme for it (NotImplementedError); vLLM
+0.20.2 - 0.32 have one and select an MXFP8 kernel, of which their CPU builds have none (ValueError; a GPU
+selects one, so what they load on a GPU is not seen here); transformers 5.24 loads it through compressed-tensors
+(what its layers compute with is not read back yet). No row claims more than this: each is `not-judged`, and
+every outcome here is recorded as not judged in the matrix. If a loader's outcome changes, this test says so,
+and the rows are to be measured anew.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.builders import mxfp8_compressed_tensors
+from tests.conftest import run_cli
+from tests.loaders.conftest import record, run_loaders
+from tests.loaders.test_real_loaders import VERDICT_ROWS
+
+pytestmark = pytest.mark.loaders
+
+NO_SCHEME = "No compressed-tensors compatible scheme was found"
+NO_CPU_KERNEL = "Failed to find a kernel that can implement the MXFP8 linear layer"
+#: What each loader does with it, as measured (see the module docstring); None: it loads.
+OUTCOMES = {
+    "vllm-0.19.0": NO_SCHEME,
+    "vllm-0.20.2": NO_CPU_KERNEL,
+    "vllm-0.21.0": NO_CPU_KERNEL,
+    "vllm-0.31.0": NO_CPU_KERNEL,
+    "vllm": NO_CPU_KERNEL,
+    "vllm-rocm": NO_CPU_KERNEL,
+    "sglang": NO_SCHEME,
+    "transformers": None,
+}
+
+
+def test_mxfp8_rows_are_not_judged_and_the_loaders_do_what_the_rules_say(tmp_path: Path) -> None:
+    src = mxfp8_compressed_tensors(tmp_path / "mxfp8")
+    rows = json.loads(run_cli("inspect", src, "--json").output)["loaders"]
+    assert set(OUTCOMES) == set(VERDICT_ROWS)
+    ran = run_loaders(VERDICT_ROWS, [src], tmp_path / "loaded")
+    for loader, (loaded,) in ran.items():
+        row = VERDICT_ROWS[loader]
+        assert rows[row]["verdict"] == "not-judged", row
+        real = "loads" if loaded.loaded else "fails"
+        record(loader, "ct-mxfp8", "not-judged", real, not_judged=True, why=loaded.error[:200])
+        expected = OUTCOMES[loader]
+        if expected is None:
+            assert loaded.loaded, f"{loader}: {loaded.error}"
+        else:
+            assert not loaded.loaded and expected in loaded.error, f"{loader}: {loaded.error or 'loaded'}"
