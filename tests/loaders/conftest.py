@@ -120,17 +120,20 @@ def run_loaders(loaders: Iterable[str], folders: list[Path], root: Path) -> dict
 def run_loader(loader: str, folders: list[Path], out: Path, env: dict[str, str] | None = None) -> list[Loaded]:
     """Load every folder with the real `loader` in one process (`env`: variables the harness reads)."""
     _, script = LOADERS[loader]
+    python = interpreter(loader)
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        # vLLM caches what it learns of each model class (a subprocess importing all of vLLM, ~15 s) under
+        # VLLM_CACHE_ROOT/modelinfos, in a file named after the class, not the release: releases sharing
+        # ~/.cache/vllm overwrote each other's entries, and every batch paid the subprocess again. One per venv.
+        "VLLM_CACHE_ROOT": str(Path(python).parent.parent / "vllm-cache"),
         **LOADER_ENV.get(loader, {}),
         **(env or {}),
     }
-    proc = subprocess.run(
-        [interpreter(loader), str(script), str(out), *map(str, folders)], env=env, capture_output=True, text=True
-    )
+    proc = subprocess.run([python, str(script), str(out), *map(str, folders)], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, f"{loader} harness crashed:\n{proc.stderr[-4000:]}"
     results = []
     for i in range(len(folders)):

@@ -101,6 +101,11 @@ def moe_320(root: Path) -> Path:
 
 SOURCES = {"moe-320": moe_320, "partial-q": partial_q, "deepseek-dense": lambda root: deepseek_dense(root, 512)}
 OUTPUTS = {"source": None, "tp1": ("--tp", "1"), "tp1-bf16": ("--tp", "1", "--tp-bf16")}
+#: The outputs convert refuses to write, and why (padding 192-row q / k shares would change the model):
+#: the `loaded` fixture holds convert to exactly these (exit code, message, nothing written); the rest go through
+#: the loaders.
+REFUSED = {("partial-q", "tp1"): "split by attention heads are not whole blocks per rank"}
+CASES = [(source, case) for source in SOURCES for case in OUTPUTS if (source, case) not in REFUSED]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +113,8 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tu
     for loader in ROWS:
         interpreter(loader)
     root = tmp_path_factory.mktemp("breadth")
-    folders = {}
+    folders: dict[tuple[str, str], Path] = {}
+    refused = {}
     for name, make in SOURCES.items():
         src = make(root / name)
         for case, options in OUTPUTS.items():
@@ -119,6 +125,12 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tu
             result = run_cli("convert", src, out, *options, "-q")
             if result.exit_code == 0:
                 folders[(name, case)] = out
+            else:
+                refused[(name, case)] = (result.exit_code, result.output, out.exists())
+    assert set(refused) == set(REFUSED), f"convert refused {sorted(refused)}, expected {sorted(REFUSED)}"
+    for key, why in REFUSED.items():
+        code, output, written = refused[key]
+        assert code != 0 and why in output and not written, (key, code, output)
     keys = list(folders)
     results: dict[tuple[str, str], dict[str, Loaded]] = {k: {} for k in keys}
     ran = {
@@ -136,11 +148,8 @@ def verdict(folder: Path, loader: str) -> dict:
 
 
 @pytest.mark.parametrize("loader", list(ROWS))
-@pytest.mark.parametrize("source", list(SOURCES))
-@pytest.mark.parametrize("case", list(OUTPUTS))
+@pytest.mark.parametrize(("source", "case"), CASES)
 def test_block_verdicts_are_what_the_loader_does(loaded: dict, source: str, case: str, loader: str) -> None:
-    if (source, case) not in loaded:
-        pytest.skip(f"convert refuses {case} for {source}")
     folder, results = loaded[(source, case)]
     real, why = outcome(results[loader], truth(folder))
     said = verdict(folder, loader)

@@ -4,8 +4,9 @@ llm-compressor writes it (tests/builders.mxfp8_compressed_tensors).
 
 Measured: vLLM 0.19.0 and SGLang 0.5.23 have no compressed-tensors scheme for it (NotImplementedError); vLLM
 0.20.2 - 0.32 have one and select an MXFP8 kernel, of which their CPU builds have none (ValueError; a GPU
-selects one, so what they load on a GPU is not seen here); transformers 5.24 loads it through compressed-tensors
-(what its layers compute with is not read back yet). No row claims more than this: each is `not-judged`, and
+selects one, so what they load on a GPU is not seen here); transformers 5.24 loads it through compressed-tensors,
+which decompresses each layer on the first forward pass to exactly code x 2^(b - 127) (the OCP MX value, asserted
+here against the checkpoint's own bytes). No row claims more than this: each is `not-judged`, and
 every outcome here is recorded as not judged in the matrix. If a loader's outcome changes, this test says so,
 and the rows are to be measured anew.
 """
@@ -16,6 +17,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.builders import mxfp8_compressed_tensors
 from tests.conftest import run_cli
@@ -52,5 +55,18 @@ def test_mxfp8_rows_are_not_judged_and_the_loaders_do_what_the_rules_say(tmp_pat
         expected = OUTCOMES[loader]
         if expected is None:
             assert loaded.loaded, f"{loader}: {loaded.error}"
+            assert_mx_values(src, loaded.weights, loaded.unreadable)
         else:
             assert not loaded.loaded and expected in loaded.error, f"{loader}: {loaded.error or 'loaded'}"
+
+
+def assert_mx_values(src: Path, weights: dict[str, torch.Tensor], unreadable: list[str]) -> None:
+    """Every MXFP8 layer computes with exactly its e4m3 codes times 2^(b - 127), b its block's E8M0 byte."""
+    tensors = load_file(src / "model.safetensors")
+    layers = [name.removesuffix(".weight_scale") for name in tensors if name.endswith(".weight_scale")]
+    assert layers and not unreadable
+    for layer in layers:
+        codes, exponents = tensors[f"{layer}.weight"], tensors[f"{layer}.weight_scale"]
+        assert exponents.dtype == torch.uint8
+        value = codes.float() * torch.exp2(exponents.float() - 127).repeat_interleave(32, dim=1)
+        assert torch.equal(weights[layer], value), layer

@@ -9,7 +9,8 @@ call has),
 then, for every linear layer (lm_head included: a format that
 quantizes it by mistake computes with garbage there), the float32 weight [out, in] the
 model computes with (FP8 weights times their scale, as its FP8 layers do; decompressed
-weights as they are; amd-quark's layers: the weight their own forward dequantizes), into
+weights as they are; amd-quark's layers: the weight their own forward dequantizes; MX layers, whose scales are
+E8M0 bytes: the weight compressed-tensors decompresses them to on the model's first forward, which is run), into
 OUT_DIR/<n>/weights.safetensors,
 and OUT_DIR/<n>/result.json with the model class, the loading report's missing and
 unexpected keys, or the error transformers raised. Nothing is patched.
@@ -41,18 +42,34 @@ def dequantized(module: torch.nn.Module) -> torch.Tensor:
     return scaled(w, scale)
 
 
+def mx_scaled(module: torch.nn.Module) -> bool:
+    """An FP8 layer whose scale is E8M0 bytes (uint8: MX blocks), which `scaled` would read as numbers."""
+    scale = getattr(module, "weight_scale", None)
+    return isinstance(scale, torch.Tensor) and scale.dtype == torch.uint8 and module.weight.dtype in FP8
+
+
 def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     model, info = AutoModelForCausalLM.from_pretrained(str(folder), device_map="cpu", output_loading_info=True)
+    if any(mx_scaled(m) for m in model.modules()):
+        # compressed-tensors keeps MX layers compressed and decompresses them on the first forward pass (the
+        # quantizer's docstring): one forward, and the layers hold the weight they compute with
+        with torch.no_grad():
+            model(torch.zeros(1, 1, dtype=torch.long))
     weights: dict[str, torch.Tensor] = {}
+    unreadable = []
     for name, module in model.named_modules():
         w = getattr(module, "weight", None)
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or name.endswith("embed_tokens"):
+            continue
+        if mx_scaled(module):  # still compressed after a forward: what it computes with is not read here
+            unreadable.append(name)
             continue
         weights[name] = dequantized(module).contiguous()
     report = {k: sorted(v) for k, v in info.items() if isinstance(v, (list, set)) and k != "error_msgs"}
     quantizer = getattr(model, "hf_quantizer", None)  # the quantizer transformers chose (None: a plain model)
     quantization = type(quantizer).__name__ if quantizer is not None else None
-    return {"loaded": True, "model_class": type(model).__name__, "quantization": quantization, **report}, weights
+    result = {"loaded": True, "model_class": type(model).__name__, "quantization": quantization, **report}
+    return {**result, "unreadable": unreadable}, weights
 
 
 if __name__ == "__main__":
