@@ -21,6 +21,8 @@ from fp8fix.verification.card import MAX_CARD_BYTES, fp8fix_section
 from fp8fix.verification.report import METADATA, VerifyReport
 
 TABLE_HEADING = "Loaders for this checkpoint:"
+#: Rows for loaders fp8fix does not judge that a problem names (each cut to 80 characters); the rest are counted.
+SHOWN_ROWS = 3
 
 
 def check_card_verdicts(report: VerifyReport, output: Path, registry: Registry) -> None:
@@ -44,13 +46,16 @@ def check_card_verdicts(report: VerifyReport, output: Path, registry: Registry) 
         if said is None:
             report.problem(f"{CARD}: its loader table has no row for {name}", METADATA, edit=True)
         elif said[1] != v.verdict or " | ".join(said[2:]) != v.reason:
-            report.problem(
-                f"{CARD}: its loader table says {name}: {said[1]}; for OUTPUT as it is the rules say {v.verdict} "
+            report.problem(  # the card's cells are any text (a hostile card's megabytes): shown cut
+                f"{CARD}: its loader table says {name}: {said[1]:.40}; for OUTPUT as it is the rules say {v.verdict} "
                 f"({v.reason[:80]})",
                 METADATA,
                 edit=True,
             )
-    for name in rows:
+    if rows:
+        unknown = list(rows)
+        named = ", ".join(f"{name:.80}" for name in unknown[:SHOWN_ROWS])
+        rest = f" and {len(unknown) - SHOWN_ROWS} more" if len(unknown) > SHOWN_ROWS else ""
         report.problem(
-            f"{CARD}: its loader table has a row for {name}, a loader fp8fix does not judge", METADATA, edit=True
+            f"{CARD}: its loader table has rows for {named}{rest}, loaders fp8fix does not judge", METADATA, edit=True
         )

@@ -109,3 +109,20 @@ def test_a_block_grid_is_no_per_shard_layout_on_the_card(tmp_path: Path) -> None
     assert tuple(grid.shape) == (1, 2)
     result = run_cli("verify", src, out, "--json")
     assert result.exit_code == 0, result.output
+
+
+def test_a_hostile_loader_table_gives_a_bounded_report(converted: tuple[Path, Path]) -> None:
+    """A card whose loader table has a 100,000-character verdict cell and 5,000 rows for loaders fp8fix does not
+    judge: each cell shown cut, the unknown rows named up to three and counted, not one problem each."""
+    src, out = converted
+    card = (out / "README.md").read_text()
+    row = next(line for line in card.splitlines() if line.startswith("| transformers | "))
+    strays = "\n".join(f"| loader-{i} | loads | made up |" for i in range(5000))
+    edit_card(out, row, f"| transformers | {'x' * 100_000} | edited |\n{strays}")
+    result = run_cli("verify", src, out, "--json")
+    report = json.loads(result.stdout)
+    assert result.exit_code == 1
+    problems = report["classes"]["metadata"]
+    assert len(problems) <= 3 and all(len(p) < 600 for p in problems), [p[:200] for p in problems]
+    assert any("transformers" in p and "x" * 40 in p for p in problems), problems
+    assert any("loader-0" in p and "and 4997 more" in p for p in problems), problems

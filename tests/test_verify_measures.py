@@ -97,6 +97,22 @@ def test_every_stray_of_a_name_list_is_named(tmp_path: Path) -> None:
     assert any(named in p for p in report["problems"]), report["problems"]
 
 
+def test_a_huge_stray_is_named_by_its_start_and_the_rest_counted(tmp_path: Path) -> None:
+    """A hostile OUTPUT's stray entry of 200,000 characters, among 50: the problem shows each of the first three
+    cut to 80 characters and counts the others, instead of echoing megabytes."""
+    src, out = build(tmp_path / "src", phi3()), tmp_path / "out"
+    assert run_cli("convert", src, out, "--format", "keep", "--layout", "unfused", "-q").exit_code == 0
+    huge = "model.layers.0." + "x" * 200_000
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["ignored_layers"] += [huge] + [f"model.layers.0.stray_{i}" for i in range(49)]
+    (out / "config.json").write_text(json.dumps(config))
+    code, report = verify_json(src, out)
+    assert code == 1
+    (problem,) = [p for p in report["problems"] if "which is no module of OUTPUT" in p]
+    assert len(problem) < 600, problem[:600]
+    assert repr(huge)[:80] in problem and "'model.layers.0.stray_1'" in problem and "and 47 more" in problem
+
+
 @pytest.mark.parametrize(
     ("fmt", "scale", "options"),
     [
