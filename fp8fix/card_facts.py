@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fp8fix.errors import InvalidCheckpoint
+from fp8fix.errors import InvalidCheckpoint, some
 from fp8fix.io.checkpoint import CARD, open_checkpoint
 from fp8fix.io.source_tree import read_regular
 from fp8fix.model import describe_checkpoint
@@ -21,8 +21,6 @@ from fp8fix.verification.card import MAX_CARD_BYTES, fp8fix_section
 from fp8fix.verification.report import METADATA, VerifyReport
 
 TABLE_HEADING = "Loaders for this checkpoint:"
-#: Rows for loaders fp8fix does not judge that a problem names (each cut to 80 characters); the rest are counted.
-SHOWN_ROWS = 3
 
 
 def check_card_verdicts(report: VerifyReport, output: Path, registry: Registry) -> None:
@@ -53,9 +51,8 @@ def check_card_verdicts(report: VerifyReport, output: Path, registry: Registry) 
                 edit=True,
             )
     if rows:
-        unknown = list(rows)
-        named = ", ".join(f"{name:.80}" for name in unknown[:SHOWN_ROWS])
-        rest = f" and {len(unknown) - SHOWN_ROWS} more" if len(unknown) > SHOWN_ROWS else ""
         report.problem(
-            f"{CARD}: its loader table has rows for {named}{rest}, loaders fp8fix does not judge", METADATA, edit=True
+            f"{CARD}: its loader table has rows for {some(list(rows))}, loaders fp8fix does not judge",
+            METADATA,
+            edit=True,
         )

@@ -59,6 +59,13 @@ DEBUG_VARIABLE = "FP8FIX_DEBUG"
 ISSUES_URL = "https://github.com/fp8fix/fp8fix/issues"
 
 
+def some(names: list[str], shown: int = 3, width: int = 80, quoted: bool = False) -> str:
+    """The first `shown` of `names` for a message, each cut to `width` characters (quoted: as repr), and a count
+    of the rest: names from input (a hostile config's entries, a card's rows) are of any length and number."""
+    listed = ", ".join(f"{name!r:.{width}}" if quoted else f"{name:.{width}}" for name in names[:shown])
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 class Fp8fixError(Exception):
     """A problem the user can fix. `command_line`: the message as the CLI words it (options as flags),
     where the Python API reworded it (options as keyword arguments)."""

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fp8fix.errors import InvalidCheckpoint, OutputBusy, OutputError
+from fp8fix.errors import InvalidCheckpoint, OutputBusy, OutputError, some
 from fp8fix.io.checkpoint import CARD, CONFIG, INDEX, card_front_matter, index_weight_map, read_json
 from fp8fix.io.source_tree import open_regular
 
@@ -127,10 +127,9 @@ def check_output(source: Path, output: Path, overwrite: bool, rewrites: Collecti
         raise OutputError(f"OUTPUT {output}: exists and is not empty; pass --overwrite to replace it")
     lost = files_lost(out, rewrites) if out.is_dir() and rewrites is not None else []
     if lost:
-        more = f" and {len(lost) - SHOWN_LOST} more" if len(lost) > SHOWN_LOST else ""
         raise OutputError(
             f"OUTPUT {output}: --overwrite replaces only an empty folder or one fp8fix wrote, and replacing this one "
-            f"would lose {', '.join(lost[:SHOWN_LOST])}{more}, which fp8fix did not write; move them away or choose "
+            f"would lose {some(lost, SHOWN_LOST, width=255)}, which fp8fix did not write; move them away or choose "
             "another OUTPUT"
         )
 

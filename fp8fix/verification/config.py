@@ -25,6 +25,7 @@ import copy
 import math
 from typing import Any
 
+from fp8fix.errors import some
 from fp8fix.io.checkpoint import CONFIG, Checkpoint, read_json
 from fp8fix.io.safetensors_file import read_values
 from fp8fix.model import KV_SCALE_SUFFIXES, ignore_linears, unquantized_linears
@@ -150,10 +151,6 @@ MAX_EXPERTS = 4096
 MAX_EXPERT_NAMES = 1_000_000
 
 
-#: Stray name-list entries a problem shows (each cut to 80 characters); the rest are counted.
-SHOWN_STRAYS = 3
-
-
 def _strays(entries: Any, source_entries: Any, modules: list[str], grammar: Any) -> list[str]:
     """Entries of OUTPUT's list that name no module of OUTPUT and are not SOURCE's own (kept as they were): a
     list entry no rule of a conversion writes."""
@@ -203,11 +200,9 @@ def _same_but_names(
             got = _named(out_entries, out_modules, name_list.grammar)
             strays = _strays(out_entries, src_entries, nameable, name_list.grammar)
             if strays:
-                # entries come from OUTPUT's config, of any length: the first few, cut, and a count of the rest
-                shown = ", ".join(f"{e!r:.80}" for e in strays[:SHOWN_STRAYS])
-                rest = f" and {len(strays) - SHOWN_STRAYS} more" if len(strays) > SHOWN_STRAYS else ""
                 ctx.report.problem(
-                    f"{file}: {spot}: names {shown}{rest}, which is no module of OUTPUT and not in SOURCE's list"
+                    f"{file}: {spot}: names {some(strays, quoted=True)}, which is no module of OUTPUT and not in "
+                    "SOURCE's list"
                 )
             if (got ^ expected) - may_add:
                 more, fewer = sorted(got - expected), sorted(expected - got)
