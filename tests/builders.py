@@ -49,6 +49,13 @@ class Model:
     vocab: int = 256
 
 
+def loadable(model: Model) -> Model:
+    """`model` with no pad / bos / eos token ids in its config: transformers' config classes default them to ids
+    beyond these tiny vocabularies (Phi-3's pad_token_id 32000), which its embeddings refuse."""
+    model.config.update(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return model
+
+
 def phi3(hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 128, layers: int = 2) -> Model:
     head_dim = hidden // heads
     config = {

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.builders import Model, build, llama, phi3
+from tests.builders import Model, build, llama, loadable, phi3
 from tests.conftest import run_cli
 from tests.loaders.conftest import record, run_loaders
 from tests.loaders.test_real_loaders import VERDICT_ROWS
@@ -60,8 +60,7 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, di
     root = tmp_path_factory.mktemp("config-refusals")
     folders = []
     for case, (model, fmt, keys, _) in SOURCES.items():
-        model.config.update(pad_token_id=None, bos_token_id=None, eos_token_id=None)
-        folder = build(root / case, model, fmt=fmt, complete=True)
+        folder = build(root / case, loadable(model), fmt=fmt, complete=True)
         config = {**json.loads((folder / "config.json").read_text()), **keys}
         (folder / "config.json").write_text(json.dumps(config))
         folders.append(folder)

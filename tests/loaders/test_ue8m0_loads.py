@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.builders import FORMATS, build, glm, llama, phi3
+from tests.builders import FORMATS, build, glm, llama, loadable, phi3
 from tests.conftest import run_cli
 from tests.loaders.conftest import Loaded, run_loader
 from tests.loaders.test_real_loaders import as_loaded
@@ -60,8 +60,7 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pa
     folders = {}
     for case in CASES:
         shape, fmt = case.split(".")
-        model = SHAPES[shape]()
-        model.config.update(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        model = loadable(SHAPES[shape]())
         src = build(root / "src" / case, model, fmt=fmt, scale="block")
         out = root / "out" / case
         result = run_cli("convert", src, out, "--scales", "ue8m0", "--json")

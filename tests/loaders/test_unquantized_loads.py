@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.builders import FORMATS, build, glm, llama, phi3
+from tests.builders import FORMATS, build, glm, llama, loadable, phi3
 from tests.conftest import run_cli
 from tests.loaders.conftest import Loaded, record, run_loaders
 from tests.loaders.test_real_loaders import (
@@ -145,8 +145,7 @@ def partial(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, P
     root = tmp_path_factory.mktemp("dequantize")
     folders = {}
     for name, (shape, fmt, scale) in DEQUANTIZE.items():
-        model = SHAPES[shape]()
-        model.config.update(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        model = loadable(SHAPES[shape]())
         src = build(root / name, model, fmt=fmt, scale=scale, complete=True)
         out = root / "dequantized" / name
         result = run_cli("convert", src, out, "--dequantize", "*.layers.0.self_attn.*", "--layout", "fused", "--json")

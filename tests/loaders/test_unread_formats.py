@@ -1,6 +1,6 @@
 """What the real loaders do with a format fp8fix does not read yet (issue 49), where fp8fix's rows say `not
 judged` (fp8fix/registry/loaders.py UNREAD_FORMAT_RULES): a compressed-tensors MXFP8 checkpoint as
-llm-compressor writes it (tests/builders.mxfp8_compressed_tensors).
+llm-compressor writes it (tests/builders.mxfp8_compressed_tensors), of a Llama and of a Phi-3 (fused modules).
 
 Measured: vLLM 0.19.0 and SGLang 0.5.23 have no compressed-tensors scheme for it (NotImplementedError); vLLM
 0.20.2 - 0.32 have one and select an MXFP8 kernel, of which their CPU builds have none (ValueError; a GPU
@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.builders import mxfp8_compressed_tensors
+from tests.builders import llama, loadable, mxfp8_compressed_tensors, phi3
 from tests.conftest import run_cli
 from tests.loaders.conftest import record, run_loaders
 from tests.loaders.test_real_loaders import VERDICT_ROWS
@@ -42,22 +42,28 @@ OUTCOMES = {
 }
 
 
+#: The checkpoints: a Llama (every projection its own tensor) and a Phi-3 (qkv_proj and gate_up_proj fused on
+#: disk, one E8M0 byte per 32 elements of each row across the shards).
+MODELS = {"llama": llama, "phi3": phi3}
+
+
 def test_mxfp8_rows_are_not_judged_and_the_loaders_do_what_the_rules_say(tmp_path: Path) -> None:
-    src = mxfp8_compressed_tensors(tmp_path / "mxfp8")
-    rows = json.loads(run_cli("inspect", src, "--json").output)["loaders"]
+    sources = {name: mxfp8_compressed_tensors(tmp_path / name, loadable(make())) for name, make in MODELS.items()}
     assert set(OUTCOMES) == set(VERDICT_ROWS)
-    ran = run_loaders(VERDICT_ROWS, [src], tmp_path / "loaded")
-    for loader, (loaded,) in ran.items():
-        row = VERDICT_ROWS[loader]
-        assert rows[row]["verdict"] == "not-judged", row
-        real = "loads" if loaded.loaded else "fails"
-        record(loader, "ct-mxfp8", "not-judged", real, not_judged=True, why=loaded.error[:200])
-        expected = OUTCOMES[loader]
-        if expected is None:
-            assert loaded.loaded, f"{loader}: {loaded.error}"
-            assert_mx_values(src, loaded.weights, loaded.unreadable)
-        else:
-            assert not loaded.loaded and expected in loaded.error, f"{loader}: {loaded.error or 'loaded'}"
+    ran = run_loaders(VERDICT_ROWS, list(sources.values()), tmp_path / "loaded")
+    for i, (name, src) in enumerate(sources.items()):
+        rows = json.loads(run_cli("inspect", src, "--json").output)["loaders"]
+        for loader, results in ran.items():
+            loaded, row = results[i], VERDICT_ROWS[loader]
+            assert rows[row]["verdict"] == "not-judged", (name, row)
+            real = "loads" if loaded.loaded else "fails"
+            record(loader, f"{name}-ct-mxfp8", "not-judged", real, not_judged=True, why=loaded.error[:200])
+            expected = OUTCOMES[loader]
+            if expected is None:
+                assert loaded.loaded, f"{name} {loader}: {loaded.error}"
+                assert_mx_values(src, loaded.weights, loaded.unreadable)
+            else:
+                assert not loaded.loaded and expected in loaded.error, f"{name} {loader}: {loaded.error or 'loaded'}"
 
 
 def assert_mx_values(src: Path, weights: dict[str, torch.Tensor], unreadable: list[str]) -> None:
