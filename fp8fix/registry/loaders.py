@@ -261,23 +261,19 @@ UNREAD_FORMAT_TEST = "tests/loaders/test_unread_formats.py"
 #: about FP8 weights and their scales, which such a format lays out otherwise, so no row is judged from them.
 #: Measured (UNREAD_FORMAT_TEST, compressed-tensors MXFP8): vLLM 0.19.0 and SGLang 0.5.23 refuse it (no
 #: compressed-tensors scheme); vLLM 0.20.2 - 0.32 find no MXFP8 kernel on CPU (a GPU selects one, its weights
-#: are not read here); transformers loads it, with weights its harness does not read yet.
+#: are not read here); transformers loads it, and computes with exactly code x 2^(b - 127) (it decompresses the
+#: layers on the first forward pass).
 UNREAD_FORMAT_REASON = (
     "a quantization format fp8fix does not read yet (the format line names it): what this loader does with it "
     "is not judged"
 )
 UNREAD_FORMAT_RULES = tuple(
-    Rule(
-        row,
-        "unread_format",
-        "not-judged",
-        UNREAD_FORMAT_REASON,
-        UNREAD_FORMAT_TEST if row not in (VLLM_LEGACY, VLLM_OLD) else evidence,
-    )
+    Rule(row, "unread_format", "not-judged", UNREAD_FORMAT_REASON, evidence)
     for row, evidence in (
         (VLLM_LEGACY, VLLM_050_LOADER),
         (VLLM_OLD, VLLM_051_LOADER),
-        *((r, "") for r in (VLLM_019, VLLM_021, VLLM, VLLM_ROCM, SGLANG, TRANSFORMERS, TRANSFORMERS_AMD_QUARK)),
+        *((r, UNREAD_FORMAT_TEST) for r in (VLLM_019, VLLM_021, VLLM, VLLM_ROCM, SGLANG)),
+        *((r, UNREAD_FORMAT_TEST) for r in (TRANSFORMERS, TRANSFORMERS_AMD_QUARK)),
     )
 )
 
