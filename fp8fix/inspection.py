@@ -177,7 +177,7 @@ def inspect_checkpoint(
     if tp:
         parallel = tensor_parallel_report(model, list(tp))
         if parallel is None:
-            report.notes += _unblocked_sizes(ckpt.config, tp)
+            report.notes += _unblocked_sizes(ckpt.config, tp, fmt is not None and fmt.mx)
         else:
             report.tensor_parallel = parallel.to_json()
     return report
@@ -196,14 +196,17 @@ def _row_findings(rows: list[Row]) -> list[Finding]:
     ]
 
 
-def _unblocked_sizes(config: dict[str, Any], sizes: Sequence[int]) -> list[str]:
-    """`--tp` of a checkpoint without block scales: its scales split at any size, but attention whose heads
-    do not split is refused (vLLM) whatever the scales."""
+def _unblocked_sizes(config: dict[str, Any], sizes: Sequence[int], mx: bool = False) -> list[str]:
+    """`--tp` of a checkpoint without FP8 block scales: its scales split at any size, but attention whose heads
+    do not split is refused (vLLM) whatever the scales. MX scales (32 elements of a row): how vLLM's MXFP8
+    scheme splits them is not measured here, at any size."""
     notes = []
     for tp in sizes:
         refusal = heads_refusal(config, tp)
         if refusal is not None:
             notes.append(f"--tp {tp}: vLLM refuses it: {refusal} ({HEADS_EVIDENCE})")
+        elif mx:
+            notes.append(f"--tp {tp}: MXFP8: how vLLM's MXFP8 scheme splits its E8M0 scales is not judged here")
         else:
             notes.append(f"--tp {tp}: not block-scaled: per-tensor and per-channel scales split at any size")
     return notes

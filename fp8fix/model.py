@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -24,7 +24,8 @@ from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import Checkpoint, check_scales
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.io.source_files import SourceFiles
-from fp8fix.numerics.dtypes import FP8_DTYPES, FP8_WEIGHT_DTYPES, INPUT_SCALE_DTYPES, SCALE_DTYPES, is_fp8
+from fp8fix.numerics.dtypes import E8M0, FP8_DTYPES, FP8_WEIGHT_DTYPES, INPUT_SCALE_DTYPES, SCALE_DTYPES, is_fp8
+from fp8fix.numerics.mx import MX_BLOCK
 from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, Registry, SizeMemo, architecture_name
 from fp8fix.registry.formats import (
     AUTOFP8,
@@ -375,6 +376,8 @@ class _WeightReader:
         )
         n_shards = len(fused.rows) if fused else max(len(experts_shards), 1)
         scale = self.ckpt.tensors.get(self.names.weight_scale_of(t.name))
+        if scale is not None and self.fmt is not None and self.fmt.mx:
+            scale = mx_scale(scale)
         input_scale = self.ckpt.tensors.get(self.names.input_scale_of(t.name))
         block_scale = self.ckpt.tensors.get(f"{module}.{BLOCK_SCALE}") if self.fmt is None else None
         kind: ScaleKind | None = None
@@ -402,6 +405,8 @@ class _WeightReader:
                 )
             elif stacked:
                 kind = experts_scale_kind(scale, t.shape, n_shards, self.block)
+            elif self.fmt is not None and self.fmt.mx:
+                kind = mx_scale_kind(scale, t)
             elif len(t.shape) >= 2:
                 grid = fused.block_grid(self.block) if fused else None
                 kind = scale_kind(scale, t.shape, n_shards if fused else None, True, self.block, grid)
@@ -504,6 +509,31 @@ def experts_scale_kind(scale: TensorInfo, shape: tuple[int, ...], n_shards: int,
         f"stacked experts {list(shape)} ([] per tensor, [{experts}] per expert{per_shard}, "
         f"[{experts}, 1, {out}] per channel)"
     )
+
+
+def mx_scale(scale: TensorInfo) -> TensorInfo:
+    """An MX weight scale as what its bytes are: E8M0 exponents (compressed-tensors stores them as U8)."""
+    return replace(scale, dtype=E8M0) if scale.dtype == "U8" else scale
+
+
+def mx_scale_kind(scale: TensorInfo, weight: TensorInfo) -> ScaleKind:
+    """`block` for an MX weight [out, in] whose scale is E8M0 [out, in / 32] (in a multiple of 32: an MX block
+    is never partial, OCP MX v1.0 section 5); else a clear error naming what was expected."""
+    where = f"{scale.path.name}: MX scale '{scale.name}'"
+    if scale.dtype != E8M0:
+        raise InvalidCheckpoint(f"{where} is {scale.dtype}; an MX scale is one E8M0 byte per block (U8 or F8_E8M0)")
+    if len(weight.shape) != 2 or weight.shape[1] % MX_BLOCK:
+        raise UnsupportedCheckpoint(
+            f"{weight.path.name}: MX weight '{weight.name}' {list(weight.shape)} is not whole blocks of {MX_BLOCK} "
+            "along its input dimension; fp8fix reads MX weights without padding"
+        )
+    rows, cols = weight.shape
+    if scale.shape != (rows, cols // MX_BLOCK):
+        raise InvalidCheckpoint(
+            f"{where} has shape {list(scale.shape)}; its weight '{weight.name}' {list(weight.shape)} has one scale "
+            f"per {MX_BLOCK} elements of a row: [{rows}, {cols // MX_BLOCK}]"
+        )
+    return "block"
 
 
 def _check_scale_dtype(scale: TensorInfo) -> None:

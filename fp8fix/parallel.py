@@ -94,7 +94,7 @@ def tensor_parallel_report(model: CheckpointModel, sizes: list[int]) -> TensorPa
     """The report for block-scaled checkpoints; None for any other (per-tensor and per-channel scales
     split at any size)."""
     fmt = model.format
-    if fmt is None or fmt.block is None:
+    if fmt is None or fmt.block is None or fmt.mx:  # MX: not vLLM's FP8 block loading (inspection notes it)
         return None
     report = TensorParallelReport(fmt.block)
     candidates = sorted(set(sizes) | set(COMMON_SIZES))
@@ -105,9 +105,10 @@ def tensor_parallel_report(model: CheckpointModel, sizes: list[int]) -> TensorPa
 
 
 def shares_at(model: CheckpointModel, tp: int) -> list[ModuleShare]:
-    """The modules whose share at `tp` is not whole blocks (none for checkpoints without block scales)."""
+    """The modules whose share at `tp` is not whole blocks (none for checkpoints without FP8 block scales: MX
+    blocks are 32 elements of a row, loaded by vLLM's MXFP8 scheme, not measured here at any size)."""
     fmt = model.format
-    return [] if fmt is None or fmt.block is None else _shares(model, fmt.block, tp)
+    return [] if fmt is None or fmt.block is None or fmt.mx else _shares(model, fmt.block, tp)
 
 
 def _shares(model: CheckpointModel, block: tuple[int, int], tp: int) -> list[ModuleShare]:

@@ -15,13 +15,14 @@ from typing import Any
 from fp8fix.errors import UnsupportedCheckpoint
 from fp8fix.io.checkpoint import known_values
 from fp8fix.model import CheckpointModel, Fp8Weight, ignore_linears
-from fp8fix.numerics.dtypes import E4M3FNUZ
+from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ
 from fp8fix.registry.formats import LEGACY_RENAMES, modelopt_kv_cache, quantization_config
 from fp8fix.registry.kv_rules import KV_RULES
 from fp8fix.registry.loader_rows import CALLS, LOADERS, WITH_PACKAGE
 from fp8fix.registry.loaders import (
     DEFAULT_EVIDENCE,
     LOADS_BECAUSE,
+    MX_RULES,
     PLAIN_MODEL,
     PLAIN_MODEL_RULES,
     RULES,
@@ -52,8 +53,12 @@ TRANSFORMERS_MISSING = frozenset({"MiMoV2ForCausalLM"})
 
 #: What each fact means, for the table of rules in docs/loader-rules.md (scripts/loader_tables.py).
 FACT_DESCRIPTIONS = {
-    "unread_format": "a quantization format fp8fix does not read yet (MX blocks, FP4, mixed precision: the format "
-    "line names it)",
+    "unread_format": "a quantization format fp8fix does not read yet (MX FP4, NVFP4, mixed precision, MX dialects "
+    "other than compressed-tensors MXFP8: the format line names it)",
+    "mx_unmeasured": "compressed-tensors MXFP8 unlike the checkpoints run (a missing or misshapen scale, e4m3fnuz, "
+    "kv-cache scales, unfused names, a targeted Linear without an MX weight)",
+    "mx_blocks": "compressed-tensors MXFP8 (E8M0 scale per 32 elements of a row); only these rules and the "
+    "architecture's apply",
     "missing_scales": "an FP8 weight without a scale tensor",
     "odd_scales": "an FP8 weight scale of a shape no convention fits (not per tensor, shard, row or block)",
     "per_shard_fused": "a fused module with one weight scale per shard",
@@ -163,6 +168,8 @@ class Facts:
     kv_cache_scheme: bool = False  # ... declared by compressed-tensors' kv_cache_scheme
     vllm_unknown_architecture: bool = False  # vLLM resolves config.json's name to no model class
     unread_format: bool = False  # a quantization format fp8fix does not read yet (format_error: unsupported)
+    mx_blocks: bool = False  # an MX checkpoint (compressed-tensors MXFP8): judged by `registry.loaders.MX_RULES` only
+    mx_unmeasured: bool = False  # ... of a kind the real loaders were not run on (see `_mx_unmeasured`)
     phi3_rope_factors: bool = False  # a Phi-3 config whose LongRoPE factor lists do not fit (Phi3Config refuses)
     rope: str = ""  # what is wrong with them, for the reason
     nearest_architecture: str = ""  # the vLLM name closest to an unknown one, for the reason
@@ -330,6 +337,7 @@ def _derive_facts(model: CheckpointModel) -> Facts:
     at_tp_1 = _at_tp_1(model)
     unknown = bool(architecture) and not vllm_resolves(architecture, model.checkpoint.config)
     rope = rope_misfit(model.checkpoint.config)
+    mx = fmt is not None and fmt.mx
     requantized = packed_scales_differ(model)  # vLLM requantizes packed shards at load (ModelOpt's on ROCm: clips)
     return Facts(
         architecture=architecture,
@@ -350,6 +358,8 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         phi3_rope_factors=bool(rope),
         rope=rope,
         unread_format=isinstance(model.format_error, UnsupportedCheckpoint) and not unquantized,
+        mx_blocks=mx,
+        mx_unmeasured=mx and _mx_unmeasured(model, weights, unfused, plain),
         vllm_added_after_020=architecture in VLLM_ADDED_AFTER_020,
         block_scaled_qkv_fused=any(
             w.scale_kind == "block" and {s.shard for s in w.fused.spec.shards} == {"q", "k", "v"}
@@ -390,6 +400,18 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         kv_cache_declared=kv_declared,
         kv_scales_under_fp8=bool(model.kv_cache_scales) and fmt is not None and fmt.name == "fp8",
         kv_cache_scheme=kv_declared and fmt is not None and fmt.name == "compressed-tensors",
+    )
+
+
+def _mx_unmeasured(model: CheckpointModel, weights: list[Fp8Weight], unfused: bool, plain: list[str]) -> bool:
+    """An MX checkpoint unlike those the real loaders were run on (tests/loaders/test_mx_formats.py: every
+    projection MX with its scale, lm_head in `ignore`): a missing or misshapen scale, e4m3fnuz codes, kv-cache
+    scales, unfused names of fused modules, or a Linear the config targets that holds no MX weight."""
+    return (
+        any(w.scale is None or w.scale_kind is None or w.tensor.dtype != E4M3FN for w in weights)
+        or bool(model.kv_cache_scales)
+        or unfused
+        or bool(ignore_linears(model.checkpoint.config, plain)[1])
     )
 
 
@@ -507,6 +529,8 @@ def loader_verdicts(model: CheckpointModel) -> dict[str, LoaderVerdict]:
 def _row_verdict(loader: str, facts: Facts) -> tuple[LoaderVerdict, str]:
     """`loader`'s verdict, and the condition of the rule that decided it ("" where none did)."""
     rules = [r for r in RULES if r.loader == loader and (not facts.unquantized or r.condition in PLAIN_MODEL_RULES)]
+    if facts.mx_blocks:  # the model's rules, then the MX format's: the FP8 rules are about other scales
+        rules = [r for r in rules if r.condition in PLAIN_MODEL_RULES] + [r for r in MX_RULES if r.loader == loader]
     rule = next((r for r in rules if getattr(facts, r.condition)), None)
     if rule is not None:
         names = {"architecture": facts.architecture, "nearest": facts.nearest_architecture, "rope": facts.rope}

@@ -20,6 +20,12 @@ fp8fix checkout in the same rotation ("[before]").
     python scripts/bench_bf16.py --size-gb 0.5 --repeats 1
     python scripts/bench_bf16.py --size-gb 0.5 --repeats 9 --baseline /tmp/fp8fix-main
     python scripts/bench_bf16.py --size-gb 0.5 --repeats 9 --tp-bf16 32   # attention in heads of 64, --tp-bf16
+    python scripts/bench_bf16.py --size-gb 0.5 --repeats 5 --mx   # compressed-tensors MXFP8 (issue 49)
+
+`--mx`: the checkpoint is compressed-tensors MXFP8 (e4m3fn codes, one E8M0 byte per 32 elements of a row, U8),
+and the naive contender decodes each tensor whole with torch, as compressed-tensors' MXFP8 decompression does
+(codes in float32 times 2^(b - 127) repeated over each block, cast to bfloat16): exact too, so no value may
+differ.
 """
 
 from __future__ import annotations
@@ -41,10 +47,11 @@ BLOCK = 128
 HIDDEN = 2048
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
-#: DeepSeek's fp8_cast_bf16.py, its kernel's arithmetic on the CPU: per shard, load whole, dequantize
-#: every weight with a weight_scale_inv (float32 product, cast to bfloat16), drop the scales, save.
-DEEPSEEK = """
-import json, shutil, sys
+#: A per-tensor torch dequantization, as the naive tools write it: per shard, load whole, multiply every weight
+#: that has a `{suffix}` scale by it expanded to the weight's shape ({scales}) in float32, cast to bfloat16,
+#: drop the scales, save.
+NAIVE = """
+import json, sys
 from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
@@ -53,26 +60,33 @@ src, out = Path(sys.argv[1]), Path(sys.argv[2])
 out.mkdir()
 for path in sorted(src.glob("*.safetensors")):
     state = load_file(path)
-    new = {}
+    new = {{}}
     for name, w in state.items():
-        if name.endswith("_scale_inv"):
+        if name.endswith("{suffix}"):
             continue
-        scale = state.get(name + "_scale_inv")
+        scale = state.get(name + "{suffix}")
         if scale is None:
             new[name] = w
             continue
         rows, cols = w.shape
-        s = scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+        s = {scales}
         new[name] = (w.to(torch.float32) * s).to(torch.bfloat16)
-    save_file(new, str(out / path.name), metadata={"format": "pt"})
+    save_file(new, str(out / path.name), metadata={{"format": "pt"}})
     del state, new
 config = json.loads((src / "config.json").read_text())
 config.pop("quantization_config", None)
 (out / "config.json").write_text(json.dumps(config))
 """
+#: DeepSeek's fp8_cast_bf16.py, its kernel's arithmetic on the CPU: each 128 x 128 block times its
+#: weight_scale_inv (a float32 product, cast to bfloat16).
+DEEPSEEK = NAIVE.format(
+    suffix="_scale_inv", scales="scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]"
+)
+#: The naive MXFP8 decode (compressed-tensors' MXFP8 decompression): codes times 2^(b - 127) of their block.
+TORCH_MX = NAIVE.format(suffix="_scale", scales="torch.exp2(scale.to(torch.float32) - 127).repeat_interleave(32, 1)")
 
 
-def build(root: Path, size_gb: float, shards: int, attention: bool = False) -> None:
+def build(root: Path, size_gb: float, shards: int, attention: bool = False, mx: bool = False) -> None:
     """Block-FP8 layers, `size_gb` of FP8 codes in all, scales uniform in [1e-4, 1e-3): MLPs, one per shard;
     or (`attention`) q / k / v / o of 2048 x 2048 in heads of 64, the layers spread over the shards, for
     `--tp 32 --tp-bf16` (32 heads: 64 rows a rank, not whole 128-blocks, so they are written in BF16)."""
@@ -96,10 +110,14 @@ def build(root: Path, size_gb: float, shards: int, attention: bool = False) -> N
             else {"mlp.gate_proj": (inter, HIDDEN), "mlp.up_proj": (inter, HIDDEN), "mlp.down_proj": (HIDDEN, inter)}
         )
         for module, (rows, cols) in modules.items():
-            grid = (rows // BLOCK, cols // BLOCK)
-            scale = torch.rand(grid, generator=gen) * 9e-4 + 1e-4
             codes = (torch.randn(rows, cols, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
             tensors[f"model.layers.{layer}.{module}.weight"] = codes
+            if mx:  # E8M0 bytes around 2^-7 (weights of 0.01 - 1 at codes of 1 - 448), as U8
+                exponents = torch.randint(116, 124, (rows, cols // 32), generator=gen, dtype=torch.uint8)
+                tensors[f"model.layers.{layer}.{module}.weight_scale"] = exponents
+                continue
+            grid = (rows // BLOCK, cols // BLOCK)
+            scale = torch.rand(grid, generator=gen) * 9e-4 + 1e-4
             tensors[f"model.layers.{layer}.{module}.weight_scale_inv"] = scale
         if layer + 1 == layers or (layer + 1) * shards // layers != shard:  # the shard's last layer
             weight_map.update({t: name for t in tensors})
@@ -118,6 +136,17 @@ def build(root: Path, size_gb: float, shards: int, attention: bool = False) -> N
         "torch_dtype": "bfloat16",
         "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
     }
+    if mx:
+        from tests.builders import MXFP8_ARGS
+
+        group = {"targets": ["Linear"], "weights": MXFP8_ARGS, "format": "mxfp8-quantized"}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "mxfp8-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": group},
+            "ignore": ["lm_head"],
+        }
     (root / "config.json").write_text(json.dumps(config))
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
@@ -159,18 +188,19 @@ def main() -> int:
     parser.add_argument(
         "--tp-bf16", type=int, metavar="TP", help="time `convert --tp TP --tp-bf16` on attention layers instead"
     )
+    parser.add_argument("--mx", action="store_true", help="a compressed-tensors MXFP8 checkpoint, beside torch")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="fp8fix-bench-bf16-"))
     attention = args.tp_bf16 is not None
-    src = work / ("src-attention" if attention else "src")
+    src = work / ("src-attention" if attention else "src-mx" if args.mx else "src")
     if not src.exists():  # in a child: this process stays small, and its children's peak RSS starts from it
         code = (
             f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; from scripts.bench_bf16 "
-            f"import build; build(Path({str(src)!r}), {args.size_gb}, {args.shards}, {attention})"
+            f"import build; build(Path({str(src)!r}), {args.size_gb}, {args.shards}, {attention}, {args.mx})"
         )
         subprocess.run([sys.executable, "-c", code], check=True, env=ENV)
-    script = work / "deepseek_fp8_cast_bf16.py"
-    script.write_text(DEEPSEEK)
+    script = work / ("torch_mx_to_bf16.py" if args.mx else "deepseek_fp8_cast_bf16.py")
+    script.write_text(TORCH_MX if args.mx else DEEPSEEK)
     out = work / "out"
     options = ["--tp", str(args.tp_bf16), "--tp-bf16"] if attention else ["--to", "bf16"]
     fp8fix = [sys.executable, "-m", "fp8fix", "convert", str(src), str(out), *options, "--jobs", "1", "-q"]
@@ -178,7 +208,7 @@ def main() -> int:
     shutil.rmtree(work / "a", ignore_errors=True)
     subprocess.run([*fp8fix[:5], str(work / "a"), *fp8fix[6:]], check=True, env=ENV)
     ours = f"fp8fix convert {' '.join(options)} --jobs 1"
-    deepseek_name = "DeepSeek fp8_cast_bf16 (torch, CPU)"
+    deepseek_name = "torch MXFP8 decode, per tensor (CPU)" if args.mx else "DeepSeek fp8_cast_bf16 (torch, CPU)"
     contenders = {ours: fp8fix, "cp -r of OUTPUT": ["cp", "-r", str(work / "a"), str(out)]}
     if not attention:  # DeepSeek's script dequantizes every weight: the --to bf16 job only
         contenders[deepseek_name] = [sys.executable, str(script), str(src), str(out)]
@@ -199,9 +229,11 @@ def main() -> int:
     deepseek = statistics.median(r[0] for r in results[deepseek_name]) if deepseek_name in results else None
     copy = statistics.median(r[0] for r in results["cp -r of OUTPUT"])
     source_gb = sum(p.stat().st_size for p in src.iterdir()) / 1e9
-    print(f"source: {source_gb:.2f} GB block FP8; output {out_bytes / 1e9:.2f} GB; medians of {args.repeats}")
+    kind = "MXFP8" if args.mx else "block FP8"
+    print(f"source: {source_gb:.2f} GB {kind}; output {out_bytes / 1e9:.2f} GB; medians of {args.repeats}")
     print(
-        "| command | median s | min-max s | x DeepSeek's | x cp -r of OUTPUT | output GB/s | user CPU s "
+        f"| command | median s | min-max s | x {'torch' if args.mx else 'DeepSeek'}'s | x cp -r of OUTPUT "
+        "| output GB/s | user CPU s "
         "| output GB per user CPU-s | system CPU s | peak RSS MB |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -220,7 +252,8 @@ def main() -> int:
         subprocess.run([sys.executable, str(script), str(src), str(work / "b")], check=True, env=ENV)
         differ, total = differing_values(work / "a", work / "b")
         share = differ / max(total, 1)
-        print(f"values that differ: {differ} of {total} ({share:.2e}; DeepSeek's float32 product rounds twice)")
+        why = "both exact" if args.mx else "DeepSeek's float32 product rounds twice"
+        print(f"values that differ: {differ} of {total} ({share:.2e}; {why})")
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     return 0

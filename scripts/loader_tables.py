@@ -20,6 +20,7 @@ from fp8fix.registry.loader_rows import CALLS, LOADERS, WITH_PACKAGE
 from fp8fix.registry.loaders import (
     DEFAULT_EVIDENCE,
     LOADS_BECAUSE,
+    MX_RULES,
     PLAIN_MODEL,
     PLAIN_MODEL_RULES,
     RULES,
@@ -46,6 +47,9 @@ def render() -> str:
                 f"| {loader} | {FACT_DESCRIPTIONS['unquantized']} (`convert --to bf16`) | **loads**{unless} "
                 f"| {PLAIN_MODEL} | {UNQUANTIZED_EVIDENCE[loader]} |"
             )
+        for rule in (r for r in MX_RULES if r.loader == loader):  # an MX checkpoint: these rules only
+            what = FACT_DESCRIPTIONS[rule.condition]
+            lines.append(f"| {loader} | {what} | **{rule.verdict}**{unless} | {rule.reason} | {rule.evidence} |")
         for rule in (r for r in RULES if r.loader == loader):
             reason = rule.reason.format(
                 architecture="the architecture", nearest=" (and the nearest name vLLM registers)", rope="(what misfits)"

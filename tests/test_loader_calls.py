@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fp8fix.registry.loader_rows import CALLS, LOADERS, WITH_PACKAGE
-from fp8fix.registry.loaders import DEFAULT_EVIDENCE, RULES, UNQUANTIZED_EVIDENCE
+from fp8fix.registry.loaders import DEFAULT_EVIDENCE, MX_RULES, RULES, UNQUANTIZED_EVIDENCE
 from tests.builders import build, phi3
 from tests.conftest import run_cli
 from tests.loaders.conftest import LOADERS as HARNESSES
@@ -33,7 +33,7 @@ def test_the_measured_rows_are_the_rows_the_real_loader_suite_runs() -> None:
     for name, call in CALLS.items():
         assert call.measured == call.how.startswith("measured"), name
         if not call.measured:  # every verdict of a row nothing runs cites source it was read from, not run
-            evidence = [r.evidence for r in RULES if r.loader == name]
+            evidence = [r.evidence for r in (*RULES, *MX_RULES) if r.loader == name]
             evidence += [DEFAULT_EVIDENCE[name], UNQUANTIZED_EVIDENCE[name]]
             assert all("not run" in e for e in evidence), name
 

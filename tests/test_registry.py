@@ -271,11 +271,11 @@ def test_every_loader_rule_cites_what_a_reader_can_open() -> None:
     or a test file of this repository that exists: nothing outside what ships, nothing empty (issue 27)."""
     import re as regex
 
-    from fp8fix.registry.loaders import DEFAULT_EVIDENCE, RULES
+    from fp8fix.registry.loaders import DEFAULT_EVIDENCE, MX_RULES, RULES
 
     root = Path(__file__).resolve().parent.parent
     source = regex.compile(r"\b(vllm|transformers|compressed-tensors|sglang) [\d.x-]+ [\w/]+\.py \w+")
-    for evidence in [r.evidence for r in RULES] + list(DEFAULT_EVIDENCE.values()):
+    for evidence in [r.evidence for r in (*RULES, *MX_RULES)] + list(DEFAULT_EVIDENCE.values()):
         tests = regex.findall(r"\btests/[\w/]+\.py", evidence)
         assert tests or source.search(evidence), evidence
         assert all((root / t).is_file() for t in tests), evidence

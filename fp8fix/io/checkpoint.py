@@ -20,6 +20,7 @@ from fp8fix.io.json_text import MAX_FILE_BYTES, JsonRefused, parse_json
 from fp8fix.io.safetensors_file import SafetensorsHeader, TensorInfo, read_header, read_values
 from fp8fix.io.source_files import SourceFiles
 from fp8fix.io.source_tree import SourceTree, read_regular
+from fp8fix.numerics.dtypes import E8M0, E8M0_NAN, decode_floats
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -76,8 +77,8 @@ def first_invalid_scale(values: list[float]) -> float | None:
     return next((v for v in values if not 0 < v < math.inf), None)
 
 
-def scale_values(scales: list[TensorInfo], files: SourceFiles) -> Iterator[tuple[TensorInfo, list[float]]]:
-    """Each scale with its values, file by file (in the order each file first appears: a checkpoint's tensors
+def scale_bytes(scales: list[TensorInfo], files: SourceFiles) -> Iterator[tuple[TensorInfo, bytes]]:
+    """Each scale with its bytes, file by file (in the order each file first appears: a checkpoint's tensors
     are in file order), each file's read in a few large reads (`SourceFiles.prefetch`): a DeepSeek-V3 has 45k
     block grids."""
     by_file: dict[Path, list[TensorInfo]] = {}
@@ -86,13 +87,24 @@ def scale_values(scales: list[TensorInfo], files: SourceFiles) -> Iterator[tuple
     for path, in_file in by_file.items():
         files.prefetch(path, [(s.start, s.end) for s in in_file])
         for scale in in_file:
-            yield scale, read_values(scale, files)
+            yield scale, files.read(scale.path, scale.start, scale.end)
+
+
+def scale_values(scales: list[TensorInfo], files: SourceFiles) -> Iterator[tuple[TensorInfo, list[float]]]:
+    """Each scale with its values, read by `scale_bytes`."""
+    for scale, data in scale_bytes(scales, files):
+        yield scale, decode_floats(data, scale.dtype)
 
 
 def check_scales(scales: list[TensorInfo], files: SourceFiles) -> None:
-    """`check_scale_values` for many scales, read by `scale_values`."""
-    for scale, values in scale_values(scales, files):
-        _refuse_invalid(scale, values)
+    """`check_scale_values` for many scales, read by `scale_bytes`. E8M0 bytes are checked as bytes: each is a
+    positive power of two but 255, NaN (an MX model has a scale byte per 32 weights: billions)."""
+    for scale, data in scale_bytes(scales, files):
+        if scale.dtype == E8M0:
+            if E8M0_NAN in data:
+                _refuse_invalid(scale, [math.nan])
+            continue
+        _refuse_invalid(scale, decode_floats(data, scale.dtype))
 
 
 def check_scale_values(scale: TensorInfo, files: SourceFiles | None = None) -> list[float]:

@@ -22,7 +22,8 @@ from fp8fix.io.safetensors_file import TensorInfo, encode_header
 from fp8fix.io.source_files import SourceFiles, read_into, source_changed, window_contains
 from fp8fix.io.workers import Jobs, run_tasks, worker_count
 from fp8fix.numerics.dequantize import LookupArrays, dequantize_rows, lookup_tables
-from fp8fix.numerics.dtypes import BITS, NAN_CODES, decode_floats, encode_floats
+from fp8fix.numerics.dtypes import BITS, E4M3FN, NAN_CODES, decode_floats, encode_floats
+from fp8fix.numerics.mx import MX_BLOCK, MxRangeError, MxRows, mx_to_bf16, mx_values
 from fp8fix.numerics.recodings import RECODINGS, inexact_codes, recode, scale_exactly
 from fp8fix.numerics.requantize import RoundingStats, requantize, requantize_map
 from fp8fix.numerics.ue8m0 import BlockRow, Ue8m0Stats, ue8m0_rows
@@ -31,6 +32,7 @@ from fp8fix.plan.pieces import (
     CopyRange,
     Dequantize,
     Fill,
+    MxDequantize,
     OutputShard,
     PadRows,
     Recode,
@@ -127,6 +129,8 @@ def shard_inputs(shard: OutputShard) -> set[Path]:
                 paths |= {p.path, p.col_scales.path}
             elif isinstance(p, Dequantize):
                 paths |= {p.path} | {ref.path for ref in (p.col_scales, p.row_scales) if ref is not None}
+            elif isinstance(p, MxDequantize):
+                paths |= {p.path, p.scales.path}
             elif not isinstance(p, Fill):
                 paths.add(p.path)
     return paths
@@ -135,7 +139,7 @@ def shard_inputs(shard: OutputShard) -> set[Path]:
 def _cpu_bound(plan: ConversionPlan) -> bool:
     """Recoding and requantizing pass bytes through Python; plain copies are the kernel's (and the disk's)."""
     return any(
-        isinstance(p, Recode | Requantize | RequantizeBlocks | PadRows | Dequantize | Ue8m0Codes)
+        isinstance(p, Recode | Requantize | RequantizeBlocks | PadRows | Dequantize | MxDequantize | Ue8m0Codes)
         for s in plan.shards
         for t in s.tensors
         for p in t.pieces
@@ -193,6 +197,9 @@ def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progres
                     _write_all(out, _ue8m0_scales(sources, piece))
                 elif isinstance(piece, Dequantize):
                     rounding = _dequantize(sources, out, piece, tensor.source)
+                    stats.dequantized.setdefault(tensor.source, RoundingStats()).update(rounding)
+                elif isinstance(piece, MxDequantize):
+                    rounding = _mx_dequantize(sources, out, piece, tensor.source)
                     stats.dequantized.setdefault(tensor.source, RoundingStats()).update(rounding)
                 elif isinstance(piece, RequantizeBlocks):
                     error = _requantize_blocks(sources, out, piece, tensor.source)
@@ -295,7 +302,7 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> int:
 
 def _refuse_codes(
     sources: _Sources,
-    piece: CopyRange | Recode | Requantize | RequantizeBlocks | PadRows | Dequantize | Ue8m0Codes,
+    piece: CopyRange | Recode | Requantize | RequantizeBlocks | PadRows | Dequantize | MxDequantize | Ue8m0Codes,
     codes: tuple[int, ...],
     source: str,
     what: str,
@@ -415,6 +422,44 @@ def _dequantize(sources: _Sources, out: int, piece: Dequantize, source: str) -> 
             ) from e
         worst.update(rounding)
         _write_all(out, data)
+    return worst
+
+
+def _mx_dequantize(sources: _Sources, out: int, piece: MxDequantize, source: str) -> RoundingStats:
+    """MX rows written as BF16 (exactly: `numerics.mx.mx_to_bf16`) or F16 (rounded once), window by window, each
+    window's E8M0 bytes read beside it. A NaN code, a NaN scale or a value BF16 cannot hold is refused, named."""
+    from fp8fix.numerics.dequantize import BF16, output_bits, output_step, round_to
+
+    nan = NAN_CODES[E4M3FN]
+    blocks = piece.cols // MX_BLOCK
+    window_bytes = max(1, RECODE_WINDOW // piece.cols) * piece.cols
+    worst = RoundingStats()
+    for buffer, first, length in sources.windows(piece.path, piece.start, piece.end, window_bytes):
+        if window_contains(buffer, length, nan):
+            _refuse_codes(sources, piece, nan, source, "NaN codes")
+        row0, rows = (first - piece.start) // piece.cols, length // piece.cols
+        at = piece.scales.start + row0 * blocks
+        scales = sources.read(piece.scales.path, at, at + rows * blocks)
+        codes, shape = memoryview(buffer)[:length], MxRows(rows, piece.cols, piece.element)
+        try:
+            if piece.out_dtype == BF16:
+                _write_all(out, mx_to_bf16(codes, scales, shape, sources.lookup_arrays))
+                continue
+            exact = mx_values(codes, scales, shape)
+            rounded = round_to(exact, piece.out_dtype)
+        except MxRangeError as e:
+            raise InvalidCheckpoint(
+                f"{piece.path.name}: MX weight '{source}' row {row0 + e.row}, block {e.block}: byte {e.scale_byte} "
+                f"of its scale '{piece.scales.name}' {e.why}; cannot write it in {piece.out_dtype}"
+            ) from e
+        except ValueError as e:
+            raise InvalidCheckpoint(
+                f"{piece.path.name}: MX weight '{source}': {e}; cannot write it in {piece.out_dtype}"
+            ) from e
+        error = abs(rounded - exact)
+        steps = error / output_step(exact, piece.out_dtype)
+        worst.update(RoundingStats(float(error.max(initial=0.0)), float(steps.max(initial=0.0))))
+        _write_all(out, output_bits(rounded, piece.out_dtype).astype("<u2").tobytes())
     return worst
 
 

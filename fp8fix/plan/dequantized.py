@@ -23,7 +23,7 @@ from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import CheckpointModel, Fp8Weight, block_grid
 from fp8fix.numerics.dequantize import BF16
 from fp8fix.numerics.dtypes import BITS
-from fp8fix.plan.pieces import Dequantize, OutputTensor, Piece, ScaleRef
+from fp8fix.plan.pieces import Dequantize, MxDequantize, OutputTensor, Piece, ScaleRef
 
 
 @dataclass
@@ -50,11 +50,11 @@ def plan_unquantized_weights(
     model: CheckpointModel, weights: list[Fp8Weight], out_dtype: str = BF16
 ) -> tuple[list[Bf16Module], dict[str, list[OutputTensor]]]:
     """Each weight written in `out_dtype` under its own name, its weight and input scales dropped."""
-    block = model.require_format().block
+    fmt = model.require_format()
     changed: list[Bf16Module] = []
     outputs: dict[str, list[OutputTensor]] = {}
     for w in weights:
-        pieces = _pieces(w, block, out_dtype)
+        pieces = _mx_pieces(w, out_dtype) if fmt.mx else _pieces(w, fmt.block, out_dtype)
         outputs[w.name] = [OutputTensor(w.name, out_dtype, w.tensor.shape, pieces, w.name)]
         dropped = [t for t in (w.scale, w.input_scale) if t is not None]
         for t in dropped:
@@ -98,6 +98,15 @@ def _pieces(w: Fp8Weight, block: tuple[int, int] | None, out_dtype: str) -> list
         pieces.append(rows_at(first, last, scale_values_at(scale, grid_row * grid_cols, grid_cols), None, block[1]))
         first = last
     return pieces
+
+
+def _mx_pieces(w: Fp8Weight, out_dtype: str) -> list[Piece]:
+    """An MX weight (`model.mx_scale_kind`: [out, in] codes, E8M0 [out, in / 32]) as one piece: the writer
+    reads its rows and their scale bytes window by window."""
+    t, scale = w.tensor, w.scale
+    if scale is None or w.scale_kind != "block":
+        raise UnsupportedCheckpoint(f"'{w.name}': no MX scale of its shape; it cannot be written unquantized")
+    return [MxDequantize(t.path, t.start, t.end, "e4m3", t.shape[1], scale_values_at(scale, 0, scale.numel), out_dtype)]
 
 
 def _expert_pieces(w: Fp8Weight, scale: TensorInfo, out_dtype: str) -> list[Piece]:

@@ -154,6 +154,22 @@ class Dequantize(SourceRange):
 
 
 @dataclass(frozen=True)
+class MxDequantize(SourceRange):
+    """Whole rows of MX element codes (`cols` elements each) written as BF16 or F16 (`out_dtype`): each element
+    code x 2^(b - 127), b the E8M0 byte of its block of 32 in `scales` (one per block, the rows' in order).
+    BF16 holds every such value exactly (`numerics.mx`); F16 rounds once. For `--to bf16` of an MX checkpoint."""
+
+    element: str  # e4m3 (MXFP8)
+    cols: int
+    scales: ScaleRef
+    out_dtype: str = "BF16"
+
+    @property
+    def nbytes(self) -> int:
+        return self.scales.count * 32 * 2
+
+
+@dataclass(frozen=True)
 class Ue8m0Codes(SourceRange):
     """Rows of one block row of e4m3fn codes (`row_bytes` each), column block c at `col_scales[c]`, written
     at power-of-two scales (`numerics.ue8m0`: kept where the scale is one, else requantized once); then
@@ -203,6 +219,7 @@ Piece = (
     | PadRows
     | Fill
     | Dequantize
+    | MxDequantize
     | Ue8m0Codes
     | Ue8m0Scales
 )

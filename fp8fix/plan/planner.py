@@ -41,6 +41,18 @@ from fp8fix.verdicts import loader_verdicts
 from fp8fix.vocab import Encoding, Layout, OutputFormat
 
 
+def require_fp8_scales(model: CheckpointModel) -> None:
+    """Refuse an FP8 rewrite of an MX checkpoint: its layouts, encodings and formats are planned for
+    per-tensor, per-channel and 128 x 128 block scales; MX weights are written unquantized (`--to bf16`)."""
+    fmt = model.require_format()
+    if fmt.mx:
+        raise UnsupportedCheckpoint(
+            f"{model.checkpoint.root.name}: a {fmt.label} checkpoint is converted to BF16 or F16 only, yet: "
+            "`fp8fix convert SOURCE OUTPUT --to bf16` writes every MX weight as exactly code x 2^(b - 127); "
+            "`fp8fix inspect SOURCE` says which loaders take it as it is"
+        )
+
+
 def plan_conversion(
     model: CheckpointModel,
     layout: Layout,
@@ -61,6 +73,7 @@ def plan_conversion(
     planning 100k tensors' outputs takes seconds, and only the chosen candidate is written."""
     ckpt = model.checkpoint
     fmt = model.require_format()
+    require_fp8_scales(model)
     arch_name, arch = model.require_architecture()
     chosen = layout
     model.require_convertible()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fp8fix.model import CheckpointModel
 from fp8fix.plan.pieces import ConversionPlan
-from fp8fix.plan.planner import channel_format, plan_conversion
+from fp8fix.plan.planner import channel_format, plan_conversion, require_fp8_scales
 from fp8fix.plan.targets import best, candidates
 from fp8fix.plan.unquantized import plan_unquantized_model
 from fp8fix.vocab import ENCODING_NAMES, ConvertTo, Encoding, Layout, OutputFormat, Target
@@ -33,6 +33,7 @@ def plan_for_target(
         plan = plan_unquantized_model(model, to, tp)
         plan.target = target
         return plan
+    require_fp8_scales(model)
     encoding: Encoding | None = to  # narrowed: an FP8 encoding or none
     if layout is not None and output_format is None:  # channel: only compressed-tensors holds it
         output_format = (channel_format(model) or "keep") if layout == "channel" else "keep"

@@ -54,6 +54,8 @@ class FormatSpec:
     weight_scale: str = "weight_scale"
     input_scale: str = "input_scale"
     block: tuple[int, int] | None = None  # block scales: rows x columns per scale
+    #: OCP MX blocks (`block` 1 x 32): every weight scale is an E8M0 byte, 2^(b - 127), stored as U8 or F8_E8M0
+    mx: bool = False
 
     def weight_scale_of(self, weight: str) -> str:
         """The scale tensor of FP8 weight `weight`: a sibling of `x.weight` (`x.weight_scale`), or, for a
@@ -158,6 +160,12 @@ COMPRESSED_TENSORS = FormatSpec(
         NameList("config_groups.*.targets", "exact-or-re", evidence=_EXACT_OR_RE.format("compressed_tensors/utils.py")),
     ),
 )
+#: compressed-tensors MXFP8 (`format: mxfp8-quantized`, compressed-tensors 0.20 QuantizationScheme MXFP8 preset):
+#: e4m3fn weights, one E8M0 scale byte per 32 elements along the input dimension (`weight_scale` [out, in / 32],
+#: U8: `scale_dtype: torch.uint8`), activations quantized at run time in groups of 32 (no input scale).
+MXFP8_COMPRESSED_TENSORS = replace(
+    COMPRESSED_TENSORS, label="compressed-tensors MXFP8 (mxfp8-quantized)", block=(1, 32), mx=True
+)
 QUARK = FormatSpec(
     name="quark",
     label="AMD Quark FP8",
@@ -188,9 +196,12 @@ FBGEMM = FormatSpec(
 def _not_yet(label: str) -> UnsupportedCheckpoint:
     return UnsupportedCheckpoint(
         f"config.json: {label} checkpoints are not supported yet; fp8fix converts AutoFP8, block FP8, "
-        "compressed-tensors (tensor/channel/block), Quark, ModelOpt and FBGEMM FP8 checkpoints"
+        "compressed-tensors (tensor/channel/block, MXFP8), Quark, ModelOpt and FBGEMM FP8 checkpoints"
     )
 
+
+#: Elements per MX scale (OCP MX v1.0: 32 for every element type), as compressed-tensors' `group_size` says it.
+MX_GROUP = 32
 
 #: transformers' module boundary after a matched prefix: a dot before or after, or the end of the name.
 _BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
@@ -353,11 +364,11 @@ def _block(value: Any, where: str) -> tuple[int, int]:
 
 def _compressed_tensors(qc: dict[str, Any]) -> FormatSpec:
     fmt = qc.get("format")
+    if fmt == "mxfp8-quantized":
+        return _mxfp8(qc)
     if fmt not in ("float-quantized", "naive-quantized"):
-        raise _not_yet(f"compressed-tensors format {fmt!r}")
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise InvalidCheckpoint("config.json: compressed-tensors quantization_config has no config_groups")
+        raise _not_yet(f"compressed-tensors format {fmt!r:.60}")
+    groups = _groups(qc)
     blocks = set()
     for name, group in groups.items():
         weights = _mapping(_mapping(group, f"config_groups.{name}").get("weights"), f"config_groups.{name}.weights")
@@ -373,6 +384,32 @@ def _compressed_tensors(qc: dict[str, Any]) -> FormatSpec:
     if len(blocks) > 1:
         raise _not_yet(f"compressed-tensors with several block sizes {sorted(blocks)}")
     return replace(COMPRESSED_TENSORS, block=blocks.pop()) if blocks else COMPRESSED_TENSORS
+
+
+def _groups(qc: dict[str, Any]) -> dict[str, Any]:
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise InvalidCheckpoint("config.json: compressed-tensors quantization_config has no config_groups")
+    return groups
+
+
+def _mxfp8(qc: dict[str, Any]) -> FormatSpec:
+    """`format: mxfp8-quantized`: every group's weights float 8-bit in groups of 32 (compressed-tensors'
+    MXFP8 preset: `strategy: group`, `group_size: 32`, E8M0 scales as `torch.uint8`); a group of anything else
+    (a mixed checkpoint says `format: mixed-precision` and each group's own format) is refused."""
+    for name, group in _groups(qc).items():
+        group = _mapping(group, f"config_groups.{name}")
+        weights = _mapping(group.get("weights"), f"config_groups.{name}.weights")
+        keys = ("type", "num_bits", "strategy", "group_size")
+        scheme = tuple(weights.get(k) for k in keys)
+        if scheme != ("float", 8, "group", MX_GROUP) or group.get("format", "mxfp8-quantized") != "mxfp8-quantized":
+            shown = ", ".join(f"{k}={v!r:.20}" for k, v in zip(keys, scheme, strict=True))
+            raise _not_yet(f"compressed-tensors mxfp8-quantized group {name:.40} with weights {shown}")
+        # what vLLM 0.32 takes for MXFP8 (CompressedTensorsConfig._is_mxfp8): symmetric, E8M0 bytes as torch.uint8
+        if weights.get("symmetric") is not True or weights.get("scale_dtype") != "torch.uint8":
+            said = f"symmetric={weights.get('symmetric')!r:.20}, scale_dtype={weights.get('scale_dtype')!r:.40}"
+            raise _not_yet(f"compressed-tensors MXFP8 group {name:.40} with {said}")
+    return MXFP8_COMPRESSED_TENSORS
 
 
 def _quark(qc: dict[str, Any]) -> FormatSpec:

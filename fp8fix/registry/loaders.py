@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from fp8fix.registry.loader_rows import (
     ERA_RELEASES,
+    LOADERS,
     SGLANG,
     TRANSFORMERS,
     TRANSFORMERS_AMD_QUARK,
@@ -256,13 +257,10 @@ AMD_QUARK_RULES: tuple[Rule, ...] = (
     ),
 )
 
-UNREAD_FORMAT_TEST = "tests/loaders/test_unread_formats.py"
-#: A quantization format fp8fix does not read yet (MX blocks, FP4, mixed precision: issue 49): its rules are
-#: about FP8 weights and their scales, which such a format lays out otherwise, so no row is judged from them.
-#: Measured (UNREAD_FORMAT_TEST, compressed-tensors MXFP8): vLLM 0.19.0 and SGLang 0.5.23 refuse it (no
-#: compressed-tensors scheme); vLLM 0.20.2 - 0.32 find no MXFP8 kernel on CPU (a GPU selects one, its weights
-#: are not read here); transformers loads it, and computes with exactly code x 2^(b - 127) (it decompresses the
-#: layers on the first forward pass).
+#: A quantization format fp8fix does not read yet (MX FP4, NVFP4, mixed precision, ModelOpt's and Quark's MX:
+#: issue 49): its rules are about FP8 weights and their scales, which such a format lays out otherwise, so no row is
+#: judged from them (tests/test_unread_formats.py).
+UNREAD_FORMAT_TEST = "tests/test_unread_formats.py"
 UNREAD_FORMAT_REASON = (
     "a quantization format fp8fix does not read yet (the format line names it): what this loader does with it "
     "is not judged"
@@ -275,6 +273,79 @@ UNREAD_FORMAT_RULES = tuple(
         *((r, UNREAD_FORMAT_TEST) for r in (VLLM_019, VLLM_021, VLLM, VLLM_ROCM, SGLANG)),
         *((r, UNREAD_FORMAT_TEST) for r in (TRANSFORMERS, TRANSFORMERS_AMD_QUARK)),
     )
+)
+
+#: compressed-tensors MXFP8 (`registry.formats.MXFP8_COMPRESSED_TENSORS`), measured on a Llama and a Phi-3 (fused
+#: on disk) as llm-compressor writes them (MX_TEST). These are the only rules an MX checkpoint is judged by, after
+#: its architecture's (`verdicts._row_verdict`): the FP8 rules are about per-tensor, per-channel and 128 x 128
+#: block scales. A kind of MX checkpoint the suite does not build (`verdicts._mx_unmeasured`) is not judged.
+MX_TEST = "tests/loaders/test_mx_formats.py"
+VLLM_MX_KERNELS = (
+    "vllm 0.32 model_executor/layers/quantization/compressed_tensors/compressed_tensors.py _is_mxfp8 -> "
+    "schemes/compressed_tensors_w8a8_mxfp8.py, kernels/linear/__init__.py init_mxfp8_linear_kernel (one kernel "
+    "per platform: Marlin, FlashInfer, DeepGEMM, ROCm, emulation)"
+)
+MX_GPU_KERNEL = (
+    "computes MXFP8 with a kernel it picks for the GPU it runs on; its CPU build has none (ValueError: Failed to "
+    "find a kernel that can implement the MXFP8 linear layer, measured), so what it computes is not run here: "
+    "not judged"
+)
+MX_UNMEASURED = (
+    "an MXFP8 checkpoint unlike those run here (a missing or misshapen scale, e4m3fnuz codes, kv-cache scales, "
+    "unfused names of fused modules, or a Linear the config targets without an MX weight): not judged"
+)
+MX_RULES: tuple[Rule, ...] = (
+    *(
+        Rule(row, "mx_unmeasured", "not-judged", MX_UNMEASURED, evidence)
+        for row, evidence in (
+            (VLLM_LEGACY, VLLM_050_LOADER),
+            (VLLM_OLD, VLLM_051_LOADER),
+            *((r, MX_TEST) for r in LOADERS if r not in (VLLM_LEGACY, VLLM_OLD)),
+        )
+    ),
+    *(
+        Rule(
+            row,
+            "mx_blocks",
+            "not-judged",
+            "compressed-tensors' MXFP8 scheme is newer than these releases (vLLM 0.19.0 has none either: "
+            "NotImplementedError, measured); they are not run here: not judged",
+            evidence + "; " + MX_TEST + " (vLLM 0.19.0)",
+        )
+        for row, evidence in ((VLLM_LEGACY, VLLM_050_LOADER), (VLLM_OLD, VLLM_051_LOADER))
+    ),
+    Rule(
+        VLLM_019,
+        "mx_blocks",
+        "not-judged",
+        "0.19 has no compressed-tensors scheme for MXFP8 (NotImplementedError: No compressed-tensors compatible "
+        "scheme was found, measured on 0.19.0); 0.20 " + MX_GPU_KERNEL,
+        "vllm 0.19.0 quantization/compressed_tensors/compressed_tensors.py _get_scheme_from_parts; "
+        + VLLM_MX_KERNELS.replace("0.32", "0.20.2")
+        + "; "
+        + MX_TEST,
+    ),
+    *(
+        Rule(row, "mx_blocks", "not-judged", MX_GPU_KERNEL, f"{VLLM_MX_KERNELS}; {MX_TEST}{how}")
+        for row, how in ((VLLM_021, " (vLLM 0.21.0, 0.31.0)"), (VLLM, ""), (VLLM_ROCM, " (FP8FIX_VLLM_ROCM=1)"))
+    ),
+    Rule(
+        SGLANG,
+        "mx_blocks",
+        "fails",
+        "has no compressed-tensors scheme for MXFP8 weights (NotImplementedError: No compressed-tensors "
+        "compatible scheme was found)",
+        "sglang 0.5.23 srt/layers/quantization/compressed_tensors/compressed_tensors.py _get_scheme_from_parts; "
+        + MX_TEST,
+    ),
+    Rule(
+        TRANSFORMERS,
+        "mx_blocks",
+        "loads",
+        "compressed-tensors keeps each MXFP8 layer compressed and decompresses it on the first forward pass to "
+        "exactly code x 2^(b - 127)",
+        "compressed-tensors 0.20.1 compressors/mxfp8/base.py MXFP8QuantizationCompressor; " + MX_TEST,
+    ),
 )
 
 #: In priority order per loader: the first rule that holds decides.

@@ -117,8 +117,10 @@ class _ScaleGrid:
             self.experts = expert_column_scales(ctx, weight, ctx.src.tensors, "SOURCE")  # [E, out]
             self.inner = t.shape[1]
         elif block and scale.numel > 1 and len(scale.shape) == 2:
-            grid = np.asarray(scale_values(scale, "SOURCE"), dtype=np.float64).reshape(scale.shape)
-            self.grid = np.repeat(grid, block[1], axis=1)[:, : self.cols]  # [grid rows, cols]
+            # [grid rows, grid cols], expanded to columns a row chunk at a time: an MX grid has a row per weight
+            # row, and expanded whole it would take four times the weight's BF16 bytes
+            self.grid = np.asarray(scale_values(scale, "SOURCE"), dtype=np.float64).reshape(scale.shape)
+            self.block_cols = block[1]
             fused, b0 = weight.fused, block[0]
             self.rows_of = np.array(
                 [fused.scale_row(r, b0) if fused else r // b0 for r in range(t.shape[0])], dtype=np.intp
@@ -135,6 +137,6 @@ class _ScaleGrid:
             return self.experts[np.arange(r0, r1) // self.inner]
         if self.grid is not None:
             assert self.rows_of is not None
-            return self.grid[self.rows_of[r0:r1]]
+            return np.repeat(self.grid[self.rows_of[r0:r1]], self.block_cols, axis=1)[:, : self.cols]
         assert self.per_row is not None
         return self.per_row[r0:r1, None]
