@@ -752,9 +752,10 @@ def mxfp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, exponent.to(torch.uint8)
 
 
-def mxfp8_compressed_tensors(root: Path, model: Model | None = None, seed: int = 0) -> Path:
+def mxfp8_compressed_tensors(root: Path, model: Model | None = None, seed: int = 0, files: int = 1) -> Path:
     """`model` (a Llama by default) as llm-compressor writes it with the MXFP8 preset: every linear layer but
-    lm_head MXFP8, BF16 embeddings, norms and lm_head."""
+    lm_head MXFP8, BF16 embeddings, norms and lm_head; in `files` shards, the tensors dealt out in name order
+    (so a weight and its scale are mostly in different files)."""
     gen = torch.Generator().manual_seed(seed)
     model = model or llama()
     tensors: dict[str, torch.Tensor] = {}
@@ -786,5 +787,6 @@ def mxfp8_compressed_tensors(root: Path, model: Model | None = None, seed: int =
         },
     }
     root.mkdir(parents=True, exist_ok=True)
-    write_files(root, [tensors], config)
+    names = sorted(tensors)
+    write_files(root, [{n: tensors[n] for n in names[i::files]} for i in range(files)], config)
     return root

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.builders import block_fp8_shards, build, phi3
+from tests.builders import block_fp8_shards, build, mxfp8_compressed_tensors, phi3
 from tests.disk_sampler import disk_sampler
 from tests.hub_server import FakeHub
 
@@ -91,6 +91,19 @@ def test_hub_to_hub_lands_what_a_local_conversion_writes(tmp_path: Path, hub: Fa
     assert not any((tmp_path / "tmp").iterdir()), "the working folder was left behind"
     assert hub.tree("me/dst") == local_reference(tmp_path, env, *options)
     assert hub.merges == [("me/dst", 1)]  # one merge: main never held a part of it
+
+
+def test_an_mxfp8_checkpoint_streams_to_bf16(tmp_path: Path, hub: FakeHub) -> None:
+    """MX weights written in BF16 (issue 49) read their E8M0 scales as the rows are written, from whichever
+    shard holds them (here mostly another): Hub to Hub in bounded disk lands what a local conversion writes."""
+    folder = mxfp8_compressed_tensors(tmp_path / "served", files=3)
+    hub.files["org/src"] = folder
+    bound = 3 * 2 * max(p.stat().st_size for p in folder.glob("*.safetensors"))
+    env = env_for(tmp_path, hub)
+    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "--to", "bf16", "--max-disk", str(bound), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert hub.tree("me/dst") == local_reference(tmp_path, env, "--to", "bf16")
+    assert "quantization_config" not in json.loads(hub.tree("me/dst")["config.json"])
 
 
 #: The bound counts the stand-ins (headers, scales) and the small files too; the only slack is the file
