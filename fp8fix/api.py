@@ -34,6 +34,7 @@ from fp8fix.errors import (  # the errors the API raises, public as fp8fix.<name
 )
 from fp8fix.vocab import (
     AUTO_JOBS,
+    BLOCKS,
     LAYOUTS,
     OUTPUT_FORMATS,
     PRECISIONS,
@@ -42,6 +43,7 @@ from fp8fix.vocab import (
     TARGETS,
     TO_NAMES,
     AutoJobs,
+    Blocks,
     ConvertTo,
     Layout,
     OutputFormat,
@@ -93,6 +95,7 @@ def convert(
     tp_bf16: bool = False,
     dequantize: Sequence[str] = (),
     scales: Scales | None = None,
+    blocks: Blocks | None = None,
     verify: bool = False,
     dry_run: bool = False,
     overwrite: bool = False,
@@ -113,7 +116,7 @@ def convert(
 
     _jobs(jobs)
     with api_errors(), _hub_progress(progress, source):
-        base = _conversion(layout, to, target, output_format, tp, tp_bf16, dequantize, scales)
+        base = _conversion(layout, to, target, output_format, tp, tp_bf16, dequantize, scales, blocks)
         reg = _registry(registry, arch_files)
         folder, repo_id = _source(source, revision, token)
         options = replace(
@@ -138,6 +141,7 @@ def _conversion(
     tp_bf16: bool,
     dequantize: Sequence[str] = (),
     scales: Scales | None = None,
+    blocks: Blocks | None = None,
 ) -> ConvertOptions:
     """What convert and convert_to_hub both take, checked before any work, as options."""
     from fp8fix.conversion import ConvertOptions
@@ -145,6 +149,7 @@ def _conversion(
     _choice("layout", layout, LAYOUTS)
     _choice("to", to, TO_NAMES)
     _choice("scales", scales, SCALES)
+    _choice("blocks", blocks, BLOCKS)
     _choice("target", target, TARGETS, optional=False)
     _choice("output_format", output_format, OUTPUT_FORMATS)
     if tp is not None:
@@ -153,23 +158,24 @@ def _conversion(
         raise UsageError("--tp-bf16 needs --tp: it writes in BF16 the modules that padding for --tp cannot fix")
     if isinstance(dequantize, str) or not all(isinstance(p, str) and p for p in dequantize):
         raise UsageError("--dequantize takes module name patterns (a list of non-empty strings)")
+    given = {
+        "--to": to is not None,
+        "--layout": layout is not None,
+        "--format": output_format is not None,
+        "--tp": tp is not None,
+        "--tp-bf16": tp_bf16,
+        "--dequantize": bool(dequantize),
+        "--scales": scales is not None,
+    }
     if to in PRECISIONS:
-        given = [
-            flag
-            for flag, on in (
-                ("--layout", layout is not None),
-                ("--format", output_format is not None),
-                ("--tp-bf16", tp_bf16),
-                ("--dequantize", bool(dequantize)),
-                ("--scales", scales is not None),
-            )
-            if on
-        ]
-        if given:
-            raise UsageError(
-                f"--to {to} writes the whole model unquantized, with no scales to lay out and no FP8 module to keep: "
-                f"drop {', '.join(given)}"
-            )
+        _alone(
+            f"--to {to} writes the whole model unquantized, with no scales to lay out and no FP8 module to keep",
+            given,
+            "--to",
+            "--tp",
+        )
+    if blocks is not None:
+        _alone(f"--blocks {blocks} re-blocks an MXFP8 checkpoint and changes nothing else", given)
     return ConvertOptions(
         layout=layout,
         to=to,
@@ -179,7 +185,15 @@ def _conversion(
         tp_bf16=tp_bf16,
         dequantize=tuple(dequantize),
         scales=scales,
+        blocks=blocks,
     )
+
+
+def _alone(what: str, given: dict[str, bool], *allowed: str) -> None:
+    """Refuse the options in `given` that were given, but `allowed`, beside an option that does `what`."""
+    extra = [flag for flag, on in given.items() if on and flag not in allowed]
+    if extra:
+        raise UsageError(f"{what}: drop {', '.join(extra)}")
 
 
 def convert_to_hub(
@@ -201,6 +215,7 @@ def convert_to_hub(
     tp_bf16: bool = False,
     dequantize: Sequence[str] = (),
     scales: Scales | None = None,
+    blocks: Blocks | None = None,
     revision: str | None = None,
     token: str | None = None,
     arch_files: Sequence[PathArg] = (),
@@ -222,7 +237,7 @@ def convert_to_hub(
             "part and finalize: a part converts its share, finalize makes the final commit; one or the other"
         )
     with api_errors(), _hub_progress(progress, source):
-        base = _conversion(layout, to, target, output_format, tp, tp_bf16, dequantize, scales)
+        base = _conversion(layout, to, target, output_format, tp, tp_bf16, dequantize, scales, blocks)
         if not is_repo_id(source):
             raise UsageError(
                 f"SOURCE {source}: streaming to the Hub reads a Hub repo id (org/name); for a folder, "

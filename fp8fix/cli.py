@@ -30,7 +30,16 @@ from fp8fix.cli_options import (
 )
 from fp8fix.cli_output import echo_json, echo_lines, error_json, exiting, reports_errors, say, with_exit_codes
 from fp8fix.errors import EXIT_HUB, EXIT_MISMATCH, UsageError
-from fp8fix.vocab import ENCODING_NAMES, LAYOUTS, OUTPUT_FORMATS, PRECISIONS, SCALES, SCHEMA_VERSION, TARGETS
+from fp8fix.vocab import (
+    BLOCKS,
+    ENCODING_NAMES,
+    LAYOUTS,
+    OUTPUT_FORMATS,
+    PRECISIONS,
+    SCALES,
+    SCHEMA_VERSION,
+    TARGETS,
+)
 
 if TYPE_CHECKING:
     from fp8fix.registry.architectures import Registry
@@ -59,6 +68,7 @@ Examples:
   fp8fix convert ./model ./model-bf16 --to bf16 --verify   # for GPUs without FP8 (A100, RTX 30xx)
   fp8fix convert ./model ./out --dequantize 'model.layers.0.*' --dequantize '*.o_proj'
   fp8fix convert ./DeepSeek-V3 ./DeepSeek-V3-ue8m0 --scales ue8m0 --verify   # Blackwell DeepGEMM
+  fp8fix convert ./model-MXFP8 ./model-FP8-block --blocks 128x128 --verify   # MXFP8 on Hopper / MI300
   fp8fix convert org/model-FP8 ./out --revision main --push-to-hub me/model-FP8-fixed --create-pr
 
 \b
@@ -108,6 +118,13 @@ Layouts (how fused modules such as qkv_proj carry their scales); without
     help="Write every block scale as a power of two (ue8m0), as DeepGEMM on Hopper / Blackwell reads them: "
     "vLLM requantizes other block scales at every load. Blocks already at one keep their codes; the others are "
     "requantized once, error reported beside vLLM's own.",
+)
+@click.option(
+    "--blocks",
+    type=click.Choice(BLOCKS),
+    help="Write an MXFP8 checkpoint (a scale per 32 elements) as 128x128 block FP8, for runtimes without MX "
+    "kernels (Hopper, MI300): each block one power of two; values kept where its scales agree, else rounded "
+    "once (counted, at most half a step).",
 )
 @click.option(
     "--dequantize",
@@ -308,6 +325,7 @@ def _stream(
                 "tp_bf16",
                 "dequantize",
                 "scales",
+                "blocks",
                 "revision",
                 "token",
             )

@@ -54,6 +54,7 @@ class ConvertOptions:
     tp_bf16: bool = False  # with tp: write attention modules that padding cannot fix in BF16 instead of refusing
     dequantize: tuple[str, ...] = ()  # shell-style module patterns: those modules written in BF16, unquantized
     scales: str | None = None  # "ue8m0": every block scale a power of two (DeepGEMM on Hopper / Blackwell)
+    blocks: str | None = None  # "128x128": an MXFP8 checkpoint written as block FP8 (runtimes without MX kernels)
     source_repo: str | None = None  # the Hub repo SOURCE came from, for the model card
     revision: str | None = None
 
@@ -67,6 +68,7 @@ class ConvertOptions:
             + (" --tp-bf16" if self.tp_bf16 else "")
             + "".join(f" --dequantize '{p}'" for p in self.dequantize)
             + (f" --scales {self.scales}" if self.scales else "")
+            + (f" --blocks {self.blocks}" if self.blocks else "")
             + (" --verify" if self.verify else "")
         )
 
@@ -118,6 +120,7 @@ def plan_with(model: CheckpointModel, options: ConvertOptions) -> ConversionPlan
         options.tp_bf16,
         options.dequantize,
         options.scales,
+        options.blocks,
     )
 
 
@@ -229,6 +232,15 @@ def record_stats(plan: ConversionPlan, stats: WriteStats) -> None:
             )
             m.max_steps, m.rms_steps = figures.max_steps, figures.rms_steps
             m.vllm_max_steps, m.vllm_rms_steps = figures.vllm_max_steps, figures.vllm_rms_steps
+    for m in plan.reblocked:
+        counted = stats.reblocked.get(m.weight)
+        if counted is not None:
+            m.blocks_exact, m.blocks_rounded, m.values_rounded = (
+                counted.blocks_exact,
+                counted.blocks_rounded,
+                counted.values_rounded,
+            )
+            m.max_steps, m.max_error = counted.max_steps, counted.max_abs
     for bf16 in [*plan.dequantized, *(plan.padding.bf16 if plan.padding is not None else [])]:
         rounding = stats.dequantized.get(bf16.weight)
         if rounding is not None:

@@ -180,6 +180,7 @@ def _plan_from_stand_ins(
     ckpt.has_data = False  # headers only: which tensors are scales, before their values are there
     fill_values(remote, source, _scales(describe_checkpoint(ckpt, registry)))
     ckpt.has_data = True  # the same headers, now with the scales' values on disk
+    ckpt.codes_on_disk = False  # ... and no weight's codes
     model = describe_checkpoint(ckpt, registry)
     if options.to == "e4m3fn" and any(w.tensor.dtype == E4M3FNUZ for w in model.module_weights()):
         raise UsageError(

@@ -95,6 +95,8 @@ FACT_DESCRIPTIONS = {
     "unfused_names_compressed_tensors": "per-shard module names where the model fuses them, in a "
     "compressed-tensors checkpoint",
     "block_scales": "block-scaled FP8 weights",
+    "block_scales_inv": "block-scaled FP8 weights whose scales are named weight_scale_inv (quant_method fp8)",
+    "block_not_whole": "block-scaled FP8 weights a layer of which is not whole blocks at TP 1 (inspect --tp 1)",
     "remote_code_architecture": "an architecture only its repository's own code loads (ChatGLM)",
     "modelopt": "a ModelOpt checkpoint (hf_quant_config.json)",
     "block_grid_indivisible": "block FP8 (quant_method fp8), a weight whose shape its scale grid does not divide "
@@ -151,6 +153,8 @@ class Facts:
     packed_requantized: bool = False  # ... and their scales differ: vLLM requantizes them to the largest
     unfused_names_compressed_tensors: bool = False
     block_scales: bool = False
+    block_scales_inv: bool = False  # ... named weight_scale_inv (quant_method fp8: DeepSeek-V3 / Qwen3)
+    block_not_whole: bool = False  # ... and a layer of them not whole blocks at TP 1 (vLLM refuses or misreads it)
     remote_code_architecture: bool = False
     block_grid_indivisible: bool = False  # block FP8: a weight whose shape the scale grid does not divide
     block_grid_misread: bool = False  # block FP8: rows / grid rows (or columns) is not the block
@@ -380,6 +384,10 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         fnuz_chunked=fnuz and chunked,
         fnuz_compressed_tensors=fnuz and fmt is not None and fmt.name == "compressed-tensors",
         block_scales=any(w.scale_kind == "block" for w in weights),
+        block_not_whole=bool(at_tp_1),
+        block_scales_inv=fmt is not None
+        and fmt.weight_scale == "weight_scale_inv"
+        and any(w.scale_kind == "block" for w in weights),
         remote_code_architecture=architecture in REMOTE_CODE,
         quark=fmt is not None and fmt.name == "quark",
         quark_without_layer_type_config=fmt is not None

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.builders import llama, mxfp8_compressed_tensors, phi3
+from tests.builders import build, llama, mxfp8_compressed_tensors, phi3
 from tests.conftest import run_cli
 from tests.test_mx_numerics import spec_e4m3, spec_e8m0
 
@@ -205,3 +205,70 @@ def test_tp_sizes_are_not_judged_with_the_fp8_block_rules(tmp_path: Path) -> Non
     assert {f["code"] for f in report["findings"]} == {"row-not-judged"}
     said = [n for n in report["notes"] if n.startswith("--tp ")]
     assert len(said) == 2 and all("MXFP8" in n and "not judged" in n for n in said), said
+
+
+#: Shapes whose every projection is whole 128 x 128 blocks (head_dim 128), as real models' are: vLLM refuses
+#: block FP8 whose packed rows are not (a row of its own here, the FP8 block rules').
+WHOLE_BLOCKS = {
+    "llama": lambda: llama(hidden=256, heads=2, kv_heads=1, intermediate=256, layers=1),
+    "phi3": lambda: phi3(hidden=256, heads=2, kv_heads=1, intermediate=256, layers=1),
+}
+
+
+@pytest.mark.parametrize("name", WHOLE_BLOCKS)
+def test_blocks_128_writes_each_value_at_its_block_power_of_two(tmp_path: Path, name: str) -> None:
+    """`--blocks 128x128`: every code is the MX value over its 128 x 128 block's power of two, rounded once
+    (tests/test_mx_blocks.py's independent computation, applied block row by block row); verify agrees (run_cli
+    runs it); the config says FP8_BLOCK; the rows are the block-FP8 rows (measured: tests/loaders)."""
+    from tests.test_mx_blocks import expected
+
+    src = mxfp8_compressed_tensors(tmp_path / name, WHOLE_BLOCKS[name](), seed=3)
+    result = run_cli("convert", src, tmp_path / "out", "--blocks", "128x128", "--json")
+    assert result.exit_code == 0, result.output
+    source, out = load_file(model_file(src)), load_file(model_file(tmp_path / "out"))
+    for layer in [n.removesuffix(".weight_scale") for n in source if n.endswith(".weight_scale")]:
+        codes, exponents = source[f"{layer}.weight"], source[f"{layer}.weight_scale"]
+        rows, cols = codes.shape
+        want_codes, want_scales = [], []
+        for r in range(0, rows, 128):
+            block_codes = codes[r : r + 128].view(torch.uint8).flatten().tolist()
+            new, ks, _ = expected(
+                bytes(block_codes), bytes(exponents[r : r + 128].flatten().tolist()), min(128, rows - r), cols
+            )
+            want_codes += new
+            want_scales.append([2.0**k for k in ks])
+        assert out[f"{layer}.weight"].view(torch.uint8).flatten().tolist() == want_codes, layer
+        assert out[f"{layer}.weight_scale"].dtype == torch.float32
+        assert out[f"{layer}.weight_scale"].tolist() == want_scales, layer
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "float-quantized" and qc["ignore"] == ["lm_head"]
+    weights = qc["config_groups"]["group_0"]["weights"]
+    assert (weights["strategy"], weights["block_structure"]) == ("block", [128, 128])
+    report = json.loads(result.output)
+    assert report["reblocked"] and all(m["blocks_exact"] is not None for m in report["reblocked"])
+    # what convert said OUTPUT's rows are is what inspect says of OUTPUT (one set of facts)
+    rows = json.loads(run_cli("inspect", tmp_path / "out", "--json").output)["loaders"]
+    assert {r: v["verdict"] for r, v in rows.items()} == {r: v["verdict"] for r, v in report["loaders"].items()}
+    assert rows["transformers"]["verdict"] == "loads" and rows["vLLM >= 0.32"]["verdict"] == "loads"
+
+
+def test_verify_catches_a_reblocked_code_that_moved(tmp_path: Path) -> None:
+    src = mxfp8_compressed_tensors(tmp_path / "mx")
+    assert run_cli("convert", src, tmp_path / "out", "--blocks", "128x128").exit_code == 0
+    name = "model.layers.1.mlp.down_proj.weight"
+    rewrite(
+        tmp_path / "out",
+        lambda t: t[name].view(torch.uint8).__setitem__((3, 100), t[name].view(torch.uint8)[3, 100] ^ 1),
+    )
+    result = run_cli("verify", src, tmp_path / "out")
+    assert result.exit_code == 1 and f"'{name}' block row 0 column block 0 row 3 column 100" in result.output
+
+
+def test_blocks_is_for_mx_checkpoints_and_alone(tmp_path: Path) -> None:
+    plain = build(tmp_path / "fp8", phi3())
+    result = run_cli("convert", plain, tmp_path / "out", "--blocks", "128x128")
+    assert result.exit_code == 3 and "re-blocks MXFP8 checkpoints" in result.output
+    mx = mxfp8_compressed_tensors(tmp_path / "mx")
+    result = run_cli("convert", mx, tmp_path / "out", "--blocks", "128x128", "--to", "bf16")
+    assert result.exit_code == 2 and "drop --to" in result.output
+    assert not (tmp_path / "out").exists()

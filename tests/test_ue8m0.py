@@ -300,21 +300,21 @@ def test_a_hostile_huge_scale_gives_strict_json_and_no_warnings(tmp_path: Path) 
 def test_verifys_step_is_the_gap_to_the_next_e4m3fn_value() -> None:
     """The step verify measures rounding in, at each positive e4m3fn value: the distance to the next one up
     (from torch's table of the 126 finite positive codes), subnormals included."""
-    from fp8fix.verification.ue8m0 import _steps
+    from fp8fix.verification.ue8m0 import e4m3fn_steps
 
     values = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
     gaps = np.diff(values)
-    assert np.array_equal(_steps(values[:-1]), gaps)
+    assert np.array_equal(e4m3fn_steps(values[:-1]), gaps)
 
 
 @pytest.mark.parametrize("k", [-3, 0, 1, 4, 20])
 def test_verifys_smallest_block_scale_holding_a_maximum(k: int) -> None:
     """The smallest power of two p with amax <= 448 p, by exact arithmetic, where float log2 rounds down: amax
     one ulp above 448 * 2^k needs 2^(k+1)."""
-    from fp8fix.verification.ue8m0 import _smallest_holding
+    from fp8fix.verification.ue8m0 import smallest_holding
 
     for amax in (448.0 * 2.0**k, math.nextafter(448.0 * 2.0**k, math.inf), 448.0 * 2.0**k * 0.75):
         p = Fraction(1, 2**40)
         while Fraction(amax) > 448 * p:
             p *= 2
-        assert _smallest_holding(amax) == p, amax
+        assert smallest_holding(amax) == p, amax

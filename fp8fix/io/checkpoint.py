@@ -44,6 +44,8 @@ class Checkpoint:
     shards: dict[str, SafetensorsHeader]  # shard file name (relative to root) -> header, in order
     tensors: dict[str, TensorInfo]  # every tensor of the model, shard by shard in data order
     has_data: bool = True  # False when only the headers are known (read from the Hub)
+    #: False where the scales' values are on disk but not the weights' codes (a streamed conversion's stand-ins)
+    codes_on_disk: bool = True
     warnings: list[str] = field(default_factory=list)  # oddities that do not stop a conversion (see `_warnings`)
     #: Every other readable file of the folder (tokenizer, generation config, license, card...): regular
     #: files inside it, hidden ones and unlisted `*.safetensors` excepted (`_other_files`).

@@ -22,8 +22,9 @@ from fp8fix.io.safetensors_file import TensorInfo, encode_header
 from fp8fix.io.source_files import SourceFiles, read_into, source_changed, window_contains
 from fp8fix.io.workers import Jobs, run_tasks, worker_count
 from fp8fix.numerics.dequantize import LookupArrays, dequantize_rows, lookup_tables
-from fp8fix.numerics.dtypes import BITS, E4M3FN, NAN_CODES, decode_floats, encode_floats
+from fp8fix.numerics.dtypes import BITS, E4M3FN, E8M0_NAN, NAN_CODES, decode_floats, encode_floats
 from fp8fix.numerics.mx import MX_BLOCK, MxRangeError, MxRows, mx_to_bf16, mx_values
+from fp8fix.numerics.mx_blocks import ReblockedRows, ReblockStats, reblock_rows
 from fp8fix.numerics.recodings import RECODINGS, inexact_codes, recode, scale_exactly
 from fp8fix.numerics.requantize import RoundingStats, requantize, requantize_map
 from fp8fix.numerics.ue8m0 import BlockRow, Ue8m0Stats, ue8m0_rows
@@ -32,6 +33,8 @@ from fp8fix.plan.pieces import (
     CopyRange,
     Dequantize,
     Fill,
+    MxBlockCodes,
+    MxBlockScales,
     MxDequantize,
     OutputShard,
     PadRows,
@@ -68,6 +71,7 @@ class WriteStats:
     inexact_codes: int = 0
     dequantized: dict[str, RoundingStats] = field(default_factory=dict)  # BF16 rounding, per source weight
     ue8m0: dict[str, Ue8m0Stats] = field(default_factory=dict)  # `--scales ue8m0`, per source weight
+    reblocked: dict[str, ReblockStats] = field(default_factory=dict)  # `--blocks 128x128`, per source weight
     processes: int = 1  # how many processes wrote the shards (`jobs`, as far as it applied)
 
     def merge(self, other: WriteStats) -> None:
@@ -77,6 +81,8 @@ class WriteStats:
             self.dequantized.setdefault(name, RoundingStats()).update(rounding)
         for name, figures in other.ue8m0.items():
             self.ue8m0.setdefault(name, Ue8m0Stats()).update(figures)
+        for name, counted in other.reblocked.items():
+            self.reblocked.setdefault(name, ReblockStats()).update(counted)
         self.inexact_codes += other.inexact_codes
 
 
@@ -88,7 +94,7 @@ class _Sources(SourceFiles):
         self.tensors = tensors
         # `--scales ue8m0`: the exponents each block row got, by its piece, for its scale tensor written
         # after it (a scale written first works them out from the rows itself; a grid's worth of ints)
-        self.exponents: dict[Ue8m0Codes, list[int]] = {}
+        self.exponents: dict[Ue8m0Codes | MxBlockCodes, list[int]] = {}
         self.lookup_arrays = LookupArrays()  # `--to bf16`'s index and output, reused window after window
 
 
@@ -129,8 +135,10 @@ def shard_inputs(shard: OutputShard) -> set[Path]:
                 paths |= {p.path, p.col_scales.path}
             elif isinstance(p, Dequantize):
                 paths |= {p.path} | {ref.path for ref in (p.col_scales, p.row_scales) if ref is not None}
-            elif isinstance(p, MxDequantize):
+            elif isinstance(p, MxDequantize | MxBlockCodes):
                 paths |= {p.path, p.scales.path}
+            elif isinstance(p, MxBlockScales):
+                paths |= {r.path for r in p.rows} | {r.scales.path for r in p.rows}
             elif not isinstance(p, Fill):
                 paths.add(p.path)
     return paths
@@ -139,7 +147,8 @@ def shard_inputs(shard: OutputShard) -> set[Path]:
 def _cpu_bound(plan: ConversionPlan) -> bool:
     """Recoding and requantizing pass bytes through Python; plain copies are the kernel's (and the disk's)."""
     return any(
-        isinstance(p, Recode | Requantize | RequantizeBlocks | PadRows | Dequantize | MxDequantize | Ue8m0Codes)
+        isinstance(p, Recode | Requantize | RequantizeBlocks | PadRows | Dequantize | MxDequantize | MxBlockCodes)
+        or isinstance(p, Ue8m0Codes)
         for s in plan.shards
         for t in s.tensors
         for p in t.pieces
@@ -195,6 +204,14 @@ def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progres
                     stats.ue8m0.setdefault(piece.weight, Ue8m0Stats()).update(figures)
                 elif isinstance(piece, Ue8m0Scales):
                     _write_all(out, _ue8m0_scales(sources, piece))
+                elif isinstance(piece, MxBlockCodes):
+                    row = _mx_block_rows(sources, piece)
+                    sources.exponents[piece] = row.exponents
+                    _write_all(out, row.codes)
+                    stats.reblocked.setdefault(piece.weight, ReblockStats()).update(row.stats)
+                elif isinstance(piece, MxBlockScales):
+                    exponents = [e for r in piece.rows for e in _exponents_of(sources, r)]
+                    _write_all(out, encode_floats([2.0**e for e in exponents], piece.dtype))
                 elif isinstance(piece, Dequantize):
                     rounding = _dequantize(sources, out, piece, tensor.source)
                     stats.dequantized.setdefault(tensor.source, RoundingStats()).update(rounding)
@@ -302,7 +319,15 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> int:
 
 def _refuse_codes(
     sources: _Sources,
-    piece: CopyRange | Recode | Requantize | RequantizeBlocks | PadRows | Dequantize | MxDequantize | Ue8m0Codes,
+    piece: CopyRange
+    | Recode
+    | Requantize
+    | RequantizeBlocks
+    | PadRows
+    | Dequantize
+    | MxDequantize
+    | MxBlockCodes
+    | Ue8m0Codes,
     codes: tuple[int, ...],
     source: str,
     what: str,
@@ -503,6 +528,29 @@ def _ue8m0_scales(sources: _Sources, piece: Ue8m0Scales) -> bytes:
         found = sources.exponents.pop(row, None)
         exponents += found if found is not None else _ue8m0_rows(sources, row).exponents
     return encode_floats([piece.factor * 2.0**e for e in exponents], piece.dtype)
+
+
+def _mx_block_rows(sources: _Sources, piece: MxBlockCodes) -> ReblockedRows:
+    """One block row of MXFP8 codes at a power of two per 128 x 128 block (`numerics.mx_blocks`); NaN codes and
+    NaN scale bytes refused, named."""
+    codes = sources.read(piece.path, piece.start, piece.end)
+    nan = NAN_CODES[E4M3FN]
+    if any(c in codes for c in nan):
+        _refuse_codes(sources, piece, nan, piece.weight, "NaN codes")
+    ref = piece.scales
+    scales = sources.read(ref.path, ref.start, ref.start + ref.count)
+    if E8M0_NAN in scales:
+        raise InvalidCheckpoint(
+            f"{ref.path.name}: scale '{ref.name}' of weight '{piece.weight}' holds nan (E8M0 255); scales must be "
+            "finite and positive (fp8fix inspect lists every such scale)"
+        )
+    return reblock_rows(codes, scales, piece.cols)
+
+
+def _exponents_of(sources: _Sources, row: MxBlockCodes) -> list[int]:
+    """The powers of two a block row got: from its codes written before, else worked out again."""
+    found = sources.exponents.pop(row, None)
+    return found if found is not None else _mx_block_rows(sources, row).exponents
 
 
 def _fill(out: int, piece: Fill) -> None:

@@ -104,20 +104,25 @@ def reblock_rows(
     index = np.bitwise_or(np.left_shift((shift - D_MIN).astype(np.uint16), 8)[:, :, None], sub, dtype=np.uint16)
     table, errors, steps = shift_tables()
     new = np.take(table, index, mode="clip")
-    stats = ReblockStats()
-    down = shift < 0  # only a sub-block shifted down can round: shifted up, every code is exact (it fits)
-    rounded_sub = np.zeros((rows, subs), dtype=bool)
-    if down.any():
-        moved = np.take(steps, index[down], mode="clip")  # [sub-blocks shifted down, 32]
-        rounded_sub[down] = (moved > 0).any(axis=1)
-        scale = np.ldexp(1.0, np.repeat(k, per_block)[:subs])[None, :].repeat(rows, axis=0)[down]
-        stats.values_rounded = int((moved > 0).sum())
-        stats.max_steps = float(moved.max(initial=0.0))
-        stats.max_abs = float((np.take(errors, index[down], mode="clip") * scale[:, None]).max(initial=0.0))
-    rounded_blocks = np.pad(rounded_sub, pad).reshape(rows, blocks, per_block).any(axis=(0, 2))
-    stats.blocks_rounded = int(rounded_blocks.sum())
-    stats.blocks_exact = blocks - stats.blocks_rounded
+    # the statistics from the few values that round: a flag per element from a byte table, then only those
+    flags = np.take(lossy_table(), index, mode="clip").reshape(rows, cols)
+    rounded_blocks = np.pad(flags.reshape(rows, subs, MX_BLOCK).any(axis=(0, 2)), pad[1]).reshape(blocks, -1).any(1)
+    stats = ReblockStats(blocks_exact=blocks - int(rounded_blocks.sum()), blocks_rounded=int(rounded_blocks.sum()))
+    if stats.blocks_rounded:
+        where = np.nonzero(flags)
+        moved = index.reshape(rows, cols)[where]
+        stats.values_rounded = int(moved.size)
+        stats.max_steps = float(steps[moved].max())
+        stats.max_abs = float((errors[moved] * np.ldexp(1.0, k[where[1] // BLOCK])).max())
     return ReblockedRows(new.tobytes(), [int(e) for e in k], stats)
+
+
+@cache
+def lossy_table() -> Any:
+    """uint8, at (d - D_MIN) << 8 | code: 1 where code x 2^d rounds (`shift_tables`), else 0."""
+    import numpy as np
+
+    return (shift_tables()[2] > 0).astype(np.uint8)
 
 
 @cache

@@ -15,7 +15,8 @@ from fp8fix.io.safetensors_file import SafetensorsHeader, TensorInfo
 from fp8fix.io.source_files import SourceFiles
 from fp8fix.model import CheckpointModel, describe_checkpoint
 from fp8fix.numerics.dtypes import INPUT_SCALE_DTYPES, decode_floats
-from fp8fix.plan.pieces import ConversionPlan, CopyRange, Fill, OutputTensor, RepeatRange, Rescale
+from fp8fix.numerics.mx_blocks import reblock_rows
+from fp8fix.plan.pieces import ConversionPlan, CopyRange, Fill, MxBlockScales, OutputTensor, RepeatRange, Rescale
 
 #: The most values `planned_values` decodes for one tensor: scales per tensor or per shard, not grids.
 MAX_PLANNED_VALUES = 64
@@ -43,6 +44,7 @@ def planned_checkpoint(plan: ConversionPlan, source: Checkpoint, config: dict[st
         shards[shard.name] = SafetensorsHeader(path, shard.metadata, infos)
         tensors.update(infos)
     planned = {t.name: t for shard in plan.shards for t in shard.tensors}
+    codes = source.has_data and source.codes_on_disk
     return Checkpoint(
         source.root,
         config,
@@ -50,13 +52,14 @@ def planned_checkpoint(plan: ConversionPlan, source: Checkpoint, config: dict[st
         shards,
         tensors,
         has_data=False,
-        planned_values=lambda name: planned_values(planned[name]) if name in planned else None,
+        planned_values=lambda name: planned_values(planned[name], codes) if name in planned else None,
     )
 
 
-def planned_values(tensor: OutputTensor) -> list[float] | None:
+def planned_values(tensor: OutputTensor, codes: bool = False) -> list[float] | None:
     """The values of a small float tensor OUTPUT will hold (a weight scale), from the source bytes its pieces
-    copy, repeat or rescale; None for any other piece or a bigger tensor."""
+    copy, repeat or rescale, or (`codes`: the weights' codes are on disk) the powers of two a few re-blocked
+    MXFP8 block rows get; None for any other piece or a bigger tensor."""
     count = math.prod(tensor.shape)
     if count > MAX_PLANNED_VALUES or tensor.dtype not in INPUT_SCALE_DTYPES:  # plain floats
         return None
@@ -72,6 +75,11 @@ def planned_values(tensor: OutputTensor) -> list[float] | None:
                 values += decode_floats(files.read(piece.path, piece.start, piece.end), tensor.dtype) * piece.times
             elif type(piece) is CopyRange:
                 values += decode_floats(files.read(piece.path, piece.start, piece.end), tensor.dtype)
+            elif isinstance(piece, MxBlockScales) and codes:  # a small grid (a few blocks): its rows re-blocked
+                for row in piece.rows:
+                    data, ref = files.read(row.path, row.start, row.end), row.scales
+                    exponents = reblock_rows(data, files.read(ref.path, ref.start, ref.start + ref.count), row.cols)
+                    values += [2.0**e for e in exponents.exponents]
             else:
                 return None
     return values if len(values) == count else None

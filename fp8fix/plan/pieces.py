@@ -170,6 +170,29 @@ class MxDequantize(SourceRange):
 
 
 @dataclass(frozen=True)
+class MxBlockCodes(SourceRange):
+    """Up to 128 rows of MXFP8 codes (`cols` each) and their E8M0 bytes (`scales`: the rows' own, in order),
+    written at one power of two per 128 x 128 block (`numerics.mx_blocks`): `--blocks 128x128`."""
+
+    cols: int
+    scales: ScaleRef
+    weight: str  # the source weight, for statistics and messages
+
+
+@dataclass(frozen=True)
+class MxBlockScales:
+    """A block-scale grid written as the powers of two its weight's block rows got (`MxBlockCodes`, in order),
+    as F32."""
+
+    rows: tuple[MxBlockCodes, ...]
+    dtype: str = "F32"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(-(-r.cols // 128) for r in self.rows) * ITEM_SIZE[self.dtype]
+
+
+@dataclass(frozen=True)
 class Ue8m0Codes(SourceRange):
     """Rows of one block row of e4m3fn codes (`row_bytes` each), column block c at `col_scales[c]`, written
     at power-of-two scales (`numerics.ue8m0`: kept where the scale is one, else requantized once); then
@@ -220,6 +243,8 @@ Piece = (
     | Fill
     | Dequantize
     | MxDequantize
+    | MxBlockCodes
+    | MxBlockScales
     | Ue8m0Codes
     | Ue8m0Scales
 )
@@ -332,6 +357,7 @@ class ConversionPlan:
     unquantized: str | None = None  # `--to bf16` / `float16`: the whole model's dtype, written unquantized
     dropped_files: list[str] = field(default_factory=list)  # SOURCE files OUTPUT leaves out (a plain model's)
     ue8m0: Any = None  # plan.ue8m0.Ue8m0Change with `--scales ue8m0`
+    reblocked: list[Any] = field(default_factory=list)  # plan.mx_blocks.ReblockedModule: `--blocks 128x128`
     sketch: bool = False  # a `--target` candidate whose shards were not planned (`planner.plan_conversion`)
 
     @property

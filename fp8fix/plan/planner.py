@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 from pathlib import Path
+from typing import Any
 
 from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import CONFIG, Checkpoint
@@ -29,6 +30,7 @@ from fp8fix.plan.pieces import (
     CopyRange,
     Fill,
     ModuleChange,
+    MxBlockScales,
     OutputShard,
     OutputTensor,
     Ue8m0Scales,
@@ -47,9 +49,10 @@ def require_fp8_scales(model: CheckpointModel) -> None:
     fmt = model.require_format()
     if fmt.mx:
         raise UnsupportedCheckpoint(
-            f"{model.checkpoint.root.name}: a {fmt.label} checkpoint is converted to BF16 or F16 only, yet: "
-            "`fp8fix convert SOURCE OUTPUT --to bf16` writes every MX weight as exactly code x 2^(b - 127); "
-            "`fp8fix inspect SOURCE` says which loaders take it as it is"
+            f"{model.checkpoint.root.name}: a {fmt.label} checkpoint is converted to BF16 or F16, or to 128x128 "
+            "block FP8, only, yet: `fp8fix convert SOURCE OUTPUT --to bf16` writes every MX weight as exactly "
+            "code x 2^(b - 127), `--blocks 128x128` as block FP8 for runtimes without MX kernels; `fp8fix inspect "
+            "SOURCE` says which loaders take it as it is"
         )
 
 
@@ -257,6 +260,28 @@ def _require_channel_format(model: CheckpointModel, output_format: OutputFormat,
         )
 
 
+def whole_model_plan(
+    model: CheckpointModel, arch_name: str, shards: list[OutputShard], config_files: dict[str, Any], **fields: Any
+) -> ConversionPlan:
+    """The plan of a rewrite of every FP8 weight that leaves the module layout alone (`--to bf16`, `--blocks`):
+    `shards` and `config_files` as planned, the other `fields` of ConversionPlan as given."""
+    ckpt = model.checkpoint
+    return ConversionPlan(
+        source=ckpt.root,
+        architecture=arch_name,
+        format=model.require_format(),
+        layout="fused" if model.fused else "unfused",
+        layout_was_default=False,
+        modules=[],
+        shards=shards,
+        renames={},
+        has_index=ckpt.index is not None,
+        sources=ckpt.tensors,
+        config_files=config_files,
+        **fields,
+    )
+
+
 def plan_shard(
     name: str, metadata: dict[str, str], tensors: dict[str, TensorInfo], replacements: dict[str, list[OutputTensor]]
 ) -> OutputShard:
@@ -284,7 +309,7 @@ def check_pieces_inside_sources(shards: list[OutputShard], sources: dict[str, Te
         for out in shard.tensors:
             if _own_bytes(out, sources.get(out.source)):
                 continue  # the source tensor's own bytes (most tensors of most plans)
-            pieces = [r for p in out.pieces for r in (p.rows if isinstance(p, Ue8m0Scales) else (p,))]
+            pieces = [r for p in out.pieces for r in (p.rows if isinstance(p, Ue8m0Scales | MxBlockScales) else (p,))]
             for piece in pieces:  # (a power-of-two scale tensor is made from its weight's rows)
                 if isinstance(piece, Fill):  # written from nothing
                     continue

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from fp8fix.model import CheckpointModel
+from fp8fix.plan.mx_blocks import plan_reblocked_model
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.plan.planner import channel_format, plan_conversion, require_fp8_scales
 from fp8fix.plan.targets import best, candidates
@@ -22,11 +23,16 @@ def plan_for_target(
     tp_bf16: bool = False,
     dequantize: tuple[str, ...] = (),
     scales: str | None = None,
+    blocks: str | None = None,
 ) -> ConversionPlan:
     """The conversion `convert` writes: `layout` and `output_format` where given, the rest what `target`'s
     loaders take best. An explicit layout alone keeps the source's format: it asks for that change only
     (`channel` excepted: compressed-tensors is the one format vLLM takes it in). `to` an unquantized
     dtype (bf16, float16): the whole model written so (`unquantized.py`)."""
+    if blocks is not None:
+        plan = plan_reblocked_model(model, blocks)
+        plan.target = target
+        return plan
     if scales and layout is None and any(w.fused and w.scale_kind == "block" for w in model.module_weights()):
         layout = "fused"  # `--scales ue8m0` rewrites block-scaled modules kept as they are: fused ones stay fused
     if to is not None and to not in ENCODING_NAMES:

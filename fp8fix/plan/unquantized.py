@@ -36,7 +36,7 @@ def plan_unquantized_model(model: CheckpointModel, to: str, tp: int | None = Non
     """Every FP8 weight of `model` in `to`'s dtype (`numerics.dequantize.UNQUANTIZED`), every scale
     dropped, the config a plain model's."""
     ckpt = model.checkpoint
-    fmt = model.require_format()
+    model.require_format()
     arch_name, _ = model.require_architecture()
     model.require_convertible()
     out_dtype, torch_dtype = UNQUANTIZED[to]
@@ -46,18 +46,11 @@ def plan_unquantized_model(model: CheckpointModel, to: str, tp: int | None = Non
     shards = [planner.plan_shard(name, h.metadata, h.tensors, replacements) for name, h in ckpt.shards.items()]
     planner.check_pieces_inside_sources(shards, ckpt.tensors)
     config, edits = plain_config(ckpt.config, torch_dtype)
-    plan = ConversionPlan(
-        source=ckpt.root,
-        architecture=arch_name,
-        format=fmt,
-        layout="fused" if model.fused else "unfused",
-        layout_was_default=False,
-        modules=[],
-        shards=shards,
-        renames={},
-        has_index=ckpt.index is not None,
-        sources=ckpt.tensors,
-        config_files={CONFIG: (config, edits)},
+    plan = planner.whole_model_plan(
+        model,
+        arch_name,
+        shards,
+        {CONFIG: (config, edits)},
         dequantized=written,
         unquantized=out_dtype,
         dropped_files=[MODELOPT_CONFIG] if (ckpt.root / MODELOPT_CONFIG).is_file() else [],

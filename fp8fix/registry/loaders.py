@@ -82,13 +82,22 @@ SGLANG_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         SGLANG,
-        "block_scales",
+        "block_scales_inv",
         "loads-wrong",
         "its Llama-family loader renames weight_scale_inv to weight_scale, a parameter its block-FP8 layers do not "
         "have: every block scale is dropped (a 'not found in params_dict' warning) and the layers compute with "
         "the scales' initial float32 max, without an error",
         SGLANG_LOADER + " (SGLANG_ENABLE_WEIGHT_LOADER_V2 off by default), quantization/fp8.py "
         "(weight_scale_inv); " + SGLANG_TESTS,
+    ),
+    Rule(
+        SGLANG,
+        "block_not_whole",
+        "not-judged",
+        "block-scaled FP8 (compressed-tensors' names) with a layer that is not whole blocks at TP 1: SGLang's loading "
+        "of it is not measured here (whole-block ones load, measured): not judged",
+        "sglang 0.5.23 srt/layers/quantization/compressed_tensors/compressed_tensors.py _get_scheme_from_parts; "
+        "tests/loaders/test_mx_formats.py (SGLang 0.5.23, whole 128-blocks)",
     ),
     Rule(
         SGLANG,

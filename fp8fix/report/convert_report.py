@@ -145,6 +145,24 @@ def ue8m0_lines(plan: ConversionPlan) -> list[str]:
     ]
 
 
+def reblocked_lines(plan: ConversionPlan) -> list[str]:
+    """`--blocks 128x128`: MXFP8 weights at a power of two per 128 x 128 block; blocks exact and values rounded."""
+    modules = plan.reblocked
+    if not modules:
+        return []
+    blocks = sum(m.blocks for m in modules)
+    line = f"blocks: 128x128: {len(modules)} MXFP8 weight(s) in {blocks} blocks, each one power of two"
+    written = [m for m in modules if m.blocks_exact is not None]
+    if not written:
+        return [line + "; blocks kept exactly / rounded reported once written"]
+    exact = sum(m.blocks_exact or 0 for m in written)
+    rounded = sum(m.values_rounded or 0 for m in written)
+    worst = max(m.max_steps or 0.0 for m in written)
+    error = max(m.max_error or 0.0 for m in written)
+    said = f"{rounded} value(s) rounded once, at most {worst:.2f} e4m3fn steps ({error:.3g})" if rounded else "none"
+    return [f"{line}; {exact} of {blocks} blocks keep every value exactly; rounded: {said}"]
+
+
 def plan_loaders(plan: ConversionPlan) -> dict[str, dict[str, Any]]:
     """The loaders' verdicts on the checkpoint the plan writes (`fp8fix.verdicts`), as JSON."""
     return verdicts_json(plan.loaders)
@@ -169,7 +187,8 @@ def plan_lines(plan: ConversionPlan, verbose: bool = False) -> list[str]:
     lines += padding_lines(plan)
     lines += dequantized_lines(plan)
     lines += ue8m0_lines(plan)
-    if not groups and not plan.unquantized:
+    lines += reblocked_lines(plan)
+    if not groups and not plan.unquantized and not plan.reblocked:
         lines.append("modules: no fused modules in this checkpoint")
     for g in groups:
         into = f" -> {', '.join(g['into'])}" if g["into"] else ""
@@ -295,6 +314,7 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
         "ue8m0": None
         if plan.ue8m0 is None
         else {"scale_fmt": plan.ue8m0.scale_fmt, "modules": [dataclasses.asdict(m) for m in plan.ue8m0.modules]},
+        "reblocked": [dataclasses.asdict(m) for m in plan.reblocked],
         "tensor_parallel": None
         if plan.padding is None
         else {

@@ -26,6 +26,7 @@ from fp8fix.report.convert_report import (
     encoding_line,
     module_groups,
     padding_lines,
+    reblocked_lines,
     ue8m0_lines,
 )
 
@@ -205,7 +206,8 @@ def conversion_section(
         *([] if plan.unquantized else [f"- Layout: **{plan.layout}**"]),
         "",
     ]
-    lines += [f"- {line.capitalize()}" for line in [*dequantized_lines(plan), *ue8m0_lines(plan)]]
+    changes = [*dequantized_lines(plan), *ue8m0_lines(plan), *reblocked_lines(plan)]
+    lines += [f"- {line.capitalize()}" for line in changes]
     encoding = encoding_line(plan)
     if encoding:
         lines += [f"- FP8 {encoding}", "", VLLM_FNUZ_NOTE.replace("note: ", "Note: ", 1), ""]

@@ -17,7 +17,8 @@ Then:
   (requantized modules) within half an fp8 step, or at the clamp;
 - static input scales equal the source's (times the encoding's factor, or their max);
 - every other tensor, or its row slice, is byte-identical;
-- `--scales ue8m0` weights (power-of-two block scales) as such (`ue8m0`);
+- `--scales ue8m0` weights (power-of-two block scales) as such (`ue8m0`), and `--blocks 128x128` MXFP8 weights
+  re-blocked (`mx_blocks`);
 - `--tp` padding and weights written unquantized (`--to bf16`, `--dequantize`, `--tp-bf16`) are checked as
   such (`padding`, `dequantized`);
 - every OUTPUT tensor has the dtype and shape its SOURCE tensor and mapping give (`shapes`);
@@ -47,6 +48,7 @@ from fp8fix.verification.dequantized import (
     unquantized_modules,
 )
 from fp8fix.verification.mapping import Target, map_tensors, module_renames
+from fp8fix.verification.mx_blocks import check_reblocked, reblocked_weights
 from fp8fix.verification.padding import check_padded, padded_sizes, padded_tensors
 from fp8fix.verification.repo import check_bytes, check_input_scale, check_repo, converted_to_compressed_tensors
 from fp8fix.verification.report import VerifyReport, WeightCheck
@@ -94,6 +96,7 @@ def verify(
         ctx.dequantized = dequantized_weights(ctx)
         ctx.dropped = dropped_scales(ctx, ctx.dequantized)
         ctx.ue8m0 = ue8m0_weights(ctx)
+        ctx.reblocked = reblocked_weights(ctx)
         checks = _TensorChecks(ctx, map_tensors(ctx), part)
         jobs = 1 if remote else resolve_jobs(jobs, checks.total, started)
         ctx.report.part = list(part) if part else None
@@ -160,6 +163,8 @@ class _TensorChecks:
                 ctx.report.add(check_dequantized(ctx, ctx.dequantized[name]))
             elif name in ctx.ue8m0:  # `--scales ue8m0`: power-of-two block scales (its scale checked with it)
                 ctx.report.add(check_ue8m0(ctx, ctx.ue8m0[name]))
+            elif name in ctx.reblocked:  # `--blocks 128x128`: MXFP8 as block FP8 (its scale checked with it)
+                ctx.report.add(check_reblocked(ctx, ctx.reblocked[name]))
             elif name in ctx.padded:  # `--tp`: a padded MLP weight (its scale is checked with it)
                 if name not in self.scale_names:
                     ctx.report.add(check_padded(ctx, name, weight))

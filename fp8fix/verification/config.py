@@ -33,6 +33,7 @@ from fp8fix.numerics.dtypes import is_fp8
 from fp8fix.registry.formats import COMPRESSED_TENSORS, NameList, locations, matches
 from fp8fix.registry.formats import quantization_config as quantization_of
 from fp8fix.verification.context import VerifyContext, plain_output
+from fp8fix.verification.mx_blocks import check_reblocked_config
 from fp8fix.verification.sizes import check_sizes
 
 _NAME_LIST = "<a name list, compared by meaning>"
@@ -60,7 +61,9 @@ def check_config(
             f"config.json: quant_method {output_qc.get('quant_method')!r:.40} is neither SOURCE's "
             f"{source_qc.get('quant_method')!r:.40} nor compressed-tensors"
         )
-    if kept:
+    if ctx.reblocked:  # `--blocks 128x128` (verification/mx_blocks.py)
+        check_reblocked_config(ctx, source_qc, output_qc)
+    elif kept:
         lists = [n for n in ctx.fmt.name_lists if n.file == CONFIG]
         _same_but_names(ctx, CONFIG, "quantization_config", source_qc, output_qc, lists, renames, unquantized)
     return _side_configs(ctx, renames, kept)

@@ -40,12 +40,12 @@ def ue8m0_weights(ctx: VerifyContext) -> dict[str, Fp8Weight]:
             source, output = scale_values(w.scale, "SOURCE"), scale_values(out_scale, "OUTPUT")
         except Mismatch:
             continue  # the value check reports it
-        if all(_power_of_two(x) for x in output) and not all(_power_of_two(x) for x in source):
+        if all(power_of_two(x) for x in output) and not all(power_of_two(x) for x in source):
             found[w.name] = w
     return found
 
 
-def _power_of_two(x: float) -> bool:
+def power_of_two(x: float) -> bool:
     return x > 0 and float(np.frexp(x)[0]) == 0.5
 
 
@@ -95,34 +95,34 @@ def _check_block(
         p /= 2
     if not np.isfinite(got).all():
         raise Mismatch(f"{where}: NaN codes in OUTPUT")
-    if _power_of_two(s):
+    if power_of_two(s):
         if not np.array_equal(got, v):
             raise Mismatch(f"{where}: SOURCE's scale is a power of two, so its values must be kept; they changed")
         return 0.0, 0.0
     amax = float(np.abs(v).max(initial=0.0))
-    holding = _smallest_holding(amax) if amax > 0 else None
+    holding = smallest_holding(amax) if amax > 0 else None
     candidates = [holding, holding / 2] if holding is not None else [p]
     if p not in candidates:
         raise Mismatch(
             f"{where}: scale {p!r} is neither {holding!r}, the smallest power of two that holds the block's "
             f"largest value ({amax!r}), nor half of it"
         )
-    errors = {q: float(((_nearest(v / q) * q - v) ** 2).sum()) for q in candidates}
+    errors = {q: float(((nearest_e4m3fn(v / q) * q - v) ** 2).sum()) for q in candidates}
     if len(candidates) == 2 and p == candidates[1] and not errors[candidates[1]] < errors[candidates[0]]:
         raise Mismatch(f"{where}: scale {p!r} (half of {holding!r}) has no smaller squared error than {holding!r}")
-    expected = _nearest(v / p) * p
+    expected = nearest_e4m3fn(v / p) * p
     if not np.array_equal(np.abs(got), np.abs(expected)) or np.any((got != 0) & (np.sign(got) != np.sign(v))):
         r, c = (int(i) for i in np.argwhere(np.abs(got) != np.abs(expected))[0])
         raise Mismatch(
             f"{where} row {r} column {c}: {got[r, c]!r}, expected SOURCE's value {v[r, c]!r} rounded to nearest "
             f"even at scale {p!r} ({expected[r, c]!r})"
         )
-    step = _steps(np.abs(expected) / p) * p
+    step = e4m3fn_steps(np.abs(expected) / p) * p
     error = np.abs(got - v)
     return float(error.max(initial=0.0)), float((error / step).max(initial=0.0))
 
 
-def _smallest_holding(amax: float) -> float:
+def smallest_holding(amax: float) -> float:
     """The smallest power of two p with amax <= 448 p."""
     p = 2.0 ** int(np.ceil(np.log2(amax / 448.0)))
     while amax > 448.0 * p:
@@ -132,7 +132,7 @@ def _smallest_holding(amax: float) -> float:
     return p
 
 
-def _nearest(x: Any) -> Any:
+def nearest_e4m3fn(x: Any) -> Any:
     """Each value's nearest e4m3fn value, ties to the even code, saturating at 448 (sorted-table search)."""
     table = np.abs(code_values(E4M3FN)[:0x7F])  # codes 0x00..0x7E, ascending
     a = np.minimum(np.abs(x), table[-1])
@@ -143,7 +143,7 @@ def _nearest(x: Any) -> Any:
     return np.copysign(np.where(pick_lo, table[lo], table[hi]), x)
 
 
-def _steps(codes: Any) -> Any:
+def e4m3fn_steps(codes: Any) -> Any:
     """The e4m3fn step at each magnitude (code units)."""
     _, exponent = np.frexp(np.where(codes > 0, codes, 1.0))
     return np.ldexp(1.0, np.maximum(exponent - 1, -6) - 3)

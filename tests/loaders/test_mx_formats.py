@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from tests.builders import llama, loadable, mxfp8_compressed_tensors, phi3
 from tests.conftest import run_cli
 from tests.loaders.conftest import record, run_loaders
-from tests.loaders.test_real_loaders import VERDICT_ROWS, as_loaded
+from tests.loaders.test_real_loaders import VERDICT_ROWS, as_loaded, outcome, true_weights
 
 pytestmark = pytest.mark.loaders
 
@@ -106,3 +106,32 @@ def assert_mx_values(src: Path, weights: dict[str, torch.Tensor], unreadable: li
     expected = as_loaded(truth, weights)
     for layer, value in expected.items():
         assert layer in weights and torch.equal(weights[layer].float(), value), layer
+
+
+#: Shapes whose every projection is whole 128 x 128 blocks (head_dim 128), as real models' are.
+WHOLE_BLOCKS = {
+    "llama": lambda: llama(hidden=256, heads=2, kv_heads=1, intermediate=256, layers=1),
+    "phi3": lambda: phi3(hidden=256, heads=2, kv_heads=1, intermediate=256, layers=1),
+}
+
+
+def test_blocks_128_outputs_are_judged_as_the_loaders_load_them(tmp_path: Path) -> None:
+    """`convert --blocks 128x128` writes block FP8 (compressed-tensors FP8_BLOCK): each row inspect gives OUTPUT
+    is what the loader does with it, against OUTPUT's own values (code x its block's power of two)."""
+    outputs = {}
+    for name, make in WHOLE_BLOCKS.items():
+        src = mxfp8_compressed_tensors(tmp_path / name, loadable(make()), seed=5)
+        assert run_cli("convert", src, tmp_path / f"{name}-128", "--blocks", "128x128").exit_code == 0
+        outputs[name] = tmp_path / f"{name}-128"
+    ran = run_loaders(VERDICT_ROWS, list(outputs.values()), tmp_path / "loaded")
+    disagree = []
+    for i, (name, out) in enumerate(outputs.items()):
+        rows = json.loads(run_cli("inspect", out, "--json").output)["loaders"]
+        truth = true_weights(out, loadable(WHOLE_BLOCKS[name]()))
+        for loader, results in ran.items():
+            said = rows[VERDICT_ROWS[loader]]["verdict"]
+            real, why = outcome(results[i], truth, out)
+            record(loader, f"{name}-ct-mxfp8-to-block128", said, real, not_judged=said == "not-judged", why=why)
+            if said not in (real, "not-judged"):
+                disagree.append((name, loader, said, real, why[:200]))
+    assert not disagree, disagree
