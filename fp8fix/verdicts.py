@@ -97,6 +97,9 @@ FACT_DESCRIPTIONS = {
     "block_scales": "block-scaled FP8 weights",
     "block_scales_inv": "block-scaled FP8 weights whose scales are named weight_scale_inv (quant_method fp8)",
     "block_not_whole": "block-scaled FP8 weights a layer of which is not whole blocks at TP 1 (inspect --tp 1)",
+    "weight_only_blocks": "compressed-tensors block FP8 weights with no input_activations (weight-only, W8A16)",
+    "weight_only_blocks_unfused": "weight-only compressed-tensors block FP8 (above) without a block-scaled fused "
+    "qkv_proj",
     "remote_code_architecture": "an architecture only its repository's own code loads (ChatGLM)",
     "modelopt": "a ModelOpt checkpoint (hf_quant_config.json)",
     "block_grid_indivisible": "block FP8 (quant_method fp8), a weight whose shape its scale grid does not divide "
@@ -155,6 +158,8 @@ class Facts:
     block_scales: bool = False
     block_scales_inv: bool = False  # ... named weight_scale_inv (quant_method fp8: DeepSeek-V3 / Qwen3)
     block_not_whole: bool = False  # ... and a layer of them not whole blocks at TP 1 (vLLM refuses or misreads it)
+    weight_only_blocks: bool = False  # compressed-tensors block weights, a config group without input_activations
+    weight_only_blocks_unfused: bool = False  # ... and no block-scaled fused qkv_proj (0.19 - 0.20 refuse those)
     remote_code_architecture: bool = False
     block_grid_indivisible: bool = False  # block FP8: a weight whose shape the scale grid does not divide
     block_grid_misread: bool = False  # block FP8: rows / grid rows (or columns) is not the block
@@ -342,6 +347,17 @@ def _derive_facts(model: CheckpointModel) -> Facts:
     unknown = bool(architecture) and not vllm_resolves(architecture, model.checkpoint.config)
     rope = rope_misfit(model.checkpoint.config)
     mx = fmt is not None and fmt.mx
+    block_qkv_fused = any(
+        w.scale_kind == "block" and {s.shard for s in w.fused.spec.shards} == {"q", "k", "v"}
+        for w in fused
+        if w.fused is not None
+    )
+    weight_only = (
+        fmt is not None
+        and fmt.name == "compressed-tensors"
+        and fmt.block is not None
+        and _weight_only_group(model.checkpoint.config)
+    )
     requantized = packed_scales_differ(model)  # vLLM requantizes packed shards at load (ModelOpt's on ROCm: clips)
     return Facts(
         architecture=architecture,
@@ -365,11 +381,7 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         mx_blocks=mx,
         mx_unmeasured=mx and _mx_unmeasured(model, weights, unfused, plain),
         vllm_added_after_020=architecture in VLLM_ADDED_AFTER_020,
-        block_scaled_qkv_fused=any(
-            w.scale_kind == "block" and {s.shard for s in w.fused.spec.shards} == {"q", "k", "v"}
-            for w in fused
-            if w.fused is not None
-        ),
+        block_scaled_qkv_fused=block_qkv_fused,
         transformers_missing_architecture=architecture in TRANSFORMERS_MISSING,
         fp8_per_tensor=fp8,
         channel_scales_under_fp8=fp8 and any(w.scale_kind == "channel" for w in weights),
@@ -385,6 +397,8 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         fnuz_compressed_tensors=fnuz and fmt is not None and fmt.name == "compressed-tensors",
         block_scales=any(w.scale_kind == "block" for w in weights),
         block_not_whole=bool(at_tp_1),
+        weight_only_blocks=weight_only,
+        weight_only_blocks_unfused=weight_only and not block_qkv_fused,
         block_scales_inv=fmt is not None
         and fmt.weight_scale == "weight_scale_inv"
         and any(w.scale_kind == "block" for w in weights),
@@ -420,6 +434,15 @@ def _mx_unmeasured(model: CheckpointModel, weights: list[Fp8Weight], unfused: bo
         or bool(model.kv_cache_scales)
         or unfused
         or bool(ignore_linears(model.checkpoint.config, plain)[1])
+    )
+
+
+def _weight_only_group(config: dict[str, Any]) -> bool:
+    """A compressed-tensors config group that quantizes weights and declares no input activations."""
+    groups = (quantization_config(config) or {}).get("config_groups")
+    return isinstance(groups, dict) and any(
+        isinstance(g, dict) and isinstance(g.get("weights"), dict) and not g.get("input_activations")
+        for g in groups.values()
     )
 
 

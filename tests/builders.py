@@ -148,6 +148,7 @@ class Format:
     channel_shape: str = "2d"  # per-channel scale as [out, 1] ("2d") or [out] ("1d")
     block: tuple[int, int] | None = None
     kv: tuple[str, ...] = ("k_scale", "v_scale")
+    weight_only: bool = False  # compressed-tensors block: no input_activations (W8A16), not FP8_BLOCK's
 
 
 FORMATS = {
@@ -165,6 +166,9 @@ FORMATS = {
         weight_scale="weight_scale_inv", scale_dtype=torch.bfloat16, input_scale=None, block=(32, 32), kv=()
     ),
     "ct-block": Format(scale_dtype=torch.bfloat16, scalar_shape=(1,), input_scale=None, block=(32, 32)),
+    "ct-block-w8a16": Format(
+        scale_dtype=torch.bfloat16, scalar_shape=(1,), input_scale=None, block=(32, 32), weight_only=True
+    ),
     "quark": Format(channel_shape="1d", kv=()),
     "modelopt": Format(),
     "fbgemm": Format(input_scale=None, kv=()),
@@ -207,7 +211,16 @@ def quantization_config(fmt: str, scale: str, static_input: bool, ignore: list[s
     if spec.block:
         weights["block_structure"] = f"{spec.block[0]}x{spec.block[1]}"
     group: dict[str, Any] = {"targets": ["Linear"], "weights": weights}
-    if spec.input_scale:  # static per tensor, or llm-compressor's FP8_DYNAMIC (per token, at run time)
+    if spec.block and not spec.weight_only:  # llm-compressor's FP8_BLOCK: activations per group of a block's width
+        group["input_activations"] = {
+            "num_bits": 8,
+            "type": "float",
+            "strategy": "group",
+            "group_size": spec.block[1],
+            "symmetric": True,
+            "dynamic": True,
+        }
+    elif spec.input_scale:  # static per tensor, or llm-compressor's FP8_DYNAMIC (per token, at run time)
         group["input_activations"] = {
             "num_bits": 8,
             "type": "float",

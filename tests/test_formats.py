@@ -177,3 +177,25 @@ def test_inspect_knows_each_format(tmp_path: Path) -> None:
         report = json.loads(run_cli("inspect", src, "--json").output)
         assert report["convert_supported"], fmt
         assert {m["scale"] for m in report["modules"]} == {kind}, fmt
+
+
+#: What the real loaders do with compressed-tensors block FP8 written without input_activations (weight-only,
+#: W8A16), measured in tests/loaders/test_real_loaders.py (ct-block-w8a16): SGLang has no scheme for it, the vLLM
+#: CPU builds no kernel (not judged: a GPU's is not run), transformers loads it; 0.19 - 0.20 refuse a fused
+#: qkv_proj's block scales whatever the kernel.
+WEIGHT_ONLY = {
+    "llama": {"SGLang 0.5.23": "fails", "vLLM 0.19 - 0.20": "not-judged", "vLLM >= 0.32": "not-judged"},
+    "phi3": {"SGLang 0.5.23": "fails", "vLLM 0.19 - 0.20": "fails", "vLLM >= 0.32": "not-judged"},
+}
+
+
+@pytest.mark.parametrize("shape", WEIGHT_ONLY)
+def test_weight_only_blocks_are_judged_as_measured(tmp_path: Path, shape: str) -> None:
+    from tests.builders import llama
+
+    src = build(tmp_path / "src", llama() if shape == "llama" else phi3(), fmt="ct-block-w8a16")
+    qc = json.loads((src / "config.json").read_text())["quantization_config"]
+    assert "input_activations" not in qc["config_groups"]["group_0"]
+    rows = json.loads(run_cli("inspect", src, "--json").output)["loaders"]
+    assert {row: rows[row]["verdict"] for row in WEIGHT_ONLY[shape]} == WEIGHT_ONLY[shape]
+    assert rows["transformers"]["verdict"] == "loads"

@@ -67,6 +67,15 @@ SGLANG_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         SGLANG,
+        "weight_only_blocks",
+        "fails",
+        "has no compressed-tensors scheme for block FP8 weights without quantized activations (NotImplementedError: "
+        "No compressed-tensors compatible scheme was found)",
+        "sglang 0.5.23 srt/layers/quantization/compressed_tensors/compressed_tensors.py _get_scheme_from_parts; "
+        + SGLANG_TESTS,
+    ),
+    Rule(
+        SGLANG,
         "fbgemm",
         "fails",
         "has no fbgemm_fp8 quantization (ValueError: Unknown quantization method: fbgemm_fp8)",
@@ -469,6 +478,32 @@ RULES: tuple[Rule, ...] = (
             "requantize_with_max_scale; from source, not run",
         )
         for loader in (VLLM_LEGACY, VLLM_OLD)
+    ),
+    # weight-only block FP8 (compressed-tensors without input_activations): measured on CPU only; 0.19 - 0.20 refuse
+    # a fused qkv_proj's block scales whatever the kernel (their era rule, measured)
+    *(
+        Rule(
+            loader,
+            "weight_only_blocks_unfused" if loader == VLLM_019 else "weight_only_blocks",
+            "not-judged",
+            "block FP8 weights without quantized activations (W8A16): vLLM 0.19.0 refuses them on CPU "
+            "(AssertionError), 0.20.2 - 0.32 find no CPU kernel for them (ValueError: Failed to find a kernel that "
+            "can implement the ScaledMM linear layer); on a GPU not run here: not judged",
+            evidence,
+        )
+        for loader, evidence in (
+            (VLLM_LEGACY, VLLM_050_LOADER),
+            (VLLM_OLD, VLLM_051_LOADER),
+            *(
+                (
+                    row,
+                    "vllm 0.32 model_executor/layers/quantization/compressed_tensors/compressed_tensors.py "
+                    "_get_scheme_from_parts (weights without input activations), kernels/linear/__init__.py "
+                    f"choose_scaled_mm_linear_kernel; {REAL_LOADER_TESTS} (vLLM 0.19.0 - 0.32, CPU)",
+                )
+                for row in (VLLM_019, VLLM_021, VLLM, VLLM_ROCM)
+            ),
+        )
     ),
     *ERA_RULES,
     *VLLM_RULES,

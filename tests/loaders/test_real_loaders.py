@@ -93,6 +93,8 @@ FORMAT_STYLES = {
     "quark": ("tensor", "shard", "channel"),
     "fbgemm": ("channel",),
     "block-fp8": ("block",),
+    "ct-block": ("block",),  # compressed-tensors' block strategy (weight_scale names), as llm-compressor writes it
+    "ct-block-w8a16": ("block",),  # ... without input_activations: weight-only FP8 blocks
     "fp8-amd-kv": ("tensor",),
 }
 for _shape in ("llama", "glm", "phi3"):
@@ -160,7 +162,23 @@ def not_judged(source: str, layout: str, loader: str, folder: Path) -> str | Non
         return "gpu-only"
     if loader == "sglang" and loader_shape(source) != "glm" and legacy_names(folder):
         return "activation-scales"  # it loads the weights; whether it uses act_scale is not read back here
+    fused_refusal = loader in ("vllm-0.19.0", "vllm-0.20.2") and any(
+        "qkv_proj.weight" in k for p in folder.glob("*.safetensors") for k in safe_open(p, "pt").keys()
+    )
+    if loader.startswith("vllm") and weight_only_blocks(folder) and not fused_refusal:
+        # W8A16 block FP8: the CPU builds have no kernel for it; a GPU's is not run here (but 0.19 - 0.20
+        # refuse a fused qkv_proj's block scales whatever the kernel: judged, as for every block format)
+        return "cpu-kernel"
     return None
+
+
+def weight_only_blocks(folder: Path) -> bool:
+    """compressed-tensors block weights in a config group without input_activations (read off config.json)."""
+    qc = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    groups = qc.get("config_groups") or {} if qc.get("quant_method") == "compressed-tensors" else {}
+    return any(
+        (g.get("weights") or {}).get("strategy") == "block" and not g.get("input_activations") for g in groups.values()
+    )
 
 
 CASES = (
@@ -461,6 +479,8 @@ def test_fp8fix_says_what_the_loader_does(
         assert said == "not-judged", f"fp8fix inspect says {said} where nothing measured it ({expected_not_judged})"
         if expected_not_judged == "gpu-only":  # what its reason says ran: the CPU refusal
             assert real == "needs-gpu", why
+        if expected_not_judged == "cpu-kernel":  # the same: 0.19.0 asserts, later releases find no kernel
+            assert real == "fails" and ("Failed to find a kernel" in why or "AssertionError" in why), why
         return
     assert said == real, f"fp8fix inspect says {said}, the real {loader} {real}: {why[:300]}"
 
