@@ -347,6 +347,7 @@ def _derive_facts(model: CheckpointModel) -> Facts:
     unknown = bool(architecture) and not vllm_resolves(architecture, model.checkpoint.config)
     rope = rope_misfit(model.checkpoint.config)
     mx = fmt is not None and fmt.mx
+    targeted = bool(ignore_linears(model.checkpoint.config, plain)[1])  # Linears the config targets, no FP8 weight
     block_qkv_fused = any(
         w.scale_kind == "block" and {s.shard for s in w.fused.spec.shards} == {"q", "k", "v"}
         for w in fused
@@ -379,7 +380,7 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         rope=rope,
         unread_format=isinstance(model.format_error, UnsupportedCheckpoint) and not unquantized,
         mx_blocks=mx,
-        mx_unmeasured=mx and _mx_unmeasured(model, weights, unfused, plain),
+        mx_unmeasured=mx and _mx_unmeasured(model, weights, unfused or targeted),
         vllm_added_after_020=architecture in VLLM_ADDED_AFTER_020,
         block_scaled_qkv_fused=block_qkv_fused,
         transformers_missing_architecture=architecture in TRANSFORMERS_MISSING,
@@ -411,7 +412,7 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         misaligned_block_shards="wrong-scales" in at_tp_1,
         **_transformers_block_reading(model),
         unquantized=unquantized,
-        targets_unquantized_linears=bool(ignore_linears(model.checkpoint.config, plain)[1]),
+        targets_unquantized_linears=targeted,
         kv_scales=bool(model.kv_cache_scales),
         sglang_unmeasured_architecture=architecture not in SGLANG_MEASURED,
         sglang_transformers_backend=architecture in SGLANG_TRANSFORMERS_BACKEND,
@@ -425,15 +426,14 @@ def _derive_facts(model: CheckpointModel) -> Facts:
     )
 
 
-def _mx_unmeasured(model: CheckpointModel, weights: list[Fp8Weight], unfused: bool, plain: list[str]) -> bool:
+def _mx_unmeasured(model: CheckpointModel, weights: list[Fp8Weight], unlike: bool) -> bool:
     """An MX checkpoint unlike those the real loaders were run on (tests/loaders/test_mx_formats.py: every
     projection MX with its scale, lm_head in `ignore`): a missing or misshapen scale, e4m3fnuz codes, kv-cache
-    scales, unfused names of fused modules, or a Linear the config targets that holds no MX weight."""
+    scales, or (`unlike`) unfused names of fused modules or a Linear the config targets that holds no MX weight."""
     return (
-        any(w.scale is None or w.scale_kind is None or w.tensor.dtype != E4M3FN for w in weights)
+        unlike
         or bool(model.kv_cache_scales)
-        or unfused
-        or bool(ignore_linears(model.checkpoint.config, plain)[1])
+        or any(w.scale is None or w.scale_kind is None or w.tensor.dtype != E4M3FN for w in weights)
     )
 
 

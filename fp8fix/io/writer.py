@@ -144,15 +144,13 @@ def shard_inputs(shard: OutputShard) -> set[Path]:
     return paths
 
 
+#: The pieces whose bytes pass through Python (recoded, requantized, dequantized, re-blocked).
+CPU_BOUND_PIECES = (Recode, Requantize, RequantizeBlocks, PadRows, Dequantize, MxDequantize, MxBlockCodes, Ue8m0Codes)
+
+
 def _cpu_bound(plan: ConversionPlan) -> bool:
     """Recoding and requantizing pass bytes through Python; plain copies are the kernel's (and the disk's)."""
-    return any(
-        isinstance(p, Recode | Requantize | RequantizeBlocks | PadRows | Dequantize | MxDequantize | MxBlockCodes)
-        or isinstance(p, Ue8m0Codes)
-        for s in plan.shards
-        for t in s.tensors
-        for p in t.pieces
-    )
+    return any(isinstance(p, CPU_BOUND_PIECES) for s in plan.shards for t in s.tensors for p in t.pieces)
 
 
 def _write_shard_job(progress: Progress, shard: OutputShard, path: Path, tensors: dict[str, TensorInfo]) -> WriteStats:

@@ -137,7 +137,7 @@ def mx_values(data: bytes | bytearray | memoryview, scales: bytes | bytearray | 
     if E8M0_NAN in scales:
         row, block, _ = (int(i[0]) for i in np.nonzero(exponents == E8M0_NAN))
         raise MxRangeError(row, block, E8M0_NAN)
-    powers = np.where(exponents == E8M0_NAN, np.nan, np.ldexp(1.0, exponents.astype(np.int32) - E8M0_BIAS))
+    powers = np.ldexp(1.0, exponents.astype(np.int32) - E8M0_BIAS)
     values: Any = (element_values(shape.element)[codes] * powers).reshape(shape.rows, shape.cols)
     return values
 
@@ -173,7 +173,7 @@ def mx_to_bf16(
 
     The result is a view of `arrays`' output (kept from one window to the next: fresh arrays cost page faults,
     as `numerics.dequantize.LookupArrays` says), valid until their next use; of new arrays without them.
-    `scripts/bench_mx.py` measures it beside the naive torch decode."""
+    `scripts/bench_bf16.py --mx` measures it beside the naive torch decode."""
     import numpy as np
 
     _check_sizes(data, scales, shape)

@@ -27,8 +27,6 @@ from fp8fix.plan.pieces import ConversionPlan, MxBlockCodes, MxBlockScales, Outp
 from fp8fix.registry.formats import quantization_config
 from fp8fix.verdicts import loader_verdicts
 
-#: `--blocks` values: the block grid written.
-BLOCKS = ("128x128",)
 #: llm-compressor's FP8_BLOCK scheme (compressed-tensors 0.20 quantization/quant_scheme.py FP8_BLOCK).
 FP8_BLOCK_WEIGHTS = {
     "num_bits": 8,
