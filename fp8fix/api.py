@@ -175,7 +175,8 @@ def _conversion(
             "--tp",
         )
     if blocks is not None:
-        _alone(f"--blocks {blocks} re-blocks an MXFP8 checkpoint and changes nothing else", given)
+        what = "writes block FP8 as MXFP8" if blocks == "mx" else "re-blocks an MXFP8 checkpoint"
+        _alone(f"--blocks {blocks} {what} and changes nothing else", given)
     return ConvertOptions(
         layout=layout,
         to=to,

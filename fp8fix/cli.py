@@ -69,6 +69,7 @@ Examples:
   fp8fix convert ./model ./out --dequantize 'model.layers.0.*' --dequantize '*.o_proj'
   fp8fix convert ./DeepSeek-V3 ./DeepSeek-V3-ue8m0 --scales ue8m0 --verify   # Blackwell DeepGEMM
   fp8fix convert ./model-MXFP8 ./model-FP8-block --blocks 128x128 --verify   # MXFP8 on Hopper / MI300
+  fp8fix convert ./DeepSeek-V3.1 ./DeepSeek-V3.1-MXFP8 --blocks mx --verify   # block FP8 on Blackwell
   fp8fix convert org/model-FP8 ./out --revision main --push-to-hub me/model-FP8-fixed --create-pr
 
 \b
@@ -122,9 +123,10 @@ Layouts (how fused modules such as qkv_proj carry their scales); without
 @click.option(
     "--blocks",
     type=click.Choice(BLOCKS),
-    help="Write an MXFP8 checkpoint (a scale per 32 elements) as 128x128 block FP8, for runtimes without MX "
-    "kernels (Hopper, MI300): each block one power of two; values kept where its scales agree, else rounded "
-    "once (counted, at most half a step).",
+    help="128x128: write an MXFP8 checkpoint (a scale per 32 elements) as 128x128 block FP8, for runtimes "
+    "without MX kernels (Hopper, MI300): each block one power of two; values kept where its scales agree, else "
+    "rounded once (counted, at most half a step). mx: write block FP8 as MXFP8 (Blackwell): exact where block "
+    "scales are powers of two, else requantized once as --scales ue8m0 does (reported).",
 )
 @click.option(
     "--dequantize",

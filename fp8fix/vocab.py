@@ -45,7 +45,7 @@ PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 Scales = Literal["ue8m0"]
 SCALES: tuple[Scales, ...] = get_args(Scales)
 #: `convert --blocks`: the block grid an MXFP8 checkpoint is written at.
-Blocks = Literal["128x128"]
+Blocks = Literal["128x128", "mx"]
 BLOCKS: tuple[Blocks, ...] = get_args(Blocks)
 #: Everything `--to` takes: an FP8 encoding or an unquantized dtype.
 ConvertTo = Literal["e4m3fn", "e4m3fnuz", "bf16", "float16"]

@@ -47,10 +47,10 @@ BLOCK = 128
 HIDDEN = 2048
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
-#: A per-tensor torch dequantization, as the naive tools write it: per shard, load whole, multiply every weight
-#: that has a `{suffix}` scale by it expanded to the weight's shape ({scales}) in float32, cast to bfloat16,
-#: drop the scales, save.
-NAIVE = """
+#: A per-tensor torch conversion, as the naive tools write it: per shard, load whole, rewrite every weight that has
+#: a SUFFIX scale (BODY: `new` entries from `name`, `w`, `scale`, `rows`, `cols`), drop the scales, save; then
+#: config.json (CONFIG, on `config`). `naive_script` fills it in.
+NAIVE_LOOP = """
 import json, sys
 from pathlib import Path
 import torch
@@ -60,36 +60,50 @@ src, out = Path(sys.argv[1]), Path(sys.argv[2])
 out.mkdir()
 for path in sorted(src.glob("*.safetensors")):
     state = load_file(path)
-    new = {{}}
+    new = {}
     for name, w in state.items():
-        if name.endswith("{suffix}"):
+        if name.endswith("SUFFIX"):
             continue
-        scale = state.get(name + "{suffix}")
+        scale = state.get(name + "SUFFIX")
         if scale is None:
             new[name] = w
             continue
         rows, cols = w.shape
-        s = {scales}
-        new[name] = (w.to(torch.float32) * s).to(torch.bfloat16)
-    save_file(new, str(out / path.name), metadata={{"format": "pt"}})
+BODY
+    save_file(new, str(out / path.name), metadata={"format": "pt"})
     del state, new
 config = json.loads((src / "config.json").read_text())
-config.pop("quantization_config", None)
+CONFIG
 (out / "config.json").write_text(json.dumps(config))
 """
+
+
+def naive_script(suffix: str, body: str, config: str) -> str:
+    """NAIVE_LOOP with its scale suffix, its per-weight body (lines indented 8 spaces) and config edit."""
+    return NAIVE_LOOP.replace("SUFFIX", suffix).replace("BODY", body).replace("CONFIG", config)
+
+
+def dequantize_script(suffix: str, scales: str) -> str:
+    """The per-tensor dequantization: each weight times its scale expanded to its shape (`scales`, an expression
+    of `scale`, `rows`, `cols`) in float32, cast to bfloat16; the quantization config dropped."""
+    body = f"        new[name] = (w.to(torch.float32) * ({scales})).to(torch.bfloat16)"
+    return naive_script(suffix, body, 'config.pop("quantization_config", None)')
+
+
 #: DeepSeek's fp8_cast_bf16.py, its kernel's arithmetic on the CPU: each 128 x 128 block times its
 #: weight_scale_inv (a float32 product, cast to bfloat16).
-DEEPSEEK = NAIVE.format(
-    suffix="_scale_inv", scales="scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]"
-)
+DEEPSEEK = dequantize_script("_scale_inv", "scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]")
 #: The naive MXFP8 decode (compressed-tensors' MXFP8 decompression): codes times 2^(b - 127) of their block.
-TORCH_MX = NAIVE.format(suffix="_scale", scales="torch.exp2(scale.to(torch.float32) - 127).repeat_interleave(32, 1)")
+TORCH_MX = dequantize_script("_scale", "torch.exp2(scale.to(torch.float32) - 127).repeat_interleave(32, 1)")
 
 
-def build(root: Path, size_gb: float, shards: int, attention: bool = False, mx: bool = False) -> None:
-    """Block-FP8 layers, `size_gb` of FP8 codes in all, scales uniform in [1e-4, 1e-3): MLPs, one per shard;
-    or (`attention`) q / k / v / o of 2048 x 2048 in heads of 64, the layers spread over the shards, for
-    `--tp 32 --tp-bf16` (32 heads: 64 rows a rank, not whole 128-blocks, so they are written in BF16)."""
+def build(
+    root: Path, size_gb: float, shards: int, attention: bool = False, mx: bool = False, pow2: bool = False
+) -> None:
+    """Block-FP8 layers, `size_gb` of FP8 codes in all, scales uniform in [1e-4, 1e-3) (`pow2`: each rounded
+    to a power of two, as UE8M0 checkpoints hold them): MLPs, one per shard; or (`attention`) q / k / v / o of
+    2048 x 2048 in heads of 64, the layers spread over the shards, for `--tp 32 --tp-bf16` (32 heads: 64 rows
+    a rank, not whole 128-blocks, so they are written in BF16)."""
     import torch
     from safetensors.torch import save_file
 
@@ -118,6 +132,8 @@ def build(root: Path, size_gb: float, shards: int, attention: bool = False, mx: 
                 continue
             grid = (rows // BLOCK, cols // BLOCK)
             scale = torch.rand(grid, generator=gen) * 9e-4 + 1e-4
+            if pow2:
+                scale = torch.exp2(torch.round(torch.log2(scale)))
             tensors[f"model.layers.{layer}.{module}.weight_scale_inv"] = scale
         if layer + 1 == layers or (layer + 1) * shards // layers != shard:  # the shard's last layer
             weight_map.update({t: name for t in tensors})
@@ -162,6 +178,63 @@ def timed(cmd: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None) -
     return time.perf_counter() - start, usage.ru_maxrss / 1024, usage.ru_utime, usage.ru_stime
 
 
+def rotate(
+    contenders: dict[str, list[str]], out: Path, repeats: int, baseline: Path | None = None, ours: str = ""
+) -> dict[str, list[tuple[float, float, float, float]]]:
+    """Each contender `repeats` times, in a new order each round (none always after the same one), OUTPUT
+    removed and the disk synced before each run: `timed`'s figures per contender. `baseline`: another fp8fix
+    checkout, whose `ours` command joins the rotation as "[before]"."""
+    where = {name: (ROOT, ENV) for name in contenders}
+    if baseline:
+        before = baseline.resolve()
+        contenders = {**contenders, f"{ours} [before]": contenders[ours]}
+        where[f"{ours} [before]"] = (before, {**ENV, "PYTHONPATH": str(before)})
+    results: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in contenders}
+    order = list(contenders)
+    for round_ in range(repeats):
+        random.Random(round_).shuffle(order)
+        for name in order:
+            shutil.rmtree(out, ignore_errors=True)
+            subprocess.run(["sync"], check=False)
+            results[name].append(timed(contenders[name], *where[name]))
+    return results
+
+
+def print_table(
+    results: dict[str, list[tuple[float, float, float, float]]], out_bytes: int, reference: str, short: str
+) -> None:
+    """The Markdown table of medians: each contender beside `reference` (`short` in the header) and `cp -r of
+    OUTPUT`, output bytes per wall and per user CPU second, peak RSS."""
+    base = statistics.median(r[0] for r in results[reference]) if reference in results else None
+    copy = statistics.median(r[0] for r in results["cp -r of OUTPUT"])
+    print(
+        f"| command | median s | min-max s | x {short}'s | x cp -r of OUTPUT | output GB/s | user CPU s "
+        "| output GB per user CPU-s | system CPU s | peak RSS MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, runs in results.items():
+        walls = [r[0] for r in runs]
+        wall, user, system = (statistics.median(r[i] for r in runs) for i in (0, 2, 3))
+        rss = max(r[1] for r in runs)
+        versus = f"{wall / base:.2f}" if base else "-"
+        per_cpu = f"{out_bytes / user / 1e9:.2f}" if user > 0.01 else "-"
+        print(
+            f"| {name} | {wall:.2f} | {min(walls):.2f}-{max(walls):.2f} | {versus} | {wall / copy:.2f} "
+            f"| {out_bytes / wall / 1e9:.2f} | {user:.2f} | {per_cpu} | {system:.2f} | {rss:.0f} |"
+        )
+
+
+def bench_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The options every benchmark here takes: the checkpoint's size and shards, rounds, work folder, baseline."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gb", type=float, default=2.0, help="FP8 weight bytes of the checkpoint")
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--work", type=Path, help="work folder [a new temporary one]")
+    parser.add_argument("--baseline", type=Path, help="another fp8fix checkout to time in the same rotation")
+    return parser
+
+
 def differing_values(a: Path, b: Path) -> tuple[int, int]:
     """(values that differ, values compared) between the BF16 weights of two outputs."""
     import torch
@@ -179,12 +252,7 @@ def differing_values(a: Path, b: Path) -> tuple[int, int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-gb", type=float, default=2.0, help="FP8 weight bytes of the checkpoint")
-    parser.add_argument("--shards", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--work", type=Path, help="work folder [a new temporary one]")
-    parser.add_argument("--baseline", type=Path, help="another fp8fix checkout to time in the same rotation")
+    parser = bench_arguments(__doc__)
     parser.add_argument(
         "--tp-bf16", type=int, metavar="TP", help="time `convert --tp TP --tp-bf16` on attention layers instead"
     )
@@ -212,41 +280,12 @@ def main() -> int:
     contenders = {ours: fp8fix, "cp -r of OUTPUT": ["cp", "-r", str(work / "a"), str(out)]}
     if not attention:  # DeepSeek's script dequantizes every weight: the --to bf16 job only
         contenders[deepseek_name] = [sys.executable, str(script), str(src), str(out)]
-    where = {name: (ROOT, ENV) for name in contenders}
-    if args.baseline:
-        before = args.baseline.resolve()
-        contenders[f"{ours} [before]"] = fp8fix
-        where[f"{ours} [before]"] = (before, {**ENV, "PYTHONPATH": str(before)})
-    results: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in contenders}
-    order = list(contenders)
-    for round_ in range(args.repeats):
-        random.Random(round_).shuffle(order)  # no contender always runs after the same one
-        for name in order:
-            shutil.rmtree(out, ignore_errors=True)
-            subprocess.run(["sync"], check=False)
-            results[name].append(timed(contenders[name], *where[name]))
+    results = rotate(contenders, out, args.repeats, args.baseline, ours)
     out_bytes = sum(p.stat().st_size for p in (work / "a").glob("*.safetensors"))
-    deepseek = statistics.median(r[0] for r in results[deepseek_name]) if deepseek_name in results else None
-    copy = statistics.median(r[0] for r in results["cp -r of OUTPUT"])
     source_gb = sum(p.stat().st_size for p in src.iterdir()) / 1e9
     kind = "MXFP8" if args.mx else "block FP8"
     print(f"source: {source_gb:.2f} GB {kind}; output {out_bytes / 1e9:.2f} GB; medians of {args.repeats}")
-    print(
-        f"| command | median s | min-max s | x {'torch' if args.mx else 'DeepSeek'}'s | x cp -r of OUTPUT "
-        "| output GB/s | user CPU s "
-        "| output GB per user CPU-s | system CPU s | peak RSS MB |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, runs in results.items():
-        walls = [r[0] for r in runs]
-        wall, user, system = (statistics.median(r[i] for r in runs) for i in (0, 2, 3))
-        rss = max(r[1] for r in runs)
-        versus = f"{wall / deepseek:.2f}" if deepseek else "-"
-        per_cpu = f"{out_bytes / user / 1e9:.2f}" if user > 0.01 else "-"
-        print(
-            f"| {name} | {wall:.2f} | {min(walls):.2f}-{max(walls):.2f} | {versus} | {wall / copy:.2f} "
-            f"| {out_bytes / wall / 1e9:.2f} | {user:.2f} | {per_cpu} | {system:.2f} | {rss:.0f} |"
-        )
+    print_table(results, out_bytes, deepseek_name, "torch" if args.mx else "DeepSeek")
     if not attention:
         shutil.rmtree(work / "b", ignore_errors=True)
         subprocess.run([sys.executable, str(script), str(src), str(work / "b")], check=True, env=ENV)

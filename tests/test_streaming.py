@@ -109,6 +109,19 @@ def test_an_mxfp8_checkpoint_streams(tmp_path: Path, hub: FakeHub, options: list
     assert hub.tree("me/dst") == local_reference(tmp_path, env, *options)
 
 
+def test_block_fp8_streams_as_mxfp8(tmp_path: Path, hub: FakeHub) -> None:
+    """`--blocks mx` (issue 49): each block row's scales are read as its codes are written, from whichever shard
+    holds them (here the other); Hub to Hub lands what a local conversion writes."""
+    folder = build(tmp_path / "served", llama(hidden=256, heads=2, kv_heads=1, intermediate=256), fmt="block-fp8",
+                   kv_scales=False, files=3)  # fmt: skip
+    hub.files["org/src"] = folder
+    bound = 3 * 2 * max(p.stat().st_size for p in folder.glob("*.safetensors"))
+    env = env_for(tmp_path, hub)
+    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "--blocks", "mx", "--max-disk", str(bound), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert hub.tree("me/dst") == local_reference(tmp_path, env, "--blocks", "mx")
+
+
 #: The bound counts the stand-ins (headers, scales) and the small files too; the only slack is the file
 #: system's own: blocks rounded up, and those ext4 reserves ahead of a file being written (seen: 256 KiB
 #: over, with 3 files of 277 MB in flight).

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fp8fix.collector import collector_running
-from fp8fix.errors import InvalidCheckpoint
+from fp8fix.errors import InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import first_invalid_scale
 from fp8fix.io.progress import NoProgress, Progress, progress_bar
 from fp8fix.io.safetensors_file import TensorInfo, encode_header
@@ -23,7 +23,7 @@ from fp8fix.io.source_files import SourceFiles, read_into, source_changed, windo
 from fp8fix.io.workers import Jobs, run_tasks, worker_count
 from fp8fix.numerics.dequantize import LookupArrays, dequantize_rows, lookup_tables
 from fp8fix.numerics.dtypes import BITS, E4M3FN, E8M0_NAN, NAN_CODES, decode_floats, encode_floats
-from fp8fix.numerics.mx import MX_BLOCK, MxRangeError, MxRows, mx_to_bf16, mx_values
+from fp8fix.numerics.mx import MX_BLOCK, MxRangeError, MxRows, e8m0_row_bytes, mx_to_bf16, mx_values
 from fp8fix.numerics.mx_blocks import ReblockedRows, ReblockStats, reblock_rows
 from fp8fix.numerics.recodings import RECODINGS, inexact_codes, recode, scale_exactly
 from fp8fix.numerics.requantize import RoundingStats, requantize, requantize_map
@@ -36,6 +36,7 @@ from fp8fix.plan.pieces import (
     MxBlockCodes,
     MxBlockScales,
     MxDequantize,
+    MxScales,
     OutputShard,
     PadRows,
     Recode,
@@ -129,7 +130,7 @@ def shard_inputs(shard: OutputShard) -> set[Path]:
     paths = set()
     for t in shard.tensors:
         for p in t.pieces:
-            if isinstance(p, Ue8m0Scales):
+            if isinstance(p, Ue8m0Scales | MxScales):
                 paths |= {r.path for r in p.rows} | {r.col_scales.path for r in p.rows}
             elif isinstance(p, Ue8m0Codes):
                 paths |= {p.path, p.col_scales.path}
@@ -202,6 +203,8 @@ def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progres
                     stats.ue8m0.setdefault(piece.weight, Ue8m0Stats()).update(figures)
                 elif isinstance(piece, Ue8m0Scales):
                     _write_all(out, _ue8m0_scales(sources, piece))
+                elif isinstance(piece, MxScales):
+                    _write_all(out, _mx_scales(sources, piece))
                 elif isinstance(piece, MxBlockCodes):
                     row = _mx_block_rows(sources, piece)
                     sources.exponents[piece] = row.exponents
@@ -509,7 +512,7 @@ def _ue8m0_rows(sources: _Sources, piece: Ue8m0Codes) -> BlockRow:
     if any(c in codes for c in nan):
         _refuse_codes(sources, piece, nan, piece.weight, "NaN codes")
     scales = _scale_list(sources, piece.col_scales, piece.weight)
-    return ue8m0_rows(codes, piece.dtype, piece.row_bytes, piece.block_cols, scales)
+    return ue8m0_rows(codes, piece.dtype, piece.row_bytes, piece.block_cols, scales, piece.vllm)
 
 
 def _ue8m0_codes(sources: _Sources, out: int, piece: Ue8m0Codes) -> Ue8m0Stats:
@@ -521,11 +524,30 @@ def _ue8m0_codes(sources: _Sources, out: int, piece: Ue8m0Codes) -> Ue8m0Stats:
 
 def _ue8m0_scales(sources: _Sources, piece: Ue8m0Scales) -> bytes:
     """The powers of two each block row chose, in the scale's dtype (times `factor`: exact)."""
-    exponents: list[int] = []
-    for row in piece.rows:
-        found = sources.exponents.pop(row, None)
-        exponents += found if found is not None else _ue8m0_rows(sources, row).exponents
+    exponents = [e for row in piece.rows for e in _ue8m0_exponents(sources, row)]
     return encode_floats([piece.factor * 2.0**e for e in exponents], piece.dtype)
+
+
+def _ue8m0_exponents(sources: _Sources, row: Ue8m0Codes) -> list[int]:
+    """The powers of two a block row chose: from its codes written before, else worked out again."""
+    found = sources.exponents.pop(row, None)
+    return found if found is not None else _ue8m0_rows(sources, row).exponents
+
+
+def _mx_scales(sources: _Sources, piece: MxScales) -> bytes:
+    """`--blocks mx`: each row's E8M0 bytes, one per 32 elements, of the power of two its block chose."""
+    out = bytearray()
+    for row in piece.rows:
+        try:
+            out += e8m0_row_bytes(
+                _ue8m0_exponents(sources, row), (row.end - row.start) // row.row_bytes, row.row_bytes, row.block_cols
+            )
+        except ValueError as e:
+            raise UnsupportedCheckpoint(
+                f"{row.path.name}: weight '{row.weight}' has no MXFP8 form: {e}; a block whose values are all that "
+                "small holds almost nothing: write it unquantized (--dequantize)"
+            ) from e
+    return bytes(out)
 
 
 def _mx_block_rows(sources: _Sources, piece: MxBlockCodes) -> ReblockedRows:

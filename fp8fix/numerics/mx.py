@@ -191,3 +191,17 @@ def mx_to_bf16(
             row, block, _ = (int(i[0]) for i in np.nonzero(bad))
             raise MxRangeError(row, block, int(exponents[row, block, 0]))
     return memoryview(out.reshape(-1)).cast("B")
+
+
+def e8m0_row_bytes(exponents: list[int], rows: int, cols: int, block_cols: int) -> bytes:
+    """The E8M0 scales [rows, cols / 32] of rows whose column block c (of `block_cols`, a multiple of 32) is at
+    2^exponents[c]: each group of 32 gets its block's byte k + 127. ValueError where a power of two has no E8M0
+    byte (below 2^-127 or above 2^127)."""
+    import numpy as np
+
+    e = np.asarray(exponents, dtype=np.int64) + E8M0_BIAS
+    if ((e < 0) | (e >= E8M0_NAN)).any():
+        c = int(np.argmax((e < 0) | (e >= E8M0_NAN)))
+        raise ValueError(f"column block {c} is at 2^{exponents[c]}, outside E8M0's 2^-127 .. 2^127")
+    groups = np.arange(cols // MX_BLOCK) * MX_BLOCK // block_cols
+    return np.tile(e.astype(np.uint8)[groups], rows).tobytes()

@@ -118,16 +118,25 @@ def source_steps(dtype: str) -> Any:
     return np.ldexp(1.0, np.maximum(exponent - 1, -6) - 3)
 
 
-def ue8m0_rows(codes: bytes | bytearray, dtype: str, cols: int, block_cols: int, scales: Any) -> BlockRow:
-    """Rows of `cols` codes (one block row), column block c at `scales[c]`, with every scale a power of two."""
+def ue8m0_rows(
+    codes: bytes | bytearray, dtype: str, cols: int, block_cols: int, scales: Any, vllm: bool = True
+) -> BlockRow:
+    """Rows of `cols` codes (one block row), column block c at `scales[c]`, with every scale a power of two.
+    `vllm`: work out vLLM's load-time requantization of the same blocks too (its figures in the statistics;
+    `--scales ue8m0` compares, `--blocks mx` does not: where every scale is a power of two already, the row is
+    then returned as it is, without a pass over its codes)."""
     import numpy as np
 
-    grid = np.frombuffer(codes, dtype=np.uint8).reshape(-1, cols)
     s = np.asarray(scales, dtype=np.float64)
     blocks = len(s)
+    if not vllm and is_power_of_two(s).all():
+        powers = [int(e) - 1 for e in np.frexp(s)[1]]
+        return BlockRow(bytes(codes), powers, Ue8m0Stats(blocks_kept=blocks, elements=len(codes)))
+    grid = np.frombuffer(codes, dtype=np.uint8).reshape(-1, cols)
     block_of = np.arange(cols) // block_cols
     values = code_values(dtype)
-    counts = np.bincount((block_of[None, :] * 256 + grid).ravel(), minlength=blocks * 256).reshape(blocks, 256)
+    index = np.left_shift(block_of.astype(np.int32), 8)[None, :] | grid  # block << 8 | code, per element
+    counts = np.bincount(index.ravel(), minlength=blocks * 256).reshape(blocks, 256)
     present = counts > 0
     exact = s[:, None] * values[None, :]  # [blocks, 256]: each code's exact value in each block
     safe = np.where(present, np.abs(exact), 0.0)
@@ -149,13 +158,13 @@ def ue8m0_rows(codes: bytes | bytearray, dtype: str, cols: int, block_cols: int,
         )
     chosen = np.where(halve[:, None], tables[1], tables[0])
     table = np.where(kept[:, None], np.arange(256, dtype=np.uint8)[None, :], encode_e4m3fn(chosen))
-    new_codes = table[block_of[None, :], grid].astype(np.uint8)
+    new_codes = np.take(table.reshape(-1).astype(np.uint8), index)
     exponents = np.where(halve, k - 1, k)
     # errors in source fp8 steps at each value
     steps_unit = source_steps(dtype)[None, :] * s[:, None]
     err = np.where(halve[:, None], errors[1], errors[0])
     err = np.where(kept[:, None], 0.0, err) / steps_unit
-    vllm = _vllm_errors(s, values, present, dtype) / steps_unit
+    vllm_err = _vllm_errors(s, values, present, dtype) / steps_unit if vllm else np.zeros_like(err)
     stats = Ue8m0Stats(
         blocks_kept=int(kept.sum()),
         blocks_requantized=int((~kept).sum()),
@@ -163,9 +172,9 @@ def ue8m0_rows(codes: bytes | bytearray, dtype: str, cols: int, block_cols: int,
         elements=int(counts.sum()),
         max_steps=float(np.where(present, err, 0.0).max(initial=0.0)),
         sum_sq_steps=float((counts * err**2).sum()),
-        vllm_max_steps=float(np.where(present, vllm, 0.0).max(initial=0.0)),
-        vllm_sum_sq_steps=float((counts * np.where(present, vllm, 0.0) ** 2).sum()),
-        vllm_clamped_blocks=int(((amax > 0) & (amax < VLLM_AMAX_FLOOR)).sum()),
+        vllm_max_steps=float(np.where(present, vllm_err, 0.0).max(initial=0.0)),
+        vllm_sum_sq_steps=float((counts * np.where(present, vllm_err, 0.0) ** 2).sum()),
+        vllm_clamped_blocks=int(((amax > 0) & (amax < VLLM_AMAX_FLOOR)).sum()) if vllm else 0,
     )
     return BlockRow(new_codes.tobytes(), [int(e) for e in exponents], stats)
 
@@ -197,11 +206,16 @@ def _vllm_errors(s: Any, values: Any, present: Any, dtype: str) -> Any:
 
 
 def _exact_sum(counts: Any, exact: Any, new: Any, exponent: int) -> Fraction:
-    """The block's squared error in exact rational arithmetic (near ties of the float64 sums)."""
-    p = Fraction(2) ** int(exponent)
-    total = Fraction(0)
-    for code in range(256):
-        if counts[code]:
-            diff = Fraction(float(new[code])) * p - Fraction(float(exact[code]))
-            total += int(counts[code]) * diff * diff
-    return total
+    """The block's squared error in exact arithmetic (near ties of the float64 sums). Each difference is exact in
+    float64 (a value of 4 significant bits at 2^k less one of at most 28 near it), so it is an integer over a power
+    of two: the squares are summed as integers over the largest such power, one Fraction in all."""
+    import math
+
+    import numpy as np
+
+    terms = []
+    for code in np.flatnonzero(counts):
+        numerator, denominator = (math.ldexp(float(new[code]), int(exponent)) - float(exact[code])).as_integer_ratio()
+        terms.append((int(counts[code]), numerator, denominator.bit_length() - 1))
+    top = max((shift for _, _, shift in terms), default=0)
+    return Fraction(sum(count * (n << (top - shift)) ** 2 for count, n, shift in terms), 1 << (2 * top))

@@ -14,6 +14,7 @@ from typing import Any
 
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dtypes import ITEM_SIZE, tensor_nbytes
+from fp8fix.numerics.mx import MX_BLOCK
 from fp8fix.registry.formats import FormatSpec
 from fp8fix.verdicts import LoaderVerdict
 from fp8fix.vocab import Action, Encoding, Layout, OutputFormat, ScaleKind, Target
@@ -204,6 +205,7 @@ class Ue8m0Codes(SourceRange):
     col_scales: ScaleRef
     weight: str  # the source weight, for statistics and messages
     recoding: str | None = None
+    vllm: bool = True  # vLLM's load-time requantization worked out beside (`--scales ue8m0`'s figures)
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,18 @@ class Ue8m0Scales:
     @property
     def nbytes(self) -> int:
         return sum(len(range(0, r.row_bytes, r.block_cols)) for r in self.rows) * ITEM_SIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class MxScales:
+    """MXFP8 scales written from the powers of two its weight's block rows get (`Ue8m0Codes`, in order): per row,
+    the E8M0 byte of each 32 elements' block (k + 127 for 2^k), U8 [rows, cols / 32]. For `--blocks mx`."""
+
+    rows: tuple[Ue8m0Codes, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum((r.end - r.start) // MX_BLOCK for r in self.rows)
 
 
 @dataclass(frozen=True)
@@ -247,6 +261,7 @@ Piece = (
     | MxBlockScales
     | Ue8m0Codes
     | Ue8m0Scales
+    | MxScales
 )
 
 

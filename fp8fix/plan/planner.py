@@ -31,6 +31,7 @@ from fp8fix.plan.pieces import (
     Fill,
     ModuleChange,
     MxBlockScales,
+    MxScales,
     OutputShard,
     OutputTensor,
     Ue8m0Scales,
@@ -309,7 +310,11 @@ def check_pieces_inside_sources(shards: list[OutputShard], sources: dict[str, Te
         for out in shard.tensors:
             if _own_bytes(out, sources.get(out.source)):
                 continue  # the source tensor's own bytes (most tensors of most plans)
-            pieces = [r for p in out.pieces for r in (p.rows if isinstance(p, Ue8m0Scales | MxBlockScales) else (p,))]
+            pieces = [
+                r
+                for p in out.pieces
+                for r in (p.rows if isinstance(p, Ue8m0Scales | MxBlockScales | MxScales) else (p,))
+            ]
             for piece in pieces:  # (a power-of-two scale tensor is made from its weight's rows)
                 if isinstance(piece, Fill):  # written from nothing
                     continue

@@ -76,7 +76,10 @@ def named_modules(model: CheckpointModel, entries: Any, grammar: Grammar) -> tup
     if not texts:
         return ()
     modules = [n.removesuffix(".weight") for n, t in model.checkpoint.tensors.items() if _linear_weight(n, t.shape)]
-    return tuple(m for m in dict.fromkeys(modules) if any(matches(e, m, grammar) for e in texts))
+    found: set[str] = set()
+    for entry in texts:  # entry by entry: each pattern compiled once, however long the list
+        found.update(m for m in modules if m not in found and matches(entry, m, grammar))
+    return tuple(m for m in dict.fromkeys(modules) if m in found)
 
 
 def _linear_weight(name: str, shape: tuple[int, ...]) -> bool:

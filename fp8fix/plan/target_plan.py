@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from fp8fix.model import CheckpointModel
+from fp8fix.plan.block_mx import plan_mx_model
 from fp8fix.plan.mx_blocks import plan_reblocked_model
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.plan.planner import channel_format, plan_conversion, require_fp8_scales
@@ -30,7 +31,7 @@ def plan_for_target(
     (`channel` excepted: compressed-tensors is the one format vLLM takes it in). `to` an unquantized
     dtype (bf16, float16): the whole model written so (`unquantized.py`)."""
     if blocks is not None:
-        plan = plan_reblocked_model(model, blocks)
+        plan = plan_mx_model(model) if blocks == "mx" else plan_reblocked_model(model, blocks)
         plan.target = target
         return plan
     if scales and layout is None and any(w.fused and w.scale_kind == "block" for w in model.module_weights()):

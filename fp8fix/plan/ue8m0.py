@@ -41,6 +41,7 @@ class Ue8m0Module:
 class Ue8m0Change:
     modules: list[Ue8m0Module] = field(default_factory=list)
     scale_fmt: bool = False  # quantization_config.scale_fmt set to "ue8m0"
+    mx: bool = False  # `--blocks mx`: the powers of two written as MXFP8's E8M0 bytes (`plan.block_mx`)
 
 
 def plan_ue8m0(model: CheckpointModel, shards: list[OutputShard]) -> Ue8m0Change:
@@ -68,13 +69,18 @@ def plan_ue8m0(model: CheckpointModel, shards: list[OutputShard]) -> Ue8m0Change
                 "the layout that keeps block-scaled modules as they are)"
             )
         assert weight_out is not None and scale_out is not None
-        rows = tuple(_row_pieces(w, fmt.block))
+        rows = tuple(row_pieces(w, fmt.block))
         weight_out.pieces = list(rows)
         scale_out.pieces = [Ue8m0Scales(rows, w.scale.dtype)]
-        grid = block_grid(w.tensor.shape, fmt.block) if w.fused is None else w.fused.block_grid(fmt.block)
-        assert grid is not None
-        change.modules.append(Ue8m0Module(w.module, w.name, grid[0] * grid[1]))
+        change.modules.append(ue8m0_module(w, fmt.block))
     return change
+
+
+def ue8m0_module(w: Fp8Weight, block: tuple[int, int]) -> Ue8m0Module:
+    """The record of a block-scaled weight written at power-of-two scales, with its count of blocks."""
+    grid = block_grid(w.tensor.shape, block) if w.fused is None else w.fused.block_grid(block)
+    assert grid is not None
+    return Ue8m0Module(w.module, w.name, grid[0] * grid[1])
 
 
 def _kept(out: OutputTensor | None, w: Fp8Weight, scale: bool = False) -> bool:
@@ -83,8 +89,9 @@ def _kept(out: OutputTensor | None, w: Fp8Weight, scale: bool = False) -> bool:
     return out is not None and source is not None and out.unchanged and out.nbytes == source.nbytes
 
 
-def _row_pieces(w: Fp8Weight, block: tuple[int, int]) -> list[Ue8m0Codes]:
-    """One piece per run of rows in one row of the scale grid (pre-sharded chunks restart the grid)."""
+def row_pieces(w: Fp8Weight, block: tuple[int, int], vllm: bool = True) -> list[Ue8m0Codes]:
+    """One piece per run of rows in one row of the scale grid (pre-sharded chunks restart the grid); `vllm`:
+    vLLM's load-time requantization of each worked out beside, for the report."""
     t, scale = w.tensor, w.scale
     assert scale is not None
     rows, cols = t.shape
@@ -107,6 +114,7 @@ def _row_pieces(w: Fp8Weight, block: tuple[int, int]) -> list[Ue8m0Codes]:
                 block[1],
                 scale_values_at(scale, grid_row * grid_cols, grid_cols),
                 w.name,
+                vllm=vllm,
             )
         )
         first = last

@@ -121,13 +121,19 @@ def dequantized_lines(plan: ConversionPlan) -> list[str]:
 
 
 def ue8m0_lines(plan: ConversionPlan) -> list[str]:
-    """`--scales ue8m0`: blocks kept and requantized, fp8fix's error beside vLLM's load-time requantization."""
+    """`--scales ue8m0`: blocks kept and requantized, fp8fix's error beside vLLM's load-time requantization;
+    `--blocks mx` (the same powers of two, written as MXFP8's E8M0 bytes): blocks kept and requantized."""
     change = plan.ue8m0
     if change is None:
         return []
     modules = change.modules
     blocks = sum(m.blocks for m in modules)
     line = f"scales: ue8m0: {len(modules)} block-scaled weight(s), {blocks} blocks, every scale a power of two"
+    if change.mx:
+        line = (
+            f"blocks: mx: {len(modules)} block-scaled weight(s) written as MXFP8 (an E8M0 byte per 32 elements), "
+            f"{blocks} blocks, each at one power of two"
+        )
     written = [m for m in modules if m.blocks_kept is not None]
     if not written:
         return [line + "; blocks kept / requantized and errors reported once written"]
@@ -138,11 +144,16 @@ def ue8m0_lines(plan: ConversionPlan) -> list[str]:
     vllm = max(m.vllm_max_steps or 0.0 for m in written)
     rms = max(m.rms_steps or 0.0 for m in written)
     vllm_rms = max(m.vllm_rms_steps or 0.0 for m in written)
-    return [
+    said = (
         f"{line}; {kept} kept as they are (already powers of two), {again} requantized once ({halved} at half "
-        f"the smallest power that holds them); error in source fp8 steps: max {worst:.3f}, RMS {rms:.4f} "
-        f"(worst module); vLLM's own load-time requantization of SOURCE: max {vllm:.3f}, RMS {vllm_rms:.4f}"
-    ]
+        f"the smallest power that holds them)"
+    )
+    if change.mx and not again:
+        return [said + ": every value kept exactly"]
+    said += f"; error in source fp8 steps: max {worst:.3f}, RMS {rms:.4f} (worst module)"
+    if change.mx:  # the comparison is with vLLM's DeepGEMM path, which reads block FP8, not MXFP8
+        return [said]
+    return [said + f"; vLLM's own load-time requantization of SOURCE: max {vllm:.3f}, RMS {vllm_rms:.4f}"]
 
 
 def reblocked_lines(plan: ConversionPlan) -> list[str]:
@@ -188,7 +199,7 @@ def plan_lines(plan: ConversionPlan, verbose: bool = False) -> list[str]:
     lines += dequantized_lines(plan)
     lines += ue8m0_lines(plan)
     lines += reblocked_lines(plan)
-    if not groups and not plan.unquantized and not plan.reblocked:
+    if not groups and not plan.unquantized and not plan.reblocked and not (plan.ue8m0 and plan.ue8m0.mx):
         lines.append("modules: no fused modules in this checkpoint")
     for g in groups:
         into = f" -> {', '.join(g['into'])}" if g["into"] else ""
@@ -313,7 +324,11 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
         "dequantized": [dataclasses.asdict(m) for m in plan.dequantized],
         "ue8m0": None
         if plan.ue8m0 is None
-        else {"scale_fmt": plan.ue8m0.scale_fmt, "modules": [dataclasses.asdict(m) for m in plan.ue8m0.modules]},
+        else {
+            "scale_fmt": plan.ue8m0.scale_fmt,
+            "mx": plan.ue8m0.mx,
+            "modules": [dataclasses.asdict(m) for m in plan.ue8m0.modules],
+        },
         "reblocked": [dataclasses.asdict(m) for m in plan.reblocked],
         "tensor_parallel": None
         if plan.padding is None

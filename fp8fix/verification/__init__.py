@@ -17,8 +17,8 @@ Then:
   (requantized modules) within half an fp8 step, or at the clamp;
 - static input scales equal the source's (times the encoding's factor, or their max);
 - every other tensor, or its row slice, is byte-identical;
-- `--scales ue8m0` weights (power-of-two block scales) as such (`ue8m0`), and `--blocks 128x128` MXFP8 weights
-  re-blocked (`mx_blocks`);
+- `--scales ue8m0` weights (power-of-two block scales) as such (`ue8m0`), `--blocks 128x128` MXFP8 weights
+  re-blocked (`mx_blocks`), and `--blocks mx` block FP8 weights as MXFP8 (`block_mx`);
 - `--tp` padding and weights written unquantized (`--to bf16`, `--dequantize`, `--tp-bf16`) are checked as
   such (`padding`, `dequantized`);
 - every OUTPUT tensor has the dtype and shape its SOURCE tensor and mapping give (`shapes`);
@@ -40,6 +40,7 @@ from fp8fix.io.source_files import SourceFiles
 from fp8fix.io.workers import Jobs, resolve_jobs, run_tasks, window_start, worker_count
 from fp8fix.model import describe_checkpoint
 from fp8fix.registry.architectures import Registry
+from fp8fix.verification.block_mx import check_block_mx, mx_weights
 from fp8fix.verification.context import VerifyContext
 from fp8fix.verification.dequantized import (
     check_dequantized,
@@ -97,6 +98,7 @@ def verify(
         ctx.dropped = dropped_scales(ctx, ctx.dequantized)
         ctx.ue8m0 = ue8m0_weights(ctx)
         ctx.reblocked = reblocked_weights(ctx)
+        ctx.block_mx = mx_weights(ctx)
         checks = _TensorChecks(ctx, map_tensors(ctx), part)
         jobs = 1 if remote else resolve_jobs(jobs, checks.total, started)
         ctx.report.part = list(part) if part else None
@@ -165,6 +167,8 @@ class _TensorChecks:
                 ctx.report.add(check_ue8m0(ctx, ctx.ue8m0[name]))
             elif name in ctx.reblocked:  # `--blocks 128x128`: MXFP8 as block FP8 (its scale checked with it)
                 ctx.report.add(check_reblocked(ctx, ctx.reblocked[name]))
+            elif name in ctx.block_mx:  # `--blocks mx`: block FP8 as MXFP8 (its scale checked with it)
+                ctx.report.add(check_block_mx(ctx, ctx.block_mx[name]))
             elif name in ctx.padded:  # `--tp`: a padded MLP weight (its scale is checked with it)
                 if name not in self.scale_names:
                     ctx.report.add(check_padded(ctx, name, weight))

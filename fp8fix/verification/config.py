@@ -32,6 +32,7 @@ from fp8fix.model import KV_SCALE_SUFFIXES, ignore_linears, unquantized_linears
 from fp8fix.numerics.dtypes import is_fp8
 from fp8fix.registry.formats import COMPRESSED_TENSORS, NameList, locations, matches
 from fp8fix.registry.formats import quantization_config as quantization_of
+from fp8fix.verification.block_mx import check_mx_config
 from fp8fix.verification.context import VerifyContext, plain_output
 from fp8fix.verification.mx_blocks import check_reblocked_config
 from fp8fix.verification.sizes import check_sizes
@@ -63,6 +64,8 @@ def check_config(
         )
     if ctx.reblocked:  # `--blocks 128x128` (verification/mx_blocks.py)
         check_reblocked_config(ctx, source_qc, output_qc)
+    elif ctx.block_mx:  # `--blocks mx` (verification/block_mx.py)
+        check_mx_config(ctx, source_qc, output_qc)
     elif kept:
         lists = [n for n in ctx.fmt.name_lists if n.file == CONFIG]
         _same_but_names(ctx, CONFIG, "quantization_config", source_qc, output_qc, lists, renames, unquantized)
@@ -162,8 +165,10 @@ def _strays(entries: Any, source_entries: Any, modules: list[str], grammar: Any)
 
 
 def _named(entries: Any, modules: list[str], grammar: Any) -> set[str]:
-    texts = _texts(entries)
-    return {m for m in modules if any(matches(e, m, grammar) for e in texts)}
+    found: set[str] = set()
+    for entry in _texts(entries):  # entry by entry: each pattern compiled once, however long the list
+        found.update(m for m in modules if m not in found and matches(entry, m, grammar))
+    return found
 
 
 def _texts(entries: Any) -> list[str]:
@@ -274,7 +279,7 @@ def _compressed_tensors(ctx: VerifyContext, qc: dict[str, Any], converted: bool,
         said = weights.get("strategy")
         if said in ("tensor", "channel") and strategy is not None and said != strategy:
             report.problem(f"config.json: a config group says {said} weight scales; OUTPUT's are {strategy}")
-    if converted:
+    if converted and not ctx.block_mx:  # MXFP8 OUTPUT: its groups are checked by block_mx.check_mx_config
         inputs = any(n.endswith(".input_scale") for n in out.tensors)
         kv = any(n.endswith(KV_SCALE_SUFFIXES) for n in out.tensors)
         shape_ok = qc.get("format") == "float-quantized" and len(groups) == 1 and groups[0].get("targets") == ["Linear"]

@@ -39,7 +39,8 @@ def check_shapes(ctx: VerifyContext, mapping: dict[str, list[Target]], compresse
     }
     # `--blocks 128x128`: an MXFP8 weight's E8M0 grid becomes a float grid per 128 x 128 block (mx_blocks.py
     # checks its values with the weight's)
-    reblocked = {w.scale.name: w for w in ctx.reblocked.values() if w.scale is not None}
+    # `--blocks mx`: a block grid becomes E8M0 bytes per 32 elements of a row (block_mx.py, the same way)
+    reblocked = {w.scale.name: w for w in [*ctx.reblocked.values(), *ctx.block_mx.values()] if w.scale is not None}
     for name, targets in mapping.items():
         t = ctx.src.tensors[name]
         if name in reblocked:

@@ -12,6 +12,7 @@ scale p:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -51,17 +52,34 @@ def power_of_two(x: float) -> bool:
 
 def check_ue8m0(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
     """Every block of the weight as the module docstring says."""
+    assert weight.scale is not None
+    out_scale = ctx.out.tensors[weight.scale.name]
+
+    def grid() -> BlockScales:
+        out_grid = np.asarray(scale_values(out_scale, "OUTPUT")).reshape(out_scale.shape)
+        return lambda grid_row, row, stop: out_grid[grid_row]
+
+    return check_power_of_two_blocks(ctx, weight, grid)
+
+
+#: OUTPUT's scale of each column block of the rows [row, stop) in grid row `grid_row`.
+BlockScales = Callable[[int, int, int], Any]
+
+
+def check_power_of_two_blocks(ctx: VerifyContext, weight: Fp8Weight, scales: Callable[[], BlockScales]) -> WeightCheck:
+    """Every block of a block-scaled weight of SOURCE at the power of two OUTPUT gives it (`scales`, made once
+    the shapes are checked; raising Mismatch where OUTPUT's scales are not one per block), as `check_block`
+    says: `--scales ue8m0` and `--blocks mx` (`block_mx`) write the same values."""
     name, t = weight.name, weight.tensor
     o = ctx.out.tensors[name]
-    check = WeightCheck(name, [name], "requantized")
+    check = WeightCheck(name, [name], "exact")  # "requantized" once a block is (SOURCE's scale no power of two)
     assert weight.scale is not None and ctx.fmt.block is not None
     b0, b1 = ctx.fmt.block
     try:
         if o.shape != t.shape:
             raise Mismatch(f"'{name}' is {list(o.shape)}, expected SOURCE's shape {list(t.shape)}")
-        out_scale = ctx.out.tensors[weight.scale.name]
         src_grid = np.asarray(scale_values(weight.scale, "SOURCE")).reshape(weight.scale.shape)
-        out_grid = np.asarray(scale_values(out_scale, "OUTPUT")).reshape(out_scale.shape)
+        out_scales = scales()
         rows, cols = t.shape
         fused = weight.fused
         row = 0
@@ -70,22 +88,25 @@ def check_ue8m0(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
             stop = min(rows, fused.next_block_start(row, b0) if fused else (row // b0 + 1) * b0)
             src_codes = np.frombuffer(ctx.read_rows(t, row, stop, cols), dtype=np.uint8).reshape(-1, cols)
             out_codes = np.frombuffer(ctx.read_rows(o, row, stop, cols), dtype=np.uint8).reshape(-1, cols)
-            for c in range(out_grid.shape[1]):
+            out_row = out_scales(grid_row, row, stop)
+            for c in range(src_grid.shape[1]):
                 block = (slice(None), slice(c * b1, min(cols, (c + 1) * b1)))
-                error, steps = _check_block(
+                error, steps = check_block(
                     src_codes[block], t.dtype, float(src_grid[grid_row, c]),
-                    out_codes[block], o.dtype, float(out_grid[grid_row, c]),
+                    out_codes[block], o.dtype, float(out_row[c]),
                     f"'{name}' block row {grid_row} column block {c}",
                 )  # fmt: skip
                 check.max_error_steps = max(check.max_error_steps, steps)
                 check.max_error = max(check.max_error, error)
+                if not power_of_two(float(src_grid[grid_row, c])):
+                    check.grade("requantized")
             row = stop
     except Mismatch as e:
         check.mismatched(str(e), e.codes)
     return check
 
 
-def _check_block(
+def check_block(
     src: Any, src_dtype: str, s: float, out: Any, out_dtype: str, p: float, where: str
 ) -> tuple[float, float]:
     """One block; returns its worst error, in value and in fp8 steps at the new scale."""

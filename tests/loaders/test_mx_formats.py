@@ -1,7 +1,7 @@
 """What the real loaders do with compressed-tensors MXFP8 (issue 49), which fp8fix reads and judges
 (fp8fix/registry/loaders.py MX_RULES): checkpoints as llm-compressor writes them
-(tests/builders.mxfp8_compressed_tensors), of a Llama and of a Phi-3 (fused modules), and what `convert --to bf16`
-writes of them.
+(tests/builders.mxfp8_compressed_tensors), of a Llama and of a Phi-3 (fused modules), what `convert --to bf16`
+and `--blocks 128x128` write of them, and the MXFP8 `convert --blocks mx` writes of block FP8.
 
 Measured: vLLM 0.19.0 and SGLang 0.5.23 have no compressed-tensors scheme for it (NotImplementedError); vLLM
 0.20.2 - 0.32 have one and select an MXFP8 kernel, of which their CPU builds have none (ValueError; a GPU
@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.builders import llama, loadable, mxfp8_compressed_tensors, phi3
+from tests.builders import build, llama, loadable, mxfp8_compressed_tensors, phi3
 from tests.conftest import run_cli
 from tests.loaders.conftest import record, run_loaders
 from tests.loaders.test_real_loaders import VERDICT_ROWS, as_loaded, outcome, true_weights
@@ -66,30 +66,33 @@ def test_mxfp8_rows_are_what_the_loaders_do(tmp_path: Path) -> None:
         outputs[name] = tmp_path / f"{name}-bf16"
     assert set(OUTCOMES) == set(VERDICT_ROWS)
     ran = run_loaders(VERDICT_ROWS, [*sources.values(), *outputs.values()], tmp_path / "loaded")
-    expected_rows = {
-        row: row_of([OUTCOMES[loader] for loader, r in VERDICT_ROWS.items() if r == row])
-        for row in set(VERDICT_ROWS.values())
-    }
     for i, (name, src) in enumerate(sources.items()):
         rows = json.loads(run_cli("inspect", src, "--json").output)["loaders"]
         plain = json.loads(run_cli("inspect", outputs[name], "--json").output)["loaders"]
         for loader, results in ran.items():
-            loaded, row = results[i], VERDICT_ROWS[loader]
-            said = rows[row]["verdict"]
-            assert said == expected_rows[row], (name, row, said)
-            real = "loads" if loaded.loaded else "fails"
-            record(loader, f"{name}-ct-mxfp8", said, real, not_judged=said == "not-judged", why=loaded.error[:200])
-            expected = OUTCOMES[loader]
-            if expected is None:
-                assert loaded.loaded, f"{name} {loader}: {loaded.error}"
-                assert_mx_values(src, loaded.weights, loaded.unreadable)
-            else:
-                assert not loaded.loaded and expected in loaded.error, f"{name} {loader}: {loaded.error or 'loaded'}"
+            row = VERDICT_ROWS[loader]
+            check_mxfp8_outcome(f"{name}-ct-mxfp8", src, loader, rows[row]["verdict"], results[i])
             # the BF16 output: every loader builds a plain model with exactly the MX values
             bf16 = results[len(sources) + i]
             assert plain[row]["verdict"] == "loads" and bf16.loaded, f"{name}-bf16 {loader}: {bf16.error}"
             record(loader, f"{name}-ct-mxfp8-to-bf16", "loads", "loads")
             assert_mx_values(src, bf16.weights, bf16.unreadable)
+
+
+def check_mxfp8_outcome(case: str, src: Path, loader: str, said: str, loaded) -> None:
+    """An MXFP8 checkpoint's row (`said`) is what its releases did here (`row_of`), and `loaded` is what this
+    release was measured to do (OUTCOMES): the error it fails with, or exactly `src`'s MX values; recorded."""
+    row = VERDICT_ROWS[loader]
+    expected_row = row_of([OUTCOMES[other] for other, r in VERDICT_ROWS.items() if r == row])
+    assert said == expected_row, (case, row, said)
+    real = "loads" if loaded.loaded else "fails"
+    record(loader, case, said, real, not_judged=said == "not-judged", why=loaded.error[:200])
+    expected = OUTCOMES[loader]
+    if expected is None:
+        assert loaded.loaded, f"{case} {loader}: {loaded.error}"
+        assert_mx_values(src, loaded.weights, loaded.unreadable)
+    else:
+        assert not loaded.loaded and expected in loaded.error, f"{case} {loader}: {loaded.error or 'loaded'}"
 
 
 def assert_mx_values(src: Path, weights: dict[str, torch.Tensor], unreadable: list[str]) -> None:
@@ -135,3 +138,21 @@ def test_blocks_128_outputs_are_judged_as_the_loaders_load_them(tmp_path: Path) 
             if said not in (real, "not-judged"):
                 disagree.append((name, loader, said, real, why[:200]))
     assert not disagree, disagree
+
+
+def test_blocks_mx_outputs_load_as_mxfp8_does(tmp_path: Path) -> None:
+    """`convert --blocks mx` writes compressed-tensors MXFP8 from block FP8 (F32 scales, requantized per the
+    ue8m0 rule, and E8M0 scales, kept): each loader does with it what it does with llm-compressor's MXFP8, and
+    transformers computes with OUTPUT's own MX values; inspect's rows of OUTPUT say so."""
+    outputs = {}
+    for name, make in MODELS.items():
+        for fmt in ("block-fp8", "block-fp8-e8m0"):
+            src = build(tmp_path / f"{name}-{fmt}", loadable(make()), fmt=fmt, kv_scales=False, files=1)
+            out = tmp_path / f"{name}-{fmt}-mx"
+            assert run_cli("convert", src, out, "--blocks", "mx").exit_code == 0
+            outputs[f"{name}-{fmt}"] = out
+    ran = run_loaders(VERDICT_ROWS, list(outputs.values()), tmp_path / "loaded")
+    for i, (name, out) in enumerate(outputs.items()):
+        rows = json.loads(run_cli("inspect", out, "--json").output)["loaders"]
+        for loader, results in ran.items():
+            check_mxfp8_outcome(f"{name}-to-mxfp8", out, loader, rows[VERDICT_ROWS[loader]]["verdict"], results[i])
