@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.builders import block_fp8_checkpoint, build, llama, mlp_linears, phi3
+from tests.builders import block_fp8_checkpoint, build, glm, llama, mimo_v2, mlp_linears, phi3
 from tests.conftest import run_cli
 from tests.test_mx_formats import MEASURED
 from tests.test_mx_numerics import spec_e8m0
@@ -185,3 +185,56 @@ def test_a_power_of_two_outside_e8m0_is_refused_with_its_weight(tmp_path: Path) 
     result = run_cli("convert", tampered_src, tmp_path / "out", "--blocks", "mx")
     assert result.exit_code != 0 and f"weight '{name}.weight' has no MXFP8 form" in result.output
     assert "2^-140" in result.output and not (tmp_path / "out").exists()
+
+
+def _deepseek_r1(root: Path) -> Path:
+    from tests.test_families import deepseek_r1
+
+    return deepseek_r1(root)
+
+
+#: Block-FP8 checkpoints of every kind the suite builds: DeepSeek-R1's (MLA, a partial block row, unstacked
+#: experts, a BF16 router), MiMo-V2's (fused chunks, each with its own block grid), GLM's and Phi-3's fused
+#: modules, BF16 block scales (Qwen3), compressed-tensors block weights.
+BREADTH = {
+    "deepseek-r1": _deepseek_r1,
+    "mimo-v2": lambda root: mimo_v2(root),
+    "glm": lambda root: build(root, glm(), fmt="block-fp8", kv_scales=False),
+    "phi3-bf16-scales": lambda root: build(root, phi3(), fmt="block-fp8-bf16", kv_scales=False),
+    "phi3-ct-block": lambda root: build(root, phi3(), fmt="ct-block", kv_scales=False),
+}
+
+
+#: The kinds whose rows are the MX rules' alone (their architectures' loaders run in the suite; the MXFP8 rows
+#: were measured on Llama and Phi-3: tests/loaders); DeepSeek's and MiMo's are their architecture's first (a model
+#: class not run here, or none in transformers).
+MEASURED_ARCHITECTURES = ("glm", "phi3-bf16-scales", "phi3-ct-block")
+
+
+@pytest.mark.parametrize("name", BREADTH)
+def test_every_block_fp8_kind_converts_verifies_and_says_one_thing(tmp_path: Path, name: str) -> None:
+    """verify (run_cli runs it: every block re-derived) passes; the rows convert prints are inspect's of OUTPUT
+    and the measured MXFP8 rows; `inspect --strict` of OUTPUT fails exactly as its rows say (no target loads it
+    on every row), and verify --json's weights are all kept or requantized, as convert's blocks say."""
+    src = BREADTH[name](tmp_path / "src")
+    result = run_cli("convert", src, tmp_path / "out", "--blocks", "mx", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    rows = {
+        r: v["verdict"] for r, v in json.loads(run_cli("inspect", tmp_path / "out", "--json").stdout)["loaders"].items()
+    }
+    assert rows == {r: v["verdict"] for r, v in report["loaders"].items()}
+    if name in MEASURED_ARCHITECTURES:  # the MXFP8 rows measured on these models (tests/loaders)
+        assert rows == MEASURED
+    # --strict fails exactly where the target's rows do not all load
+    for target, said in (
+        ("transformers", [rows["transformers"]]),
+        ("vllm", [v for r, v in rows.items() if r.startswith("vLLM")]),
+    ):
+        strict = run_cli("inspect", tmp_path / "out", "--strict", "--target", target)
+        assert strict.exit_code == (0 if all(v == "loads" for v in said) else 1), (target, said, strict.output)
+    verified = json.loads(run_cli("verify", src, tmp_path / "out", "--json").stdout)
+    assert verified["ok"] is True
+    requantized = sum(m["blocks_requantized"] for m in report["ue8m0"]["modules"])
+    kinds = {w["kind"] for w in verified["weights"]}
+    assert kinds == ({"exact", "requantized"} if requantized else {"exact"}) or kinds == {"requantized"}
