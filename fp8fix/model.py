@@ -163,6 +163,14 @@ class Fp8Weight:
         """A linear module's `.weight` or stacked experts: what the module tables list."""
         return self.tensor.name.endswith(".weight") or self.stacked
 
+    def per_block(self, block: Block) -> bool:
+        """Scaled per `block`: a grid of scales, or one scale where the whole weight is one block (a grid of one,
+        which reads as a per-tensor scale)."""
+        if self.scale_kind == "block":
+            return True
+        one_block = block is not None and len(self.tensor.shape) == 2 and block_grid(self.tensor.shape, block) == (1, 1)
+        return one_block and self.scale_kind == "tensor" and self.fused is None and not self.stacked
+
 
 @dataclass(frozen=True)
 class CheckpointModel:

@@ -238,3 +238,21 @@ def test_every_block_fp8_kind_converts_verifies_and_says_one_thing(tmp_path: Pat
     requantized = sum(m["blocks_requantized"] for m in report["ue8m0"]["modules"])
     kinds = {w["kind"] for w in verified["weights"]}
     assert kinds == ({"exact", "requantized"} if requantized else {"exact"}) or kinds == {"requantized"}
+
+
+def test_weights_of_one_block_read_as_a_single_scale_convert_too(tmp_path: Path) -> None:
+    """A weight no bigger than one 128 x 128 block has a [1, 1] grid, which reads like one scale per tensor: it is
+    one block all the same, and written as one (every value checked as for the others)."""
+    config = {
+        **llama(hidden=96, heads=1, kv_heads=1, intermediate=128, layers=1).config,
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    }
+    linears = {
+        **mlp_linears("model.layers.0.mlp", 128, 96),
+        **{f"model.layers.0.self_attn.{p}": (96, 96) for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    }
+    src = block_fp8_checkpoint(tmp_path / "src", config, linears)
+    result = run_cli("convert", src, tmp_path / "out", "--blocks", "mx", "--json")
+    assert result.exit_code == 0, result.output
+    kept, requantized = check_output(src, tmp_path / "out", (128, 128))
+    assert (kept, requantized) == (0, len(linears))  # absmax / 448 scales: none a power of two

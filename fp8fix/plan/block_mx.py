@@ -101,7 +101,7 @@ def _require_blocks(model: CheckpointModel) -> None:
         for w in weights
         for why in (
             "stacked experts (one tensor for all experts)" if w.stacked else None,
-            "not block-scaled" if w.scale_kind != "block" else None,
+            "not block-scaled" if not w.per_block(fmt.block) else None,
             f"{w.tensor.dtype}, not e4m3fn (MX elements are OCP E4M3)" if w.tensor.dtype != E4M3FN else None,
             f"{w.tensor.shape[1]} columns, not whole groups of {MX_BLOCK}" if w.tensor.shape[1] % MX_BLOCK else None,
             "a static input scale (MXFP8 activations are quantized at run time)" if w.input_scale else None,
@@ -111,8 +111,9 @@ def _require_blocks(model: CheckpointModel) -> None:
     problems += [(n, "an FP8 tensor that is no module weight") for n in not_modules]
     problems += [(t.name, "a kv-cache scale (not carried into MXFP8)") for t in model.kv_cache_scales]
     if problems:
-        shown = some([f"'{name}': {why}" for name, why in problems], 3)
-        raise UnsupportedCheckpoint(f"--blocks mx: {len(problems)} tensor(s) MXFP8 cannot hold as written: {shown}")
+        shown = some([f"'{name:.120}': {why}" for name, why in problems], 3, width=200)
+        count = len({name for name, _ in problems})
+        raise UnsupportedCheckpoint(f"--blocks mx: {count} tensor(s) MXFP8 cannot hold as written: {shown}")
     skipped = _named_fp8_modules(model)
     if skipped:
         raise UnsupportedCheckpoint(

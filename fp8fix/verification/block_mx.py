@@ -46,7 +46,7 @@ def mx_weights(ctx: VerifyContext) -> dict[str, Fp8Weight]:
         return found
     for w in ctx.model.module_weights():
         o, scale = ctx.out.tensors.get(w.name), ctx.out.tensors.get(mx_scale_name(w) or "")
-        if o is None or scale is None or w.stacked or w.scale_kind != "block" or o.dtype != E4M3FN:
+        if o is None or scale is None or not w.per_block(ctx.fmt.block) or o.dtype != E4M3FN:
             continue
         rows, cols = w.tensor.shape
         if o.shape == w.tensor.shape and scale.dtype == "U8" and scale.shape == (rows, cols // MX) and cols % MX == 0:

@@ -78,9 +78,9 @@ def check_power_of_two_blocks(ctx: VerifyContext, weight: Fp8Weight, scales: Cal
     try:
         if o.shape != t.shape:
             raise Mismatch(f"'{name}' is {list(o.shape)}, expected SOURCE's shape {list(t.shape)}")
-        src_grid = np.asarray(scale_values(weight.scale, "SOURCE")).reshape(weight.scale.shape)
-        out_scales = scales()
         rows, cols = t.shape
+        src_grid = np.asarray(scale_values(weight.scale, "SOURCE")).reshape(-1, -(-cols // b1))  # [1, 1]: one block
+        out_scales = scales()
         fused = weight.fused
         row = 0
         while row < rows:  # runs of rows in one row of the grid (pre-sharded chunks restart it)
