@@ -231,7 +231,8 @@ def record_stats(plan: ConversionPlan, stats: WriteStats) -> None:
                 figures.blocks_halved,
             )
             m.max_steps, m.rms_steps = figures.max_steps, figures.rms_steps
-            m.vllm_max_steps, m.vllm_rms_steps = figures.vllm_max_steps, figures.vllm_rms_steps
+            if not plan.ue8m0.mx:  # `--blocks mx` works out no vLLM figures (its DeepGEMM path reads block FP8)
+                m.vllm_max_steps, m.vllm_rms_steps = figures.vllm_max_steps, figures.vllm_rms_steps
     for m in plan.reblocked:
         counted = stats.reblocked.get(m.weight)
         if counted is not None:
