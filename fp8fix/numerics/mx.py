@@ -200,8 +200,9 @@ def e8m0_row_bytes(exponents: list[int], rows: int, cols: int, block_cols: int) 
     import numpy as np
 
     e = np.asarray(exponents, dtype=np.int64) + E8M0_BIAS
-    if ((e < 0) | (e >= E8M0_NAN)).any():
-        c = int(np.argmax((e < 0) | (e >= E8M0_NAN)))
+    outside = (e < 0) | (e >= E8M0_NAN)
+    if outside.any():
+        c = int(np.argmax(outside))
         raise ValueError(f"column block {c} is at 2^{exponents[c]}, outside E8M0's 2^-127 .. 2^127")
     groups = np.arange(cols // MX_BLOCK) * MX_BLOCK // block_cols
     return np.tile(e.astype(np.uint8)[groups], rows).tobytes()

@@ -28,14 +28,9 @@ from fp8fix.numerics.mx import MX_BLOCK
 from fp8fix.plan import planner
 from fp8fix.plan.output import output_model
 from fp8fix.plan.pieces import ConversionPlan, MxScales, OutputTensor
+from fp8fix.plan.scheme import named_modules
 from fp8fix.plan.ue8m0 import Ue8m0Change, row_pieces, ue8m0_module
-from fp8fix.registry.formats import (
-    COMPRESSED_TENSORS,
-    compressed_tensors_names,
-    locations,
-    matches,
-    quantization_config,
-)
+from fp8fix.registry.formats import COMPRESSED_TENSORS, compressed_tensors_names, locations, quantization_config
 from fp8fix.verdicts import loader_verdicts
 
 #: compressed-tensors' MXFP8 preset (compressed_tensors 0.20 quantization/quant_scheme.py MXFP8), what vLLM 0.32
@@ -127,13 +122,12 @@ def _named_fp8_modules(model: CheckpointModel) -> list[str]:
     """FP8 modules that a config name list of modules left unquantized names (compressed-tensors' `ignore`,
     `quant_method: fp8`'s `modules_to_not_convert` / `ignored_layers`), as its loader matches them."""
     qc = quantization_config(model.checkpoint.config) or {}
-    modules = [w.module for w in model.module_weights()]
-    found = []
+    fp8 = {w.module for w in model.module_weights()}
+    found: list[str] = []
     for name_list in (n for n in model.require_format().name_lists if n.file == CONFIG and n.unquantized):
         for _, node, key in locations(qc, name_list.path.split("."), ""):
-            entries = [e for e in node[key] if isinstance(e, str)] if isinstance(node[key], list) else []
-            for entry in entries:  # each entry against every module: a pattern compiled once
-                found += [m for m in modules if matches(entry, m, name_list.grammar)]
+            entries = node[key] if isinstance(node[key], list) else []
+            found += [m for m in named_modules(model, entries, name_list.grammar) if m in fp8]
     return list(dict.fromkeys(found))
 
 

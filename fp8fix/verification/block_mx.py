@@ -5,7 +5,7 @@ Read off OUTPUT: a SOURCE block-scaled FP8 weight whose OUTPUT tensor is e4m3fn 
 SOURCE block (the rows of one row of its grid, the block's columns):
 - every E8M0 byte OUTPUT gives the block's elements is one and the same b, and not 255 (NaN): the block is at
   p = 2^(b - 127), decoded here from the OCP MX definition;
-- its values are what a block at p must hold (`ue8m0.check_block`, as `--scales ue8m0`): SOURCE's exactly
+- its values are what a block at p must hold (`ue8m0.check_block_row`, as `--scales ue8m0`): SOURCE's exactly
   where SOURCE's scale is a power of two, else each nearest even at the smallest power of two holding the
   block, or half of it where that errs less.
 The config is checked here too: compressed-tensors `format: mxfp8-quantized`, every config group's weights
