@@ -16,6 +16,7 @@ from typing import Any
 
 from fp8fix.collector import collector_paused
 from fp8fix.errors import Fp8fixError
+from fp8fix.fp4_modules import Fp4Weight
 from fp8fix.gate import Row, default_candidate, default_options, gate_rows
 from fp8fix.io.checkpoint import Checkpoint, first_invalid_scale, open_checkpoint, scale_values
 from fp8fix.io.source_files import SourceFiles
@@ -96,6 +97,8 @@ class Report:
     tensor_parallel: dict[str, Any] | None = None
     #: with `--scan-data`, of e4m3fnuz weights: the codes e4m3fn parameters round (`verdicts.Rounding`)
     fnuz_rounding: dict[str, Any] | None = None
+    #: FP4 modules (NVFP4 / MXFP4: `fp4_modules.Fp4Weight`), one entry each (`fp4_info`)
+    fp4_modules: list[dict[str, Any]] = field(default_factory=list)
 
     #: the target the rows are gated for (`--target`: whose loaders must load, and what convert would write)
     target: Target = "auto"
@@ -154,6 +157,7 @@ def inspect_checkpoint(
         ],
         modules=modules,
         kv_cache_scales=[{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in model.kv_cache_scales],
+        fp4_modules=[fp4_info(w) for w in model.fp4.values()],
         findings=[],
         loaders={},
         data_scanned=scan_data,
@@ -222,6 +226,19 @@ def _refusal(model: CheckpointModel) -> str | None:
     except Fp8fixError as e:
         return str(e)
     return None
+
+
+def fp4_info(w: Fp4Weight) -> dict[str, Any]:
+    """One FP4 module as `--json` lists it: its scheme, elements [out, in], scale and global scale."""
+    return {
+        "module": w.module,
+        "scheme": w.scheme,
+        "shape": [w.packed.shape[0], w.cols] if w.cols else list(w.packed.shape),
+        "scale_dtype": w.scale.dtype if w.scale else None,
+        "scale_shape": list(w.scale.shape) if w.scale else None,
+        "global_scale": w.global_scale is not None,
+        "problem": str(w.problem) if w.problem else None,
+    }
 
 
 def _module_info(w: Fp8Weight) -> ModuleInfo:

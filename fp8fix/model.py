@@ -21,6 +21,7 @@ from functools import cached_property
 from typing import Any
 
 from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
+from fp8fix.fp4_modules import Fp4Weight, fp4_weights
 from fp8fix.io.checkpoint import Checkpoint, check_scales
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.io.source_files import SourceFiles
@@ -183,6 +184,7 @@ class CheckpointModel:
     fused: dict[str, FusedModule]  # by module path
     weights: dict[str, Fp8Weight]  # every FP8 tensor, in checkpoint order
     kv_cache_scales: list[TensorInfo]
+    fp4: dict[str, Fp4Weight]  # FP4 modules (compressed-tensors NVFP4 / MXFP4) by module, in checkpoint order
     # set once require_convertible has passed: --target plans several candidates from one description,
     # and reading every scale again for each (tens of thousands of block grids) is wasted work
     _convertible: list[bool] = field(default_factory=list, repr=False, compare=False)
@@ -244,12 +246,18 @@ class CheckpointModel:
         weight can be recovered from."""
         if self._convertible:
             return
-        if not self.weights:
+        fp4_problem = next((w.problem for w in self.fp4.values() if w.problem is not None), None)
+        if fp4_problem is not None:
+            raise fp4_problem
+        if not self.weights and not self.fp4:
             ckpt = self.checkpoint
             raise InvalidCheckpoint(
                 f"{ckpt.root.name}: no FP8 tensor in {len(ckpt.shards)} safetensors file(s); not an FP8 checkpoint"
             )
         ordered = sorted(self.weights.values(), key=lambda w: w.stacked)
+        if not ordered:  # FP4 modules only: their scales are read as they are written
+            self._convertible.append(True)
+            return
         first = next((i for i, w in enumerate(ordered) if w.problem is not None), len(ordered))
         if self.checkpoint.has_data:  # Hub headers: no values; the weights before the first problem, first
             with SourceFiles() as files:
@@ -325,10 +333,14 @@ def describe_checkpoint(ckpt: Checkpoint, registry: Registry) -> CheckpointModel
     name = architecture_name(ckpt.config)
     spec = registry.get(name)
     fused = {m.path: m for m in _find_fused_modules(ckpt, spec)} if spec else {}
+    fp4 = {w.module: w for w in fp4_weights(ckpt, fmt)}
+    fp4_tensors = {t.name for w in fp4.values() for t in w.tensors}
     describe = _WeightReader(ckpt, registry, spec, fmt, fused)
-    weights = {t.name: describe(t) for t in ckpt.tensors.values() if t.dtype in FP8_DTYPES}
+    weights = {
+        t.name: describe(t) for t in ckpt.tensors.values() if t.dtype in FP8_DTYPES and t.name not in fp4_tensors
+    }
     kv = [t for t in ckpt.tensors.values() if t.name.endswith(KV_SCALE_SUFFIXES)]
-    return CheckpointModel(ckpt, registry, name, spec, fmt, format_error, fused, weights, kv)
+    return CheckpointModel(ckpt, registry, name, spec, fmt, format_error, fused, weights, kv, fp4)
 
 
 def _find_fused_modules(ckpt: Checkpoint, arch: ArchitectureSpec) -> list[FusedModule]:

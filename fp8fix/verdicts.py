@@ -21,6 +21,7 @@ from fp8fix.registry.kv_rules import KV_RULES
 from fp8fix.registry.loader_rows import CALLS, LOADERS, WITH_PACKAGE
 from fp8fix.registry.loaders import (
     DEFAULT_EVIDENCE,
+    FP4_RULES,
     LOADS_BECAUSE,
     MX_RULES,
     PLAIN_MODEL,
@@ -28,7 +29,7 @@ from fp8fix.registry.loaders import (
     RULES,
     UNQUANTIZED_EVIDENCE,
 )
-from fp8fix.registry.parallel import PACKED_SHARDS
+from fp8fix.registry.parallel import PACKED_SHARDS, packed_siblings
 from fp8fix.registry.vllm_names import nearest_vllm_name, vllm_resolves
 from fp8fix.vocab import KvVerdict, Verdict
 
@@ -53,8 +54,14 @@ TRANSFORMERS_MISSING = frozenset({"MiMoV2ForCausalLM"})
 
 #: What each fact means, for the table of rules in docs/loader-rules.md (scripts/loader_tables.py).
 FACT_DESCRIPTIONS = {
-    "unread_format": "a quantization format fp8fix does not read yet (MX FP4, NVFP4, mixed precision, MX dialects "
-    "other than compressed-tensors MXFP8: the format line names it)",
+    "unread_format": "a quantization format fp8fix does not read yet (ModelOpt's and Quark's MX and FP4, gpt-oss "
+    "MXFP4, compressed-tensors schemes other than FP8, MXFP8, NVFP4 and MXFP4: the format line names it)",
+    "fp4_modules": "FP4 modules (compressed-tensors NVFP4 or MXFP4), alone or beside FP8 ones",
+    "fp4_unmeasured": "FP4 modules in a checkpoint unlike those run (see verdicts._fp4_unmeasured)",
+    "mxfp4_modules": "MXFP4 modules (E2M1, an E8M0 scale per 32)",
+    "nvfp4_global_scales_differ": "NVFP4 q / k / v or gate / up modules whose global scales differ",
+    "nvfp4_global_scales_unread": "NVFP4 q / k / v or gate / up modules whose global scales were not read (headers "
+    "only)",
     "mx_unmeasured": "compressed-tensors MXFP8 unlike the checkpoints run (a missing or misshapen scale, e4m3fnuz, "
     "kv-cache scales, unfused names, a targeted Linear without an MX weight)",
     "mx_blocks": "compressed-tensors MXFP8 (E8M0 scale per 32 elements of a row); only these rules and the "
@@ -177,6 +184,11 @@ class Facts:
     kv_cache_scheme: bool = False  # ... declared by compressed-tensors' kv_cache_scheme
     vllm_unknown_architecture: bool = False  # vLLM resolves config.json's name to no model class
     unread_format: bool = False  # a quantization format fp8fix does not read yet (format_error: unsupported)
+    fp4_modules: bool = False  # FP4 modules (NVFP4 / MXFP4, `model.fp4`): judged by `registry.loaders.FP4_RULES`
+    fp4_unmeasured: bool = False  # ... of a kind the real loaders were not run on (see `_fp4_unmeasured`)
+    mxfp4_modules: bool = False  # ... MXFP4 among them
+    nvfp4_global_scales_differ: bool = False  # NVFP4 modules vLLM / SGLang pack into one layer, global scales unequal
+    nvfp4_global_scales_unread: bool = False  # ... whose global scales were not read (headers only)
     mx_blocks: bool = False  # an MX checkpoint (compressed-tensors MXFP8): judged by `registry.loaders.MX_RULES` only
     mx_unmeasured: bool = False  # ... of a kind the real loaders were not run on (see `_mx_unmeasured`)
     phi3_rope_factors: bool = False  # a Phi-3 config whose LongRoPE factor lists do not fit (Phi3Config refuses)
@@ -359,6 +371,7 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         and fmt.block is not None
         and _weight_only_group(model.checkpoint.config)
     )
+    global_scales = _nvfp4_global_scales(model)
     requantized = packed_scales_differ(model)  # vLLM requantizes packed shards at load (ModelOpt's on ROCm: clips)
     return Facts(
         architecture=architecture,
@@ -379,6 +392,11 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         phi3_rope_factors=bool(rope),
         rope=rope,
         unread_format=isinstance(model.format_error, UnsupportedCheckpoint) and not unquantized,
+        fp4_modules=bool(model.fp4),
+        fp4_unmeasured=bool(model.fp4) and _fp4_unmeasured(model, weights, unfused or targeted),
+        mxfp4_modules=any(w.scheme == "mxfp4" for w in model.fp4.values()),
+        nvfp4_global_scales_differ="differ" in global_scales,
+        nvfp4_global_scales_unread="unread" in global_scales,
         mx_blocks=mx,
         mx_unmeasured=mx and _mx_unmeasured(model, weights, unfused or targeted),
         vllm_added_after_020=architecture in VLLM_ADDED_AFTER_020,
@@ -435,6 +453,44 @@ def _mx_unmeasured(model: CheckpointModel, weights: list[Fp8Weight], unlike: boo
         or bool(model.kv_cache_scales)
         or any(w.scale is None or w.scale_kind is None or w.tensor.dtype != E4M3FN for w in weights)
     )
+
+
+def _fp4_unmeasured(model: CheckpointModel, weights: list[Fp8Weight], unlike: bool) -> bool:
+    """FP4 modules in a checkpoint unlike those the real loaders were run on (tests/loaders/test_fp4_loads.py:
+    NVFP4, MXFP4 or both, beside FP8_DYNAMIC modules or none, lm_head in `ignore`): an FP4 module that cannot be
+    read, kv-cache scales, MXFP8 or block-FP8 groups, FP8 weights that are not e4m3fn with a scale per row (or are
+    fused on disk), a packed q / k / v or gate / up of mixed schemes, or (`unlike`) unfused names of fused modules
+    or a Linear the config targets without a weight."""
+    fmt = model.format
+    schemes = {w.module: w.scheme for w in model.fp4.values()} | {w.module: "fp8" for w in weights}
+    mixed_packs = any(len({schemes.get(m) for m in packed_siblings(module)}) > 1 for module in schemes)
+    return (
+        unlike
+        or mixed_packs
+        or bool(model.kv_cache_scales)
+        or fmt is None
+        or fmt.mx
+        or fmt.block is not None
+        or any(w.problem is not None for w in model.fp4.values())
+        or any(w.scale_kind != "channel" or w.fused is not None or w.tensor.dtype != E4M3FN for w in weights)
+    )
+
+
+def _nvfp4_global_scales(model: CheckpointModel) -> set[str]:
+    """Of the NVFP4 modules vLLM and SGLang pack into one layer (q / k / v, gate / up: `PACKED_SHARDS`), whether the
+    global scales of some group "differ", or are "unread" (headers only)."""
+    nvfp4 = {w.module: w for w in model.fp4.values() if w.scheme == "nvfp4" and w.global_scale is not None}
+    found: set[str] = set()
+    for module in nvfp4:
+        siblings = packed_siblings(module)
+        if siblings[0] != module or len(siblings) == 1 or not all(s in nvfp4 for s in siblings):
+            continue
+        values = [known_values(model.checkpoint, nvfp4[s].global_scale) for s in siblings]  # type: ignore[arg-type]
+        if any(v is None for v in values):
+            found.add("unread")
+        elif len({tuple(v) for v in values if v is not None}) > 1:
+            found.add("differ")
+    return found
 
 
 def _weight_only_group(config: dict[str, Any]) -> bool:
@@ -562,6 +618,8 @@ def _row_verdict(loader: str, facts: Facts) -> tuple[LoaderVerdict, str]:
     rules = [r for r in RULES if r.loader == loader and (not facts.unquantized or r.condition in PLAIN_MODEL_RULES)]
     if facts.mx_blocks:  # the model's rules, then the MX format's: the FP8 rules are about other scales
         rules = [r for r in rules if r.condition in PLAIN_MODEL_RULES] + [r for r in MX_RULES if r.loader == loader]
+    if facts.fp4_modules:  # the model's rules, then the FP4 ones: the FP8 rules are about FP8 modules only
+        rules = [r for r in rules if r.condition in PLAIN_MODEL_RULES] + [r for r in FP4_RULES if r.loader == loader]
     rule = next((r for r in rules if getattr(facts, r.condition)), None)
     if rule is not None:
         names = {"architecture": facts.architecture, "nearest": facts.nearest_architecture, "rope": facts.rope}

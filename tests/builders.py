@@ -803,3 +803,158 @@ def mxfp8_compressed_tensors(root: Path, model: Model | None = None, seed: int =
     names = sorted(tensors)
     write_files(root, [{n: tensors[n] for n in names[i::files]} for i in range(files)], config)
     return root
+
+
+#: compressed-tensors' NVFP4 and MXFP4 presets (compressed_tensors 0.20 quantization/quant_scheme.py NVFP4, MXFP4):
+#: 4-bit float weights, NVFP4 `tensor_group` in groups of 16 with e4m3 scales (and a global scale), MXFP4 `group`
+#: in groups of 32 with E8M0 bytes as uint8; activations quantized the same way (NVFP4's with a static global scale).
+NVFP4_ARGS = {
+    "num_bits": 4,
+    "type": "float",
+    "strategy": "tensor_group",
+    "group_size": 16,
+    "symmetric": True,
+    "dynamic": False,
+    "scale_dtype": "torch.float8_e4m3fn",
+    "zp_dtype": "torch.float8_e4m3fn",
+}
+MXFP4_ARGS = {
+    **NVFP4_ARGS,
+    "strategy": "group",
+    "group_size": 32,
+    "scale_dtype": "torch.uint8",
+    "zp_dtype": "torch.uint8",
+}
+FP4_PRESETS = {
+    "nvfp4": ("nvfp4-pack-quantized", NVFP4_ARGS, {**NVFP4_ARGS, "dynamic": "local", "observer": "static_minmax"}),
+    "mxfp4": ("mxfp4-pack-quantized", MXFP4_ARGS, {**MXFP4_ARGS, "dynamic": True}),
+}
+#: E2M1's magnitudes by the low three bits of a nibble (OCP MX v1.0 section 5.3.3, table 5); bit 3 the sign.
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: llm-compressor's FP8_DYNAMIC preset: e4m3fn weights with a scale per row, activations per token at run time.
+FP8_CHANNEL_ARGS = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+FP8_TOKEN_ARGS = {**FP8_CHANNEL_ARGS, "strategy": "token", "dynamic": True}
+
+
+def e2m1_nibbles(x: torch.Tensor) -> torch.Tensor:
+    """The nearest E2M1 nibble of each value (sign in bit 3), as compressed-tensors' pack_fp4_to_uint8 picks it."""
+    magnitudes = torch.tensor(E2M1, dtype=x.dtype)
+    index = (x.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1)
+    return (index + torch.signbit(x).long() * 8).to(torch.uint8)
+
+
+def pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """[out, in] nibbles packed two a byte, the element at the even index in the low four bits."""
+    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+
+
+def nvfp4_quantize(w: torch.Tensor, amax: float | None = None) -> dict[str, torch.Tensor]:
+    """`w` [out, in] as compressed-tensors writes NVFP4: a global scale 448 x 6 / amax (`amax`: the largest
+    magnitude of the modules sharing it, else `w`'s), each 16's e4m3 scale amax / 6 x global, elements
+    x / (scale / global) to the nearest E2M1."""
+    rows, cols = w.shape
+    amax = float(w.abs().max()) if amax is None else amax
+    global_scale = torch.tensor([FP8_MAX * 6.0 / amax], dtype=torch.float32)
+    groups = w.reshape(rows, cols // 16, 16)
+    scales = (groups.abs().amax(-1) / 6.0 * global_scale).clamp(2.0**-9, FP8_MAX).to(torch.float8_e4m3fn)
+    step = scales.to(torch.float64) / global_scale.to(torch.float64)
+    nibbles = e2m1_nibbles((groups / step[..., None]).reshape(rows, cols))
+    return {"weight_packed": pack_nibbles(nibbles), "weight_scale": scales, "weight_global_scale": global_scale}
+
+
+def mxfp4_quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`w` [out, in] as MXFP4: each 32's E8M0 byte the power of two at or above amax / 6, elements to the nearest
+    E2M1 at it."""
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // 32, 32)
+    amax = groups.abs().amax(-1).clamp(min=2.0**-120)
+    exponent = (torch.ceil(torch.log2(amax / 6.0)) + 127).clamp(0, 254)
+    nibbles = e2m1_nibbles((groups / torch.exp2(exponent - 127)[..., None]).reshape(rows, cols))
+    return {"weight_packed": pack_nibbles(nibbles), "weight_scale": exponent.to(torch.uint8)}
+
+
+def _group_targets(suffixes: set[str], every: list[str]) -> list[str]:
+    """`re:` targets naming `suffixes`: a whole parent (`re:.*self_attn[.].*`) where the group holds every linear
+    layer under it (so a runtime's fused q / k / v layer matches too), else each suffix."""
+    targets = []
+    for parent in sorted({s.rpartition(".")[0] for s in suffixes}):
+        under = {s for s in every if s.rpartition(".")[0] == parent}
+        if under <= suffixes:
+            targets.append(f"re:.*{parent.replace('.', '[.]')}[.].*")
+        else:
+            targets += [f"re:.*{s.replace('.', '[.]')}$" for s in sorted(under & suffixes)]
+    return targets
+
+
+#: The modules llm-compressor gives one NVFP4 global scale (update_fused_layer_weight_global_scales: "q,k,v layers
+#: are treated as one tensor with the same global_scale and gate_proj/up_proj layers ... the same global scale",
+#: as vLLM requires), by suffix.
+SHARED_GLOBAL = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def fp4_compressed_tensors(
+    root: Path,
+    schemes: dict[str, str],
+    model: Model | None = None,
+    seed: int = 0,
+    files: int = 1,
+    shared_global: bool = True,
+) -> Path:
+    """`model` (a Llama by default) as llm-compressor writes FP4 and mixed checkpoints: each linear layer whose
+    suffix (`self_attn.q_proj`) ends with a key of `schemes` in that scheme (nvfp4, mxfp4 or fp8: FP8_DYNAMIC,
+    e4m3fn with a scale per row), the rest BF16 (embeddings, norms, lm_head; a linear no key names). One scheme:
+    a group targeting `Linear` (lm_head ignored), `format` its own; several: a group per scheme targeting its
+    suffixes (`re:`), `format: mixed-precision`. `shared_global`: NVFP4 q / k / v and gate / up share one global
+    scale (`SHARED_GLOBAL`), as llm-compressor writes them; else each its own, as other exporters do."""
+    gen = torch.Generator().manual_seed(seed)
+    model = model or llama()
+    tensors: dict[str, torch.Tensor] = {}
+    used: dict[str, set[str]] = {}
+    for i in range(model.layers):
+        prefix = model.layer_prefix.format(i=i)
+        linears = [(f.suffix, sum(f.rows), f.in_features) for f in model.fused] + list(model.plain)
+        drawn = {suffix: torch.randn(out, inp, generator=gen) * 0.02 for suffix, out, inp in linears}
+        amax = {suffix: float(w.abs().max()) for suffix, w in drawn.items()}
+        for group in SHARED_GLOBAL if shared_global else ():
+            shared = max((amax[s] for s in group if s in amax), default=0.0)
+            amax.update({s: shared for s in group if s in amax})
+        for suffix, w in drawn.items():
+            scheme = next((s for key, s in schemes.items() if suffix.endswith(key)), None)
+            if scheme is None:
+                tensors[f"{prefix}{suffix}.weight"] = w.to(torch.bfloat16)
+                continue
+            used.setdefault(scheme, set()).add(suffix)
+            if scheme == "fp8":
+                scale = (w.abs().amax(1, keepdim=True) / FP8_MAX).to(torch.float32)
+                quantized = {"weight": quantize(w, scale), "weight_scale": scale}
+            else:
+                quantized = nvfp4_quantize(w, amax[suffix]) if scheme == "nvfp4" else mxfp4_quantize(w)
+                if scheme == "nvfp4":
+                    quantized["input_global_scale"] = torch.tensor([FP8_MAX * 6.0 / 4.0], dtype=torch.float32)
+            tensors.update({f"{prefix}{suffix}.{name}": t for name, t in quantized.items()})
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{prefix}{norm}.weight"] = torch.ones(model.hidden, dtype=torch.bfloat16)
+    tensors["model.embed_tokens.weight"] = torch.randn(model.vocab, model.hidden, generator=gen).to(torch.bfloat16)
+    tensors["model.norm.weight"] = torch.ones(model.hidden, dtype=torch.bfloat16)
+    tensors["lm_head.weight"] = torch.randn(model.vocab, model.hidden, generator=gen).to(torch.bfloat16)
+    groups = {}
+    for n, (scheme, suffixes) in enumerate(sorted(used.items())):
+        fmt, weights, inputs = FP4_PRESETS.get(scheme, ("float-quantized", FP8_CHANNEL_ARGS, FP8_TOKEN_ARGS))
+        targets = _group_targets(suffixes, [suffix for suffix, _, _ in linears]) if len(used) > 1 else ["Linear"]
+        group = {"targets": targets, "weights": weights, "format": fmt}
+        groups[f"group_{n}"] = {**group, "input_activations": inputs}
+    formats = {g["format"] for g in groups.values()}
+    config = {
+        **model.config,
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+            "quantization_status": "compressed",
+            "config_groups": groups,
+            "ignore": ["lm_head"],
+        },
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    write_files(root, [{n: tensors[n] for n in names[i::files]} for i in range(files)], config)
+    return root

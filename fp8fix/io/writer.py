@@ -37,6 +37,7 @@ from fp8fix.plan.pieces import (
     MxBlockScales,
     MxDequantize,
     MxScales,
+    Nvfp4Dequantize,
     OutputShard,
     PadRows,
     Recode,
@@ -138,6 +139,8 @@ def shard_inputs(shard: OutputShard) -> set[Path]:
                 paths |= {p.path} | {ref.path for ref in (p.col_scales, p.row_scales) if ref is not None}
             elif isinstance(p, MxDequantize | MxBlockCodes):
                 paths |= {p.path, p.scales.path}
+            elif isinstance(p, Nvfp4Dequantize):
+                paths |= {p.path, p.scales.path, p.global_scale.path}
             elif isinstance(p, MxBlockScales):
                 paths |= {r.path for r in p.rows} | {r.scales.path for r in p.rows}
             elif not isinstance(p, Fill):
@@ -146,7 +149,17 @@ def shard_inputs(shard: OutputShard) -> set[Path]:
 
 
 #: The pieces whose bytes pass through Python (recoded, requantized, dequantized, re-blocked).
-CPU_BOUND_PIECES = (Recode, Requantize, RequantizeBlocks, PadRows, Dequantize, MxDequantize, MxBlockCodes, Ue8m0Codes)
+CPU_BOUND_PIECES = (
+    Recode,
+    Requantize,
+    RequantizeBlocks,
+    PadRows,
+    Dequantize,
+    MxDequantize,
+    Nvfp4Dequantize,
+    MxBlockCodes,
+    Ue8m0Codes,
+)
 
 
 def _cpu_bound(plan: ConversionPlan) -> bool:
@@ -218,6 +231,9 @@ def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progres
                     stats.dequantized.setdefault(tensor.source, RoundingStats()).update(rounding)
                 elif isinstance(piece, MxDequantize):
                     rounding = _mx_dequantize(sources, out, piece, tensor.source)
+                    stats.dequantized.setdefault(tensor.source, RoundingStats()).update(rounding)
+                elif isinstance(piece, Nvfp4Dequantize):
+                    rounding = _nvfp4_dequantize(sources, out, piece, tensor.source)
                     stats.dequantized.setdefault(tensor.source, RoundingStats()).update(rounding)
                 elif isinstance(piece, RequantizeBlocks):
                     error = _requantize_blocks(sources, out, piece, tensor.source)
@@ -456,14 +472,14 @@ def _mx_dequantize(sources: _Sources, out: int, piece: MxDequantize, source: str
     window's E8M0 bytes read beside it. A NaN code, a NaN scale or a value BF16 cannot hold is refused, named."""
     from fp8fix.numerics.dequantize import BF16, output_bits, output_step, round_to
 
-    nan = NAN_CODES[E4M3FN]
+    nan = NAN_CODES[E4M3FN] if piece.element == "e4m3" else ()  # E2M1 has no NaN
     blocks = piece.cols // MX_BLOCK
-    window_bytes = max(1, RECODE_WINDOW // piece.cols) * piece.cols
+    window_bytes = max(1, RECODE_WINDOW // piece.row_bytes) * piece.row_bytes
     worst = RoundingStats()
     for buffer, first, length in sources.windows(piece.path, piece.start, piece.end, window_bytes):
-        if window_contains(buffer, length, nan):
+        if nan and window_contains(buffer, length, nan):
             _refuse_codes(sources, piece, nan, source, "NaN codes")
-        row0, rows = (first - piece.start) // piece.cols, length // piece.cols
+        row0, rows = (first - piece.start) // piece.row_bytes, length // piece.row_bytes
         at = piece.scales.start + row0 * blocks
         scales = sources.read(piece.scales.path, at, at + rows * blocks)
         codes, shape = memoryview(buffer)[:length], MxRows(rows, piece.cols, piece.element)
@@ -486,6 +502,34 @@ def _mx_dequantize(sources: _Sources, out: int, piece: MxDequantize, source: str
         steps = error / output_step(exact, piece.out_dtype)
         worst.update(RoundingStats(float(error.max(initial=0.0)), float(steps.max(initial=0.0))))
         _write_all(out, output_bits(rounded, piece.out_dtype).astype("<u2").tobytes())
+    return worst
+
+
+def _nvfp4_dequantize(sources: _Sources, out: int, piece: Nvfp4Dequantize, source: str) -> RoundingStats:
+    """NVFP4 rows written as BF16 or F16, rounded once (`numerics.nvfp4`), window by window, each window's scale
+    bytes read beside it. A global scale that is not finite and positive, a NaN scale or a value the output cannot
+    hold is refused, named."""
+    from fp8fix.numerics.nvfp4 import NVFP4_GROUP, Fp4RangeError, nvfp4_rows, nvfp4_table
+
+    (global_scale,) = _scale_list(sources, piece.global_scale, source)
+    table = nvfp4_table(global_scale, piece.out_dtype)
+    row_bytes, groups = piece.cols // 2, piece.cols // NVFP4_GROUP
+    window_bytes = max(1, RECODE_WINDOW // row_bytes) * row_bytes
+    worst = RoundingStats()
+    for buffer, first, length in sources.windows(piece.path, piece.start, piece.end, window_bytes):
+        row0, rows = (first - piece.start) // row_bytes, length // row_bytes
+        at = piece.scales.start + row0 * groups
+        scales = sources.read(piece.scales.path, at, at + rows * groups)
+        try:
+            data, rounding = nvfp4_rows(memoryview(buffer)[:length], scales, piece.cols, table, piece.out_dtype)
+        except Fp4RangeError as e:
+            raise InvalidCheckpoint(
+                f"{piece.path.name}: NVFP4 weight '{source}' row {row0 + e.row}, group {e.group}: its scale "
+                f"'{piece.scales.name}' (e4m3 byte {e.scale_byte:#04x}) over the global scale {global_scale:g} makes "
+                f"a value NaN or puts it outside {piece.out_dtype}'s range; cannot write it in {piece.out_dtype}"
+            ) from e
+        worst.update(rounding)
+        _write_all(out, data)
     return worst
 
 

@@ -66,6 +66,18 @@ def round_to(exact: Any, out_dtype: str) -> Any:
     return exact.astype(np.float16).astype(np.float64)
 
 
+def fits_output(exact: Any, out_dtype: str) -> Any:
+    """bool per float64 value: `round_to` writes it (finite, and zero or inside `out_dtype`'s range: BF16's
+    normal one, F16's up to its largest); the rest it refuses."""
+    import numpy as np
+
+    magnitude = np.abs(np.where(np.isfinite(exact), exact, np.inf))
+    if out_dtype == BF16:
+        inside = (magnitude >= _MIN_NORMAL) & (magnitude <= np.finfo(np.float32).max)
+        return np.isfinite(magnitude) & ((magnitude == 0) | inside)
+    return magnitude <= _F16_MAX
+
+
 def bf16_step(values: Any) -> Any:
     """The BF16 step (distance to the next BF16 value away from zero) at each float64 value."""
     import numpy as np

@@ -19,11 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fp8fix.errors import UnsupportedCheckpoint
+from fp8fix.fp4_modules import Fp4Weight
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import CheckpointModel, Fp8Weight, block_grid
 from fp8fix.numerics.dequantize import BF16
 from fp8fix.numerics.dtypes import BITS
-from fp8fix.plan.pieces import Dequantize, MxDequantize, OutputTensor, Piece, ScaleRef
+from fp8fix.plan.pieces import Dequantize, MxDequantize, Nvfp4Dequantize, OutputTensor, Piece, ScaleRef
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Bf16Module:
     max_error: float | None = None  # filled in by convert from the writer's statistics
     max_error_steps: float | None = None  # in steps of the output dtype at the value (at most 0.5)
     dtype: str = BF16
+    scheme: str = "fp8"  # what SOURCE held: fp8, or an FP4 module's nvfp4 / mxfp4
 
 
 def plan_bf16_modules(
@@ -61,6 +63,33 @@ def plan_unquantized_weights(
             outputs[t.name] = []
         added = w.tensor.nbytes - sum(t.nbytes for t in dropped)
         changed.append(Bf16Module(w.module, w.name, added, dtype=out_dtype))
+    return changed, outputs
+
+
+def plan_fp4_weights(
+    weights: list[Fp4Weight], out_dtype: str = BF16
+) -> tuple[list[Bf16Module], dict[str, list[OutputTensor]]]:
+    """Each FP4 module's weight written in `out_dtype` as `<module>.weight` (a plain Linear's name), its packed
+    weight's place; its scales and global scales dropped. MXFP4: each element exactly E2M1 x 2^(b - 127) in BF16
+    (`numerics.mx`); NVFP4: E2M1 x scale / global scale, rounded once (`numerics.nvfp4`)."""
+    changed: list[Bf16Module] = []
+    outputs: dict[str, list[OutputTensor]] = {}
+    for w in weights:
+        t, scale = w.packed, w.scale
+        assert scale is not None and w.problem is None, "require_convertible refuses an FP4 module it cannot read"
+        scales = scale_values_at(scale, 0, scale.numel)
+        piece: Piece
+        if w.global_scale is not None:
+            global_scale = scale_values_at(w.global_scale, 0, 1)
+            piece = Nvfp4Dequantize(t.path, t.start, t.end, w.cols, scales, global_scale, out_dtype)
+        else:
+            piece = MxDequantize(t.path, t.start, t.end, "e2m1", w.cols, scales, out_dtype)
+        name = f"{w.module}.weight"
+        outputs[t.name] = [OutputTensor(name, out_dtype, (t.shape[0], w.cols), [piece], t.name)]
+        dropped = [x for x in w.tensors if x is not t]
+        outputs.update({x.name: [] for x in dropped})
+        added = t.shape[0] * w.cols * 2 - sum(x.nbytes for x in w.tensors)
+        changed.append(Bf16Module(w.module, name, added, dtype=out_dtype, scheme=w.scheme or "fp4"))
     return changed, outputs
 
 

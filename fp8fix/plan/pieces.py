@@ -160,7 +160,7 @@ class MxDequantize(SourceRange):
     code x 2^(b - 127), b the E8M0 byte of its block of 32 in `scales` (one per block, the rows' in order).
     BF16 holds every such value exactly (`numerics.mx`); F16 rounds once. For `--to bf16` of an MX checkpoint."""
 
-    element: str  # e4m3 (MXFP8)
+    element: str  # e4m3 (MXFP8) or e2m1 (MXFP4, two a byte)
     cols: int
     scales: ScaleRef
     out_dtype: str = "BF16"
@@ -168,6 +168,27 @@ class MxDequantize(SourceRange):
     @property
     def nbytes(self) -> int:
         return self.scales.count * 32 * 2
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row's codes: one per e4m3 element, one per two E2M1 elements."""
+        return self.cols if self.element == "e4m3" else self.cols // 2
+
+
+@dataclass(frozen=True)
+class Nvfp4Dequantize(SourceRange):
+    """Whole rows of packed NVFP4 (`cols` E2M1 elements each) written as BF16 or F16 (`out_dtype`): each element
+    times its group of 16's e4m3 scale (`scales`, the rows' own, in order) divided by `global_scale` (one F32),
+    rounded once (`numerics.nvfp4`). For `--to bf16` of an NVFP4 module."""
+
+    cols: int
+    scales: ScaleRef
+    global_scale: ScaleRef
+    out_dtype: str = "BF16"
+
+    @property
+    def nbytes(self) -> int:
+        return (self.end - self.start) * 2 * 2
 
 
 @dataclass(frozen=True)
@@ -257,6 +278,7 @@ Piece = (
     | Fill
     | Dequantize
     | MxDequantize
+    | Nvfp4Dequantize
     | MxBlockCodes
     | MxBlockScales
     | Ue8m0Codes

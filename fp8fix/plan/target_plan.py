@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from fp8fix.errors import UnsupportedCheckpoint
 from fp8fix.model import CheckpointModel
 from fp8fix.plan.block_mx import plan_mx_model
 from fp8fix.plan.mx_blocks import plan_reblocked_model
@@ -29,7 +30,9 @@ def plan_for_target(
     """The conversion `convert` writes: `layout` and `output_format` where given, the rest what `target`'s
     loaders take best. An explicit layout alone keeps the source's format: it asks for that change only
     (`channel` excepted: compressed-tensors is the one format vLLM takes it in). `to` an unquantized
-    dtype (bf16, float16): the whole model written so (`unquantized.py`)."""
+    dtype (bf16, float16): the whole model written so (`unquantized.py`), the one conversion of FP4 modules."""
+    if model.fp4 and (to is None or to in ENCODING_NAMES or blocks is not None):
+        raise _fp4_refusal(model)
     if blocks is not None:
         plan = plan_mx_model(model) if blocks == "mx" else plan_reblocked_model(model, blocks)
         plan.target = target
@@ -64,3 +67,15 @@ def plan_for_target(
         plan = plan_conversion(model, layout, encoding, output_format, tp, tp_bf16, dequantize, scales)
     plan.target = target
     return plan
+
+
+def _fp4_refusal(model: CheckpointModel) -> UnsupportedCheckpoint:
+    """FP4 modules are read and written unquantized; every FP8 rewrite (layouts, encodings, TP, block scales) is
+    planned for FP8 weights, and an FP4 module's config group and tensors would have to follow it."""
+    schemes = sorted({w.scheme.upper() for w in model.fp4.values() if w.scheme})
+    first = next(iter(model.fp4))
+    return UnsupportedCheckpoint(
+        f"{model.checkpoint.root.name}: {len(model.fp4)} FP4 module(s) ({', '.join(schemes)}; '{first}', ...) are "
+        "converted to BF16 or F16 only, yet: `fp8fix convert SOURCE OUTPUT --to bf16` writes every FP4 and FP8 "
+        "weight unquantized; `fp8fix inspect SOURCE` describes the FP4 modules"
+    )

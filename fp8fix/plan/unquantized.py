@@ -1,7 +1,8 @@
 """`--to bf16` / `--to float16`: the whole checkpoint written as a plain, unquantized model.
 
 For GPUs without FP8 (A100, A10, RTX 30xx, older ROCm): every FP8 weight of every format and
-scale kind becomes its codes times its scale rounded once (`plan.dequantized`); weight, input
+scale kind becomes its codes times its scale rounded once (`plan.dequantized`), and every FP4
+module (NVFP4, MXFP4) its elements' values, under a plain Linear's `weight` name; weight, input
 and kv-cache scales are dropped; `quantization_config` goes and `torch_dtype` says the output's
 dtype, so every loader builds plain layers; ModelOpt's hf_quant_config.json is not copied.
 Module names stay SOURCE's (a fused qkv_proj stays fused: BF16 has no scales to split).
@@ -17,7 +18,7 @@ from fp8fix.io.checkpoint import CONFIG
 from fp8fix.model import CheckpointModel
 from fp8fix.numerics.dequantize import UNQUANTIZED
 from fp8fix.plan import planner
-from fp8fix.plan.dequantized import plan_unquantized_weights
+from fp8fix.plan.dequantized import plan_fp4_weights, plan_unquantized_weights
 from fp8fix.plan.output import output_model
 from fp8fix.plan.pieces import ConversionPlan, OutputShard, OutputTensor
 from fp8fix.registry.architectures import unregistered_note
@@ -41,6 +42,9 @@ def plan_unquantized_model(model: CheckpointModel, to: str, tp: int | None = Non
     model.require_convertible()
     out_dtype, torch_dtype = UNQUANTIZED[to]
     written, replacements = plan_unquantized_weights(model, model.module_weights(), out_dtype)
+    fp4_written, fp4_outputs = plan_fp4_weights(list(model.fp4.values()), out_dtype)
+    written += fp4_written
+    replacements.update(fp4_outputs)
     dropped: dict[str, list[OutputTensor]] = {t.name: [] for t in model.kv_cache_scales}
     replacements.update(dropped)
     shards = [planner.plan_shard(name, h.metadata, h.tensors, replacements) for name, h in ckpt.shards.items()]

@@ -57,6 +57,9 @@ class FormatSpec:
     block: tuple[int, int] | None = None  # block scales: rows x columns per scale
     #: OCP MX blocks (`block` 1 x 32): every weight scale is an E8M0 byte, 2^(b - 127), stored as U8 or F8_E8M0
     mx: bool = False
+    #: The FP4 schemes its config declares beside (or instead of) FP8 ones (`FP4_FORMATS` values): modules of
+    #: packed E2M1 weights (`model.Fp4Weight`)
+    fp4: frozenset[str] = frozenset()
 
     def weight_scale_of(self, weight: str) -> str:
         """The scale tensor of FP8 weight `weight`: a sibling of `x.weight` (`x.weight_scale`), or, for a
@@ -204,6 +207,13 @@ def _not_yet(label: str) -> UnsupportedCheckpoint:
 
 #: Elements per MX scale (OCP MX v1.0: 32 for every element type), as compressed-tensors' `group_size` says it.
 MX_GROUP = 32
+#: compressed-tensors formats of FP8 groups, and of FP4 groups (CompressionFormat) -> the FP4 scheme's name.
+FP8_FORMATS = ("float-quantized", "naive-quantized", "mxfp8-quantized")
+FP4_FORMATS = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
+#: A checkpoint whose config groups say their own formats.
+MIXED_PRECISION = "mixed-precision"
+#: Each FP4 scheme's weight strategy and elements per scale (compressed-tensors quant_scheme.py NVFP4, MXFP4).
+FP4_SCHEMES = {"nvfp4": ("tensor_group", 16), "mxfp4": ("group", MX_GROUP)}
 
 #: transformers' module boundary after a matched prefix: a dot before or after, or the end of the name.
 _BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
@@ -372,15 +382,39 @@ def _block(value: Any, where: str) -> tuple[int, int]:
 
 
 def _compressed_tensors(qc: dict[str, Any]) -> FormatSpec:
+    """One FP8 scheme (float-quantized tensor / channel / block, or MXFP8) in every FP8 group, beside FP4 groups
+    (`FP4_FORMATS`) where the config says `format: mixed-precision` or an FP4 format; anything else refused."""
     fmt = qc.get("format")
-    if fmt == "mxfp8-quantized":
-        return _mxfp8(qc)
-    if fmt not in ("float-quantized", "naive-quantized"):
+    if fmt not in (*FP8_FORMATS, *FP4_FORMATS, MIXED_PRECISION):
         raise _not_yet(f"compressed-tensors format {fmt!r:.60}")
-    groups = _groups(qc)
+    fp8: dict[str, dict[str, dict[str, Any]]] = {}  # by kind: float (tensor / channel / block) or MX
+    fp4: set[str] = set()
+    formats: set[str] = set()
+    for name, group in _groups(qc).items():
+        group = _mapping(group, f"config_groups.{name}")
+        group_format = group.get("format") or fmt
+        formats.add(str(group_format))
+        if group_format in FP4_FORMATS:
+            fp4.add(_fp4_group(name, group, group_format))
+        elif group_format in FP8_FORMATS:
+            fp8.setdefault("mx" if group_format == "mxfp8-quantized" else "float", {})[name] = group
+        else:
+            raise _not_yet(f"compressed-tensors group {name!s:.40} of format {group_format!r:.60}")
+    if len(fp8) > 1:
+        raise _not_yet("compressed-tensors with both MXFP8 and float-quantized FP8 groups")
+    kind, groups = next(iter(fp8.items()), ("float", {}))
+    spec = _mxfp8(groups) if kind == "mx" else _float_quantized(groups)
+    if not fp4:
+        return spec
+    label = f"compressed-tensors {fmt}" + (f" ({' + '.join(sorted(formats))})" if fmt == MIXED_PRECISION else "")
+    return replace(spec, label=label, fp4=frozenset(fp4))
+
+
+def _float_quantized(groups: dict[str, dict[str, Any]]) -> FormatSpec:
+    """FP8 groups of `float-quantized` / `naive-quantized`: tensor, channel or block weights, one block size."""
     blocks = set()
     for name, group in groups.items():
-        weights = _mapping(_mapping(group, f"config_groups.{name}").get("weights"), f"config_groups.{name}.weights")
+        weights = _mapping(group.get("weights"), f"config_groups.{name}.weights")
         if weights.get("type") != "float" or weights.get("num_bits") != 8:
             raise _not_yet(
                 f"compressed-tensors group {name} with {weights.get('num_bits')}-bit {weights.get('type')} weights"
@@ -395,6 +429,22 @@ def _compressed_tensors(qc: dict[str, Any]) -> FormatSpec:
     return replace(COMPRESSED_TENSORS, block=blocks.pop()) if blocks else COMPRESSED_TENSORS
 
 
+def _fp4_group(name: str, group: dict[str, Any], group_format: str) -> str:
+    """The FP4 scheme of a group in `group_format` ("nvfp4" or "mxfp4"), its weights checked against
+    compressed-tensors' presets (quant_scheme.py NVFP4 / MXFP4): 4-bit float, symmetric, NVFP4 `tensor_group`
+    in groups of 16 (an E4M3 scale each, and a global scale), MXFP4 `group` in groups of 32 (E8M0 bytes as
+    torch.uint8)."""
+    scheme = FP4_FORMATS[group_format]
+    weights = _mapping(group.get("weights"), f"config_groups.{name}.weights")
+    keys = ("type", "num_bits", "strategy", "group_size", "symmetric")
+    said = tuple(weights.get(k) for k in keys)
+    expected = ("float", 4, *FP4_SCHEMES[scheme], True)
+    if said != expected:
+        shown = ", ".join(f"{k}={v!r:.20}" for k, v in zip(keys, said, strict=True))
+        raise _not_yet(f"compressed-tensors {group_format} group {name!s:.40} with weights {shown}")
+    return scheme
+
+
 def _groups(qc: dict[str, Any]) -> dict[str, Any]:
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
@@ -402,16 +452,14 @@ def _groups(qc: dict[str, Any]) -> dict[str, Any]:
     return groups
 
 
-def _mxfp8(qc: dict[str, Any]) -> FormatSpec:
-    """`format: mxfp8-quantized`: every group's weights float 8-bit in groups of 32 (compressed-tensors'
-    MXFP8 preset: `strategy: group`, `group_size: 32`, E8M0 scales as `torch.uint8`); a group of anything else
-    (a mixed checkpoint says `format: mixed-precision` and each group's own format) is refused."""
-    for name, group in _groups(qc).items():
-        group = _mapping(group, f"config_groups.{name}")
+def _mxfp8(groups: dict[str, dict[str, Any]]) -> FormatSpec:
+    """MXFP8 groups (`format: mxfp8-quantized`): weights float 8-bit in groups of 32 (compressed-tensors'
+    MXFP8 preset: `strategy: group`, `group_size: 32`, E8M0 scales as `torch.uint8`), symmetric."""
+    for name, group in groups.items():
         weights = _mapping(group.get("weights"), f"config_groups.{name}.weights")
         keys = ("type", "num_bits", "strategy", "group_size")
         scheme = tuple(weights.get(k) for k in keys)
-        if scheme != ("float", 8, "group", MX_GROUP) or group.get("format", "mxfp8-quantized") != "mxfp8-quantized":
+        if scheme != ("float", 8, "group", MX_GROUP):
             shown = ", ".join(f"{k}={v!r:.20}" for k, v in zip(keys, scheme, strict=True))
             raise _not_yet(f"compressed-tensors mxfp8-quantized group {name:.40} with weights {shown}")
         # what vLLM 0.32 takes for MXFP8 (CompressedTensorsConfig._is_mxfp8): symmetric, E8M0 bytes as torch.uint8

@@ -275,9 +275,9 @@ AMD_QUARK_RULES: tuple[Rule, ...] = (
     ),
 )
 
-#: A quantization format fp8fix does not read yet (MX FP4, NVFP4, mixed precision, ModelOpt's and Quark's MX:
-#: issue 49): its rules are about FP8 weights and their scales, which such a format lays out otherwise, so no row is
-#: judged from them (tests/test_unread_formats.py).
+#: A quantization format fp8fix does not read yet (ModelOpt's and Quark's MX and FP4, gpt-oss MXFP4: issue 49): its
+#: rules are about FP8 weights and their scales, which such a format lays out otherwise, so no row is judged from
+#: them (tests/test_unread_formats.py).
 UNREAD_FORMAT_TEST = "tests/test_unread_formats.py"
 UNREAD_FORMAT_REASON = (
     "a quantization format fp8fix does not read yet (the format line names it): what this loader does with it "
@@ -291,6 +291,113 @@ UNREAD_FORMAT_RULES = tuple(
         *((r, UNREAD_FORMAT_TEST) for r in (VLLM_019, VLLM_021, VLLM, VLLM_ROCM, SGLANG)),
         *((r, UNREAD_FORMAT_TEST) for r in (TRANSFORMERS, TRANSFORMERS_AMD_QUARK)),
     )
+)
+
+
+def unmeasured_rules(condition: str, reason: str, test: str) -> tuple[Rule, ...]:
+    """`not-judged` on every row where `condition` holds: a kind of checkpoint the real-loader `test` does not build
+    (the oldest vLLM rows, never run, cite their loaders)."""
+    old = ((VLLM_LEGACY, VLLM_050_LOADER), (VLLM_OLD, VLLM_051_LOADER))
+    rows = (*old, *((r, test) for r in LOADERS if r not in (VLLM_LEGACY, VLLM_OLD)))
+    return tuple(Rule(row, condition, "not-judged", reason, evidence) for row, evidence in rows)
+
+
+#: FP4 modules (compressed-tensors NVFP4 / MXFP4, alone or beside FP8 groups: `fp4_modules.Fp4Weight`), measured on
+#: a Llama and a Phi-3 as llm-compressor writes them (FP4_TEST). These are the only rules a checkpoint with FP4 modules
+#: is judged by, after its architecture's (`verdicts._row_verdict`); a kind the suite does not build
+#: (`verdicts._fp4_unmeasured`) is not judged.
+FP4_TEST = "tests/loaders/test_fp4_loads.py"
+FP4_UNMEASURED = (
+    "FP4 modules unlike those run here (a module fp8fix cannot read, kv-cache scales, MXFP8 or block FP8 groups "
+    "beside them, FP8 weights other than e4m3fn with a scale per row, a packed q / k / v or gate / up of mixed "
+    "schemes, unfused names of fused modules, or a Linear the config targets without a weight): not judged"
+)
+FP4_GPU_KERNEL = (
+    "runs NVFP4 and MXFP4 layers with a kernel it picks for the GPU it runs on; its CPU build has none (ValueError: "
+    "Failed to find a kernel that can implement the NVFP4 / MXFP4 linear layer, or NotImplementedError: "
+    "num_compute_units is not implemented for the current platform, measured), so what it computes is not run "
+    "here: not judged"
+)
+VLLM_NVFP4_SCHEME = (
+    "model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_w4a4_nvfp4.py "
+    "process_weights_after_loading"
+)
+SGLANG_NVFP4_SCHEMES = (
+    "sglang 0.5.23 srt/layers/quantization/compressed_tensors/schemes/compressed_tensors_w4a16_nvfp4.py "
+    "process_weights_after_loading; compressed_tensors_w4a4_nvfp4.py process_weights_after_loading"
+)
+FP4_RULES: tuple[Rule, ...] = (
+    *unmeasured_rules("fp4_unmeasured", FP4_UNMEASURED, FP4_TEST),
+    *(
+        Rule(
+            row,
+            "fp4_modules",
+            "not-judged",
+            "not run; compressed-tensors' FP4 schemes are newer than these releases: not judged",
+            evidence,
+        )
+        for row, evidence in ((VLLM_LEGACY, VLLM_050_LOADER), (VLLM_OLD, VLLM_051_LOADER))
+    ),
+    *(
+        Rule(
+            row,
+            "nvfp4_global_scales_differ",
+            "loads-wrong",
+            "packs q / k / v and gate / up into one layer and divides all of them by the largest of their NVFP4 "
+            "global scales (a warning only), so the projections whose global scale is smaller compute with weights "
+            "off by the ratio (cited from source; its GPU kernels are not run here)",
+            f"vllm 0.32 {VLLM_NVFP4_SCHEME} (0.19.0 - 0.31.0 the same); {FP4_TEST}",
+        )
+        for row in (VLLM_019, VLLM_021, VLLM)
+    ),
+    *(
+        Rule(row, "fp4_modules", "not-judged", FP4_GPU_KERNEL, FP4_TEST)
+        for row in (VLLM_019, VLLM_021, VLLM, VLLM_ROCM)
+    ),
+    Rule(
+        SGLANG,
+        "mxfp4_modules",
+        "fails",
+        "has no compressed-tensors scheme for MXFP4 weights (NotImplementedError: No compressed-tensors compatible "
+        "scheme was found)",
+        "sglang 0.5.23 srt/layers/quantization/compressed_tensors/compressed_tensors.py _get_scheme_from_parts; "
+        + FP4_TEST,
+    ),
+    Rule(
+        SGLANG,
+        "nvfp4_global_scales_differ",
+        "fails",
+        "packs q / k / v and gate / up into one layer and, below compute capability 10 or with the Marlin backend "
+        "(NVFP4 served weight-only), refuses projections whose NVFP4 global scales differ (ValueError: ... requires "
+        "all fused projections to share one weight_global_scale, measured); on Blackwell its W4A4 scheme divides "
+        "them all by the largest instead (cited from source): wrong weights",
+        f"{SGLANG_NVFP4_SCHEMES}; {FP4_TEST}",
+    ),
+    Rule(
+        SGLANG,
+        "nvfp4_global_scales_unread",
+        "not-judged",
+        "refuses (or on Blackwell mis-scales) projections it packs whose NVFP4 global scales differ; these were not "
+        "read (headers only): not judged",
+        f"{SGLANG_NVFP4_SCHEMES}; {FP4_TEST}",
+    ),
+    Rule(
+        SGLANG,
+        "fp4_modules",
+        "not-judged",
+        "runs NVFP4 layers with CUDA kernels only (AssertionError: Torch not compiled with CUDA enabled, measured), "
+        "so what it computes is not run here: not judged",
+        FP4_TEST,
+    ),
+    Rule(
+        TRANSFORMERS,
+        "fp4_modules",
+        "loads",
+        "compressed-tensors keeps each FP4 layer packed and decompresses it on the first forward pass to the "
+        "format's values (MXFP4: e2m1 x 2^(b - 127); NVFP4: e2m1 x scale / global scale, in BF16)",
+        "compressed-tensors 0.20.1 compressors/nvfp4/base.py NVFP4PackedCompressor.decompress (mxfp4/base.py the "
+        "same, E8M0 scales); " + FP4_TEST,
+    ),
 )
 
 #: compressed-tensors MXFP8 (`registry.formats.MXFP8_COMPRESSED_TENSORS`), measured on a Llama and a Phi-3 (fused
@@ -313,14 +420,7 @@ MX_UNMEASURED = (
     "unfused names of fused modules, or a Linear the config targets without an MX weight): not judged"
 )
 MX_RULES: tuple[Rule, ...] = (
-    *(
-        Rule(row, "mx_unmeasured", "not-judged", MX_UNMEASURED, evidence)
-        for row, evidence in (
-            (VLLM_LEGACY, VLLM_050_LOADER),
-            (VLLM_OLD, VLLM_051_LOADER),
-            *((r, MX_TEST) for r in LOADERS if r not in (VLLM_LEGACY, VLLM_OLD)),
-        )
-    ),
+    *unmeasured_rules("mx_unmeasured", MX_UNMEASURED, MX_TEST),
     *(
         Rule(
             row,
@@ -369,6 +469,7 @@ MX_RULES: tuple[Rule, ...] = (
 #: In priority order per loader: the first rule that holds decides.
 RULES: tuple[Rule, ...] = (
     *UNREAD_FORMAT_RULES,
+    *FP4_RULES,
     *(
         _rope_rule(loader, transformers, how)
         for loader, transformers, how in (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,7 +113,12 @@ def dequantized_lines(plan: ConversionPlan) -> list[str]:
         else "rounding error reported once written"
     )
     if plan.unquantized:
-        what = f"every FP8 weight ({len(written)}) written in {dtype}, unquantized"
+        schemes = Counter(m.scheme for m in written)
+        fp8 = schemes.pop("fp8", 0)
+        fp4 = ", ".join(f"{n} {scheme.upper()}" for scheme, n in sorted(schemes.items()))
+        parts = [f"FP8 weight ({fp8})"] if fp8 or not fp4 else []
+        what = "every " + " and ".join([*parts, *([f"FP4 module ({fp4})"] if fp4 else [])])
+        what += f" written in {dtype}, unquantized"
     else:
         names = name_pattern([m.module for m in written])
         what = f"{len(written)} module(s) written in {dtype}, listed as unquantized: {names}"

@@ -37,6 +37,7 @@ def report_lines(report: Report, verbose: bool = False) -> list[str]:
         fused = f"{shards} shards" if is_fused else "-"
         scale = f"{kind} {dtype} {shape}"
         lines.append(f"  {len(names):>5}  {fused:<8}  {scale:<22}  {inp:<16}  {name_pattern(names)}")
+    lines += fp4_lines(report.fp4_modules)
     if report.kv_cache_scales:
         kinds = sorted({s["name"].rsplit(".", 1)[-1] for s in report.kv_cache_scales})
         lines.append(f"kv-cache scales: {len(report.kv_cache_scales)} ({', '.join(kinds)})")
@@ -67,6 +68,21 @@ def report_lines(report: Report, verbose: bool = False) -> list[str]:
     lines += [kv] if kv else []
     lines.append(calls_line())
     return lines + tensor_parallel_lines(report.tensor_parallel)
+
+
+def fp4_lines(modules: list[dict[str, Any]]) -> list[str]:
+    """The FP4 modules, a row per (scheme, scale dtype) with the modules' names."""
+    if not modules:
+        return []
+    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for m in modules:
+        groups[(str(m["scheme"] or "unreadable").upper(), str(m["scale_dtype"] or "no scale"))].append(m["module"])
+    per = {"NVFP4": "E2M1, an e4m3 scale per 16 / a global scale", "MXFP4": "E2M1, an E8M0 scale per 32"}
+    lines = [f"FP4 modules:  {len(modules)}"]
+    for (scheme, dtype), names in groups.items():
+        what = per.get(scheme, "its scale fits neither scheme")
+        lines.append(f"  {len(names):>5}  {scheme} ({what}; {dtype})  {name_pattern(names)}")
+    return lines
 
 
 def tensor_parallel_lines(parallel: dict[str, Any] | None) -> list[str]:

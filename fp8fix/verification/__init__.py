@@ -20,7 +20,7 @@ Then:
 - `--scales ue8m0` weights (power-of-two block scales) as such (`ue8m0`), `--blocks 128x128` MXFP8 weights
   re-blocked (`mx_blocks`), and `--blocks mx` block FP8 weights as MXFP8 (`block_mx`);
 - `--tp` padding and weights written unquantized (`--to bf16`, `--dequantize`, `--tp-bf16`) are checked as
-  such (`padding`, `dequantized`);
+  such (`padding`, `dequantized`), FP4 modules written unquantized too (`fp4`);
 - every OUTPUT tensor has the dtype and shape its SOURCE tensor and mapping give (`shapes`);
 - index, shard files and their `__metadata__`, and the copied files are what they should be,
   and OUTPUT holds no file besides them;
@@ -48,6 +48,7 @@ from fp8fix.verification.dequantized import (
     dropped_scales,
     unquantized_modules,
 )
+from fp8fix.verification.fp4 import check_fp4, fp4_dropped, unquantized_fp4
 from fp8fix.verification.mapping import Target, map_tensors, module_renames
 from fp8fix.verification.mx_blocks import check_reblocked, reblocked_weights
 from fp8fix.verification.padding import check_padded, padded_sizes, padded_tensors
@@ -95,7 +96,8 @@ def verify(
         ctx = VerifyContext(model, out, fmt, report, files, source_name=source_name or Path(source).resolve().name)
         ctx.padded = padded_tensors(ctx)
         ctx.dequantized = dequantized_weights(ctx)
-        ctx.dropped = dropped_scales(ctx, ctx.dequantized)
+        ctx.fp4 = unquantized_fp4(ctx)
+        ctx.dropped = dropped_scales(ctx, ctx.dequantized) | fp4_dropped(ctx.fp4)
         ctx.ue8m0 = ue8m0_weights(ctx)
         ctx.reblocked = reblocked_weights(ctx)
         ctx.block_mx = mx_weights(ctx)
@@ -163,6 +165,8 @@ class _TensorChecks:
             weight = self.weights.get(name)
             if name in ctx.dequantized:  # `--to bf16`, `--dequantize`, `--tp-bf16`: written unquantized
                 ctx.report.add(check_dequantized(ctx, ctx.dequantized[name]))
+            elif name in ctx.fp4:  # `--to bf16` of an FP4 module (its scales checked with it)
+                ctx.report.add(check_fp4(ctx, ctx.fp4[name]))
             elif name in ctx.ue8m0:  # `--scales ue8m0`: power-of-two block scales (its scale checked with it)
                 ctx.report.add(check_ue8m0(ctx, ctx.ue8m0[name]))
             elif name in ctx.reblocked:  # `--blocks 128x128`: MXFP8 as block FP8 (its scale checked with it)

@@ -80,12 +80,15 @@ DTYPE_KEYS = ("torch_dtype", "dtype")
 
 def _plain_config(ctx: VerifyContext) -> None:
     """A plain OUTPUT (`--to bf16`): SOURCE's config without its quantization config, its dtype keys (or
-    torch_dtype, where SOURCE has none) naming the one dtype every FP8 weight of SOURCE is written in."""
+    torch_dtype, where SOURCE has none) naming the one dtype every FP8 weight and FP4 module of SOURCE is
+    written in."""
     report = ctx.report
     dtypes = {ctx.out.tensors[n].dtype for n in ctx.dequantized}
+    dtypes |= {ctx.out.tensors[f"{w.module}.weight"].dtype for w in ctx.fp4.values()}
     missing = [w.name for w in ctx.model.module_weights() if w.name not in ctx.dequantized]
+    missing += [w.packed.name for w in ctx.model.fp4.values() if w.packed.name not in ctx.fp4]
     if missing:
-        report.problem(f"'{missing[0]}': an FP8 weight of SOURCE that the plain OUTPUT does not hold unquantized")
+        report.problem(f"'{missing[0]}': a weight of SOURCE that the plain OUTPUT does not hold unquantized")
     if len(dtypes) != 1:
         report.problem(f"OUTPUT's unquantized weights are {sorted(dtypes) or 'none'}, not one dtype")
         return

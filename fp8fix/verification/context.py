@@ -56,6 +56,7 @@ class VerifyContext:
     ue8m0: dict[str, Any] = field(default_factory=dict)  # `--scales ue8m0`: weights at power-of-two block scales
     reblocked: dict[str, Any] = field(default_factory=dict)  # `--blocks 128x128`: MXFP8 weights as block FP8
     block_mx: dict[str, Any] = field(default_factory=dict)  # `--blocks mx`: block FP8 weights as MXFP8
+    fp4: dict[str, Any] = field(default_factory=dict)  # FP4 modules OUTPUT holds unquantized, by packed weight
     source_name: str | None = None  # SOURCE as OUTPUT's card must name it (a Hub repo id, or the folder's name)
 
     @property

@@ -73,25 +73,34 @@ def check_dequantized(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
             with counting(check):
                 codes = np.frombuffer(ctx.read_rows(t, r0, r1, cols), dtype=np.uint8).reshape(r1 - r0, cols)
                 exact = values[codes] * scales.rows(r0, r1)
-                got = _as_float64(ctx.read_rows(o, r0, r1, cols), o.dtype).reshape(r1 - r0, cols)
-                error = np.abs(got - exact)
-                steps = np.divide(error, output_step(exact, o.dtype), out=np.zeros_like(error), where=exact != 0)
-                bad = ~np.isfinite(got) | ~np.isfinite(exact) | (steps > 0.5) | ((exact == 0) & (got != 0))
-                if bad.any():
-                    r, c = divmod(int(np.argmax(np.where(bad, np.nan_to_num(error, nan=np.inf), -1.0))), cols)
-                    raise Mismatch(
-                        f"'{name}' row {r0 + r} column {c}: {float(got[r, c])!r}, expected SOURCE's code times its "
-                        f"scale, {float(exact[r, c])!r}, rounded to {o.dtype} (half a {o.dtype} step at most)",
-                        codes=int(bad.sum()),
-                    )
-                check.max_error = max(check.max_error, float(error.max(initial=0.0)))
-                check.max_error_steps = max(check.max_error_steps, float(steps.max(initial=0.0)))
+                got = as_float64(ctx.read_rows(o, r0, r1, cols), o.dtype).reshape(r1 - r0, cols)
+                compare_rounded(check, got, exact, r0, o.dtype, "SOURCE's code times its scale")
     except Mismatch as e:
         check.mismatched(str(e), e.codes)
     return check
 
 
-def _as_float64(data: bytes, dtype: str) -> Any:
+def compare_rounded(check: WeightCheck, got: Any, exact: Any, r0: int, dtype: str, what: str) -> None:
+    """OUTPUT's rows from `r0` (`got`, float64) each within half a `dtype` step of `exact` (a zero exactly zero),
+    their largest error added to `check`; else a Mismatch naming the worst value, `what` it should be, and how many
+    differ."""
+    import numpy as np
+
+    error = np.abs(got - exact)
+    steps = np.divide(error, output_step(exact, dtype), out=np.zeros_like(error), where=exact != 0)
+    bad = ~np.isfinite(got) | ~np.isfinite(exact) | (steps > 0.5) | ((exact == 0) & (got != 0))
+    if bad.any():
+        r, c = divmod(int(np.argmax(np.where(bad, np.nan_to_num(error, nan=np.inf), -1.0))), got.shape[1])
+        raise Mismatch(
+            f"'{check.targets[0]}' row {r0 + r} column {c}: {float(got[r, c])!r}, expected {what}, "
+            f"{float(exact[r, c])!r}, rounded to {dtype} (half a {dtype} step at most)",
+            codes=int(bad.sum()),
+        )
+    check.max_error = max(check.max_error, float(error.max(initial=0.0)))
+    check.max_error_steps = max(check.max_error_steps, float(steps.max(initial=0.0)))
+
+
+def as_float64(data: bytes, dtype: str) -> Any:
     """Little-endian BF16 or F16 values as float64 (BF16: the top half of a float32)."""
     import numpy as np
 

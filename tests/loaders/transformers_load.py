@@ -10,7 +10,8 @@ then, for every linear layer (lm_head included: a format that
 quantizes it by mistake computes with garbage there), the float32 weight [out, in] the
 model computes with (FP8 weights times their scale, as its FP8 layers do; decompressed
 weights as they are; amd-quark's layers: the weight their own forward dequantizes; MX layers, whose scales are
-E8M0 bytes: the weight compressed-tensors decompresses them to on the model's first forward, which is run), into
+E8M0 bytes, and FP4 layers, packed: the weight compressed-tensors decompresses them to on the model's first forward,
+which is run), into
 OUT_DIR/<n>/weights.safetensors,
 and OUT_DIR/<n>/result.json with the model class, the loading report's missing and
 unexpected keys, or the error transformers raised. Nothing is patched.
@@ -44,13 +45,19 @@ def dequantized(module: torch.nn.Module) -> torch.Tensor:
 
 def mx_scaled(module: torch.nn.Module) -> bool:
     """An FP8 layer whose scale is E8M0 bytes (uint8: MX blocks), which `scaled` would read as numbers."""
-    scale = getattr(module, "weight_scale", None)
-    return isinstance(scale, torch.Tensor) and scale.dtype == torch.uint8 and module.weight.dtype in FP8
+    scale, weight = getattr(module, "weight_scale", None), getattr(module, "weight", None)
+    fp8 = isinstance(weight, torch.Tensor) and weight.dtype in FP8  # (an FP4 layer has no weight until decompressed)
+    return isinstance(scale, torch.Tensor) and scale.dtype == torch.uint8 and fp8
+
+
+def packed(module: torch.nn.Module) -> bool:
+    """A layer compressed-tensors keeps packed (FP4: `weight_packed`, two E2M1 elements a byte) and no weight."""
+    return isinstance(getattr(module, "weight_packed", None), torch.Tensor)
 
 
 def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     model, info = AutoModelForCausalLM.from_pretrained(str(folder), device_map="cpu", output_loading_info=True)
-    if any(mx_scaled(m) for m in model.modules()):
+    if any(mx_scaled(m) or packed(m) for m in model.modules()):
         # compressed-tensors keeps MX layers compressed and decompresses them on the first forward pass (the
         # quantizer's docstring): one forward, and the layers hold the weight they compute with
         with torch.no_grad():
@@ -59,6 +66,9 @@ def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     unreadable = []
     for name, module in model.named_modules():
         w = getattr(module, "weight", None)
+        if packed(module) and not isinstance(w, torch.Tensor):  # still packed after a forward: not read here
+            unreadable.append(name)
+            continue
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or name.endswith("embed_tokens"):
             continue
         if mx_scaled(module):  # still compressed after a forward: what it computes with is not read here

@@ -1,0 +1,117 @@
+"""FP4 modules of a checkpoint: compressed-tensors NVFP4 and MXFP4 (issue 49), alone or beside FP8 ones.
+
+compressed-tensors writes an FP4 Linear as `weight_packed` U8 [out, in / 2] (two E2M1 elements a byte, the lower
+nibble first: compressors/nvfp4/helpers.py pack_fp4_to_uint8) and `weight_scale` [out, in / group]: NVFP4
+(`nvfp4-pack-quantized`) an F8_E4M3 scale per 16 elements with an F32 `weight_global_scale` [1] that every scale is
+divided by (forward_helpers.py _dequantize: scale / global_scale), MXFP4 (`mxfp4-pack-quantized`) an E8M0 byte per
+32 as U8. Here each module is found by its packed weight and checked against its scheme, read off its scale's dtype
+and matched to the config groups the format declares (`registry.formats.FormatSpec.fp4`). Headers only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
+from fp8fix.io.checkpoint import Checkpoint
+from fp8fix.io.safetensors_file import TensorInfo
+from fp8fix.numerics.dtypes import E8M0
+from fp8fix.numerics.mx import MX_BLOCK
+from fp8fix.registry.formats import FormatSpec
+
+#: The packed weight of an FP4 module (compressed-tensors NVFP4 / MXFP4: compressors/nvfp4/base.py
+#: compression_param_names: `weight_packed`, `weight_scale`, `weight_global_scale`; `input_global_scale`).
+FP4_PACKED = ".weight_packed"
+#: Elements per scale of each FP4 scheme, by the dtype of its scale: NVFP4 an E4M3 scale per 16 (and a global
+#: scale dividing them), MXFP4 an E8M0 byte per 32 (stored as U8).
+FP4_BY_SCALE_DTYPE = {"F8_E4M3": ("nvfp4", 16), "U8": ("mxfp4", MX_BLOCK), E8M0: ("mxfp4", MX_BLOCK)}
+
+
+@dataclass(frozen=True)
+class Fp4Weight:
+    """A module of packed E2M1 weights [out, in / 2] (two elements a byte, the lower nibble first) and the
+    tensors that scale them, checked against its scheme (`scheme`: nvfp4 or mxfp4, from its scale's dtype)."""
+
+    packed: TensorInfo
+    module: str
+    scheme: str | None  # None: no scale, or a scale of neither scheme's dtype (see `problem`)
+    scale: TensorInfo | None  # NVFP4: F8_E4M3 [out, in / 16]; MXFP4: E8M0 bytes [out, in / 32]
+    global_scale: TensorInfo | None  # NVFP4's F32 [1]: every scale is divided by it
+    input_global_scale: TensorInfo | None
+    problem: Fp8fixError | None
+
+    @property
+    def cols(self) -> int:
+        """Elements per row: two per packed byte."""
+        return self.packed.shape[1] * 2 if len(self.packed.shape) == 2 else 0
+
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        """Every tensor of the module fp8fix reads (the packed weight first)."""
+        found = (self.packed, self.scale, self.global_scale, self.input_global_scale)
+        return [t for t in found if t is not None]
+
+
+def fp4_weights(ckpt: Checkpoint, fmt: FormatSpec | None) -> list[Fp4Weight]:
+    """Every module with a packed FP4 weight (`FP4_PACKED`), with its scales, each checked (`_fp4_problem`)."""
+    found = []
+    for t in ckpt.tensors.values():
+        if not t.name.endswith(FP4_PACKED):
+            continue
+        module = t.name.removesuffix(FP4_PACKED)
+        scale = ckpt.tensors.get(f"{module}.weight_scale")
+        scheme, group = FP4_BY_SCALE_DTYPE.get(scale.dtype, (None, 0)) if scale is not None else (None, 0)
+        global_scale = ckpt.tensors.get(f"{module}.weight_global_scale")
+        input_global = ckpt.tensors.get(f"{module}.input_global_scale")
+        problem = _fp4_problem(t, scale, scheme, group, global_scale, input_global, fmt)
+        scale = replace(scale, dtype=E8M0) if scale is not None and scheme == "mxfp4" else scale  # E8M0 bytes as U8
+        found.append(Fp4Weight(t, module, scheme, scale, global_scale, input_global, problem))
+    return found
+
+
+def _fp4_problem(
+    packed: TensorInfo,
+    scale: TensorInfo | None,
+    scheme: str | None,
+    group: int,
+    global_scale: TensorInfo | None,
+    input_global: TensorInfo | None,
+    fmt: FormatSpec | None,
+) -> Fp8fixError | None:
+    """Why an FP4 module cannot be read as its scheme says (compressed-tensors' NVFP4 / MXFP4 layout), or None."""
+    where = f"{packed.path.name}: FP4 weight '{packed.name}'"
+    if packed.dtype != "U8" or len(packed.shape) != 2 or 0 in packed.shape:
+        return InvalidCheckpoint(f"{where} is {packed.dtype} {list(packed.shape)}; packed FP4 is U8 [out, in / 2]")
+    if scale is None or scheme is None:
+        said = "has no scale 'weight_scale'" if scale is None else f"has a {scale.dtype} scale '{scale.name}'"
+        return InvalidCheckpoint(
+            f"{where} {said}; NVFP4 scales are F8_E4M3 (one per 16 elements), MXFP4's U8 E8M0 bytes (one per 32)"
+        )
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    if cols % group:
+        return UnsupportedCheckpoint(
+            f"{where} {list(packed.shape)} holds rows of {cols} elements, not whole groups of {group}; fp8fix "
+            "reads FP4 weights without padding"
+        )
+    if scale.shape != (rows, cols // group):
+        return InvalidCheckpoint(
+            f"{scale.path.name}: {scheme.upper()} scale '{scale.name}' has shape {list(scale.shape)}; its weight "
+            f"'{packed.name}' of {rows} x {cols} elements has one per {group} elements of a row: "
+            f"[{rows}, {cols // group}]"
+        )
+    for name, t, needed in (
+        ("weight_global_scale", global_scale, scheme == "nvfp4"),
+        ("input_global_scale", input_global, False),
+    ):
+        if t is None and needed:
+            return InvalidCheckpoint(f"{where} has no '{name}'; an NVFP4 weight's scales are divided by it")
+        if t is not None and (t.dtype != "F32" or t.numel != 1):
+            return InvalidCheckpoint(
+                f"{t.path.name}: '{t.name}' is {t.dtype} {list(t.shape)}; a global scale is one F32 value"
+            )
+    if fmt is not None and scheme not in fmt.fp4:
+        return InvalidCheckpoint(
+            f"{where} is {scheme.upper()} (its scale is {scale.dtype}), but config.json's quantization_config "
+            f"declares no {scheme} config group ({fmt.label}): the config does not match the weights"
+        )
+    return None

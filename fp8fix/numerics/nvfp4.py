@@ -1,0 +1,95 @@
+"""NVFP4 rows in BF16 or F16: each E2M1 element times its group's E4M3 scale, divided by the global scale.
+
+NVFP4 (compressed-tensors `nvfp4-pack-quantized`) stores a weight as E2M1 nibbles, two a byte, the lower first;
+each 16 elements of a row share one e4m3fn scale s, and the whole tensor one F32 global scale g that every s is
+divided by: the element's value is e2m1 x s / g (compressed-tensors forward_helpers.py `_dequantize`). An E2M1
+value (2 significant bits) times an e4m3 value (4) is exact in float64, and so, for NVFP4's operands, is the one
+division's rounding harmless: the exact quotient of a 6-bit significand by a 24-bit one lies either on a rounding
+boundary of the output or at least 2^-33 (relative) away from one, far more than float64's 2^-53, so rounding the
+float64 quotient once more to the output gives what rounding the exact quotient once would (`round_to`).
+
+Every value depends only on (scale byte, nibble): one 4,096-entry table of output bit patterns per global scale,
+and a row is two numpy passes (unpack, look up). A pair whose value is NaN (an e4m3 NaN scale) or outside the
+output's range is marked in the table; a row holding one is refused with the group named (`Fp4RangeError`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from fp8fix.numerics.dequantize import code_values, fits_output, output_bits, output_step, round_to
+from fp8fix.numerics.dtypes import E4M3FN
+from fp8fix.numerics.mx import OUT_OF_RANGE, element_codes, element_values
+from fp8fix.numerics.requantize import RoundingStats
+
+#: Elements per NVFP4 scale (compressed-tensors quant_scheme.py NVFP4: group_size 16).
+NVFP4_GROUP = 16
+
+
+class Fp4RangeError(ValueError):
+    """A group's scale makes one of its elements NaN or leave the output's range."""
+
+    def __init__(self, row: int, group: int, scale_byte: int, out_dtype: str) -> None:
+        self.row, self.group, self.scale_byte = row, group, scale_byte
+        super().__init__(
+            f"row {row}, group {group}: its scale (e4m3 byte {scale_byte:#04x}) makes a value NaN or puts it "
+            f"outside {out_dtype}'s range"
+        )
+
+
+@dataclass(frozen=True)
+class Nvfp4Table:
+    """Output bit patterns at (scale byte << 4) | nibble, OUT_OF_RANGE where the value has none; and the
+    rounding of each entry (its error, and in steps of the output at the value)."""
+
+    bits: Any  # uint16[4096]
+    errors: Any  # float64[256, 16]
+    steps: Any  # float64[256, 16]
+
+
+@lru_cache(maxsize=64)
+def nvfp4_table(global_scale: float, out_dtype: str) -> Nvfp4Table:
+    """The table of every (e4m3 scale byte, E2M1 nibble) at global scale `global_scale` (positive, finite)."""
+    import numpy as np
+
+    exact = code_values(E4M3FN)[:, None] * element_values("e2m1")[None, :16] / global_scale
+    fits = fits_output(exact, out_dtype)
+    kept = np.where(fits, exact, 0.0)
+    rounded = round_to(kept, out_dtype)
+    errors = np.abs(rounded - kept)
+    steps = np.where(kept == 0, 0.0, errors / output_step(kept, out_dtype))
+    bits = np.where(fits, output_bits(rounded, out_dtype), np.uint16(OUT_OF_RANGE)).astype("<u2").reshape(-1)
+    return Nvfp4Table(bits, errors, steps)
+
+
+def nvfp4_rows(
+    data: bytes | bytearray | memoryview,
+    scales: bytes | bytearray | memoryview,
+    cols: int,
+    table: Nvfp4Table,
+    out_dtype: str,
+) -> tuple[bytes, RoundingStats]:
+    """Rows of packed NVFP4 (`cols` elements each) and their e4m3 scale bytes ([rows, cols / 16], row-major) as
+    little-endian `out_dtype` bytes, and the worst rounding of the (scale, element) pairs present.
+    Fp4RangeError names the first group with a value the output cannot hold."""
+    import numpy as np
+
+    groups = cols // NVFP4_GROUP
+    rows = len(scales) // groups
+    if cols % NVFP4_GROUP or len(scales) != rows * groups or len(data) * 2 != rows * cols:
+        raise ValueError(f"{len(data)} packed bytes and {len(scales)} scale bytes are not rows of {cols} NVFP4")
+    codes = element_codes(data, "e2m1").reshape(rows, groups, NVFP4_GROUP)
+    bytes_ = np.frombuffer(scales, dtype=np.uint8).reshape(rows, groups, 1)
+    index = np.left_shift(bytes_, 4, dtype=np.uint16) | codes
+    out = np.take(table.bits, index)
+    bad = out == OUT_OF_RANGE
+    if bad.any():
+        row, group, _ = (int(i[0]) for i in np.nonzero(bad))
+        raise Fp4RangeError(row, group, int(bytes_[row, group, 0]), out_dtype)
+    present = np.zeros(4096, dtype=bool)
+    present[index] = True
+    used = present.reshape(256, 16)
+    stats = RoundingStats(float(table.errors[used].max(initial=0.0)), float(table.steps[used].max(initial=0.0)))
+    return out.tobytes(), stats

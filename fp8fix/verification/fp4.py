@@ -1,0 +1,78 @@
+"""Verifying FP4 modules OUTPUT holds unquantized (`--to bf16` / `float16` of NVFP4 and MXFP4 modules).
+
+Read off OUTPUT: a SOURCE FP4 module (`model.fp4`) whose OUTPUT holds `<module>.weight` in BF16 or F16, of the
+module's [out, in] elements, and neither its packed weight nor any of its scales. Each value is worked out here
+from SOURCE's bytes on verify's own reading of the formats, not convert's decoders: the nibbles unpacked (the
+lower first), E2M1 from its table in the OCP MX specification (v1.0 section 5.3.3), NVFP4's value e2m1 x e4m3
+scale / global scale and MXFP4's e2m1 x 2^(b - 127), in float64; OUTPUT's value must lie within half a step of
+it (one rounding to nearest; MXFP4's values are exact in BF16, so there it must be equal).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fp8fix.fp4_modules import Fp4Weight
+from fp8fix.numerics.dequantize import code_values
+from fp8fix.numerics.dtypes import E4M3FN
+from fp8fix.verification.context import CHUNK_ELEMENTS, Mismatch, VerifyContext, counting, scale_values
+from fp8fix.verification.dequantized import UNQUANTIZED_DTYPES, as_float64, compare_rounded
+from fp8fix.verification.report import WeightCheck
+
+#: E2M1's values by nibble: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (exponent bias 1, one mantissa bit), bit 3 the
+#: sign (OCP Microscaling Formats v1.0, section 5.3.3).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def unquantized_fp4(ctx: VerifyContext) -> dict[str, Fp4Weight]:
+    """SOURCE's FP4 modules that OUTPUT holds as a BF16 or F16 `<module>.weight` (by packed weight's name)."""
+    found = {}
+    for w in ctx.model.fp4.values():
+        o = ctx.out.tensors.get(f"{w.module}.weight")
+        if o is not None and o.dtype in UNQUANTIZED_DTYPES and w.scale is not None and w.problem is None:
+            found[w.packed.name] = w
+    return found
+
+
+def fp4_dropped(weights: dict[str, Fp4Weight]) -> set[str]:
+    """The tensors OUTPUT must not hold: every scale of the modules it holds unquantized."""
+    return {t.name for w in weights.values() for t in w.tensors if t is not w.packed}
+
+
+def check_fp4(ctx: VerifyContext, w: Fp4Weight) -> WeightCheck:
+    """Every value of the unquantized module within half a step of SOURCE's (the module docstring)."""
+    import numpy as np
+
+    name = f"{w.module}.weight"
+    o, rows, cols = ctx.out.tensors[name], w.packed.shape[0], w.cols
+    check = WeightCheck(w.packed.name, [name], "dequantized")
+    try:
+        if o.shape != (rows, cols):
+            raise Mismatch(f"'{name}' is {o.dtype} {list(o.shape)}; SOURCE's FP4 module makes it [{rows}, {cols}]")
+        assert w.scale is not None
+        group = cols // w.scale.shape[1]
+        global_scale = scale_values(w.global_scale, "SOURCE")[0] if w.global_scale is not None else 1.0
+        e2m1 = np.array(E2M1_VALUES, dtype=np.float64)
+        step_rows = max(1, CHUNK_ELEMENTS // cols)
+        for r0 in range(0, rows, step_rows):
+            r1 = min(rows, r0 + step_rows)
+            with counting(check):
+                packed = np.frombuffer(ctx.read_rows(w.packed, r0, r1, cols // 2), dtype=np.uint8)
+                nibbles = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(r1 - r0, cols)
+                scale_bytes = np.frombuffer(ctx.read_rows(w.scale, r0, r1, cols // group), dtype=np.uint8)
+                scales = _scales(scale_bytes, w.scheme).reshape(r1 - r0, cols // group)
+                exact = e2m1[nibbles] * np.repeat(scales, group, axis=1) / global_scale
+                got = as_float64(ctx.read_rows(o, r0, r1, cols), o.dtype).reshape(r1 - r0, cols)
+                compare_rounded(check, got, exact, r0, o.dtype, f"SOURCE's {w.scheme} value")
+    except Mismatch as e:
+        check.mismatched(str(e), e.codes)
+    return check
+
+
+def _scales(data: Any, scheme: str | None) -> Any:
+    """Scale bytes as float64: NVFP4's e4m3fn values; MXFP4's E8M0 2^(b - 127), NaN for 255."""
+    import numpy as np
+
+    if scheme == "nvfp4":
+        return code_values(E4M3FN)[data]
+    return np.where(data == 255, np.nan, np.ldexp(1.0, data.astype(np.int64) - 127))
