@@ -21,11 +21,17 @@ fp8fix checkout in the same rotation ("[before]").
     python scripts/bench_bf16.py --size-gb 0.5 --repeats 9 --baseline /tmp/fp8fix-main
     python scripts/bench_bf16.py --size-gb 0.5 --repeats 9 --tp-bf16 32   # attention in heads of 64, --tp-bf16
     python scripts/bench_bf16.py --size-gb 0.5 --repeats 5 --mx   # compressed-tensors MXFP8 (issue 49)
+    python scripts/bench_bf16.py --size-gb 0.5 --repeats 5 --fp4 nvfp4   # compressed-tensors NVFP4 (or mxfp4)
 
 `--mx`: the checkpoint is compressed-tensors MXFP8 (e4m3fn codes, one E8M0 byte per 32 elements of a row, U8),
 and the naive contender decodes each tensor whole with torch, as compressed-tensors' MXFP8 decompression does
 (codes in float32 times 2^(b - 127) repeated over each block, cast to bfloat16): exact too, so no value may
 differ.
+
+`--fp4 nvfp4` / `mxfp4`: compressed-tensors NVFP4 (packed E2M1, an e4m3 scale per 16 and an F32 global scale) or
+MXFP4 (an E8M0 byte per 32); the naive contender decodes each tensor whole with torch as compressed-tensors'
+decompression does (nibbles through the E2M1 table, times the scale divided by the global scale, in float32, cast to
+bfloat16: NVFP4 rounds there up to three times where fp8fix rounds once, so a few values may differ).
 """
 
 from __future__ import annotations
@@ -97,8 +103,51 @@ DEEPSEEK = dequantize_script("_scale_inv", "scale.repeat_interleave(128, 0)[:row
 TORCH_MX = dequantize_script("_scale", "torch.exp2(scale.to(torch.float32) - 127).repeat_interleave(32, 1)")
 
 
+#: The naive FP4 decode (compressed-tensors' NVFP4 / MXFP4 decompression, compressors/nvfp4): per tensor, the
+#: nibbles (lower first) through the E2M1 table, times scale / global scale in float32, cast to bfloat16.
+TORCH_FP4 = """
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file, save_file
+torch.set_num_threads(1)
+src, out = Path(sys.argv[1]), Path(sys.argv[2])
+out.mkdir()
+e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+for path in sorted(src.glob("*.safetensors")):
+    state = load_file(path)
+    new = {}
+    for name, w in state.items():
+        if not name.endswith(".weight_packed"):
+            if not name.endswith(("_scale", "_global_scale")):
+                new[name] = w
+            continue
+        module = name.removesuffix(".weight_packed")
+        rows = w.shape[0]
+        nibbles = torch.stack((w & 0x0F, w >> 4), dim=-1).reshape(rows, -1).long()
+        scale = state[module + ".weight_scale"]
+        if scale.dtype == torch.uint8:
+            per = torch.exp2(scale.to(torch.float32) - 127)
+        else:
+            per = scale.to(torch.float32) / state[module + ".weight_global_scale"]
+        group = nibbles.shape[1] // scale.shape[1]
+        new[module + ".weight"] = (e2m1[nibbles] * per.repeat_interleave(group, 1)).to(torch.bfloat16)
+    save_file(new, str(out / path.name), metadata={"format": "pt"})
+    del state, new
+config = json.loads((src / "config.json").read_text())
+config.pop("quantization_config", None)
+(out / "config.json").write_text(json.dumps(config))
+"""
+
+
 def build(
-    root: Path, size_gb: float, shards: int, attention: bool = False, mx: bool = False, pow2: bool = False
+    root: Path,
+    size_gb: float,
+    shards: int,
+    attention: bool = False,
+    mx: bool = False,
+    pow2: bool = False,
+    fp4: str | None = None,
 ) -> None:
     """Block-FP8 layers, `size_gb` of FP8 codes in all, scales uniform in [1e-4, 1e-3) (`pow2`: each rounded
     to a power of two, as UE8M0 checkpoints hold them): MLPs, one per shard; or (`attention`) q / k / v / o of
@@ -124,6 +173,19 @@ def build(
             else {"mlp.gate_proj": (inter, HIDDEN), "mlp.up_proj": (inter, HIDDEN), "mlp.down_proj": (HIDDEN, inter)}
         )
         for module, (rows, cols) in modules.items():
+            if fp4:  # random nibbles; NVFP4 e4m3 scales 2^-3 - 2^3 under a global scale, MXFP4 E8M0 bytes 2^-11 - 2^-4
+                prefix = f"model.layers.{layer}.{module}"
+                tensors[f"{prefix}.weight_packed"] = torch.randint(0, 256, (rows, cols // 2), generator=gen).to(
+                    torch.uint8
+                )
+                if fp4 == "nvfp4":
+                    scale_bytes = torch.randint(0x20, 0x58, (rows, cols // 16), generator=gen, dtype=torch.uint8)
+                    tensors[f"{prefix}.weight_scale"] = scale_bytes.view(torch.float8_e4m3fn)
+                    tensors[f"{prefix}.weight_global_scale"] = torch.tensor([2688.0 / 0.37], dtype=torch.float32)
+                else:
+                    scale_bytes = torch.randint(116, 124, (rows, cols // 32), generator=gen, dtype=torch.uint8)
+                    tensors[f"{prefix}.weight_scale"] = scale_bytes
+                continue
             codes = (torch.randn(rows, cols, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
             tensors[f"model.layers.{layer}.{module}.weight"] = codes
             if mx:  # E8M0 bytes around 2^-7 (weights of 0.01 - 1 at codes of 1 - 448), as U8
@@ -152,6 +214,18 @@ def build(
         "torch_dtype": "bfloat16",
         "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
     }
+    if fp4:
+        from tests.builders import FP4_PRESETS
+
+        fmt, weights, inputs = FP4_PRESETS[fp4]
+        group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs, "format": fmt}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": fmt,
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": group},
+            "ignore": ["lm_head"],
+        }
     if mx:
         from tests.builders import MXFP8_ARGS
 
@@ -257,18 +331,23 @@ def main() -> int:
         "--tp-bf16", type=int, metavar="TP", help="time `convert --tp TP --tp-bf16` on attention layers instead"
     )
     parser.add_argument("--mx", action="store_true", help="a compressed-tensors MXFP8 checkpoint, beside torch")
+    parser.add_argument("--fp4", choices=("nvfp4", "mxfp4"), help="a compressed-tensors FP4 checkpoint, beside torch")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="fp8fix-bench-bf16-"))
     attention = args.tp_bf16 is not None
-    src = work / ("src-attention" if attention else "src-mx" if args.mx else "src")
+    src = work / ("src-attention" if attention else "src-mx" if args.mx else f"src-{args.fp4}" if args.fp4 else "src")
     if not src.exists():  # in a child: this process stays small, and its children's peak RSS starts from it
         code = (
             f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; from scripts.bench_bf16 "
-            f"import build; build(Path({str(src)!r}), {args.size_gb}, {args.shards}, {attention}, {args.mx})"
+            f"import build; build(Path({str(src)!r}), {args.size_gb}, {args.shards}, {attention}, {args.mx}, "
+            f"fp4={args.fp4!r})"
         )
         subprocess.run([sys.executable, "-c", code], check=True, env=ENV)
-    script = work / ("torch_mx_to_bf16.py" if args.mx else "deepseek_fp8_cast_bf16.py")
-    script.write_text(TORCH_MX if args.mx else DEEPSEEK)
+    naive = TORCH_FP4 if args.fp4 else TORCH_MX if args.mx else DEEPSEEK
+    script = work / (
+        "torch_fp4_to_bf16.py" if args.fp4 else "torch_mx_to_bf16.py" if args.mx else "deepseek_fp8_cast_bf16.py"
+    )
+    script.write_text(naive)
     out = work / "out"
     options = ["--tp", str(args.tp_bf16), "--tp-bf16"] if attention else ["--to", "bf16"]
     fp8fix = [sys.executable, "-m", "fp8fix", "convert", str(src), str(out), *options, "--jobs", "1", "-q"]
@@ -276,22 +355,34 @@ def main() -> int:
     shutil.rmtree(work / "a", ignore_errors=True)
     subprocess.run([*fp8fix[:5], str(work / "a"), *fp8fix[6:]], check=True, env=ENV)
     ours = f"fp8fix convert {' '.join(options)} --jobs 1"
-    deepseek_name = "torch MXFP8 decode, per tensor (CPU)" if args.mx else "DeepSeek fp8_cast_bf16 (torch, CPU)"
+    deepseek_name = (
+        f"torch {args.fp4.upper()} decode, per tensor (CPU)"
+        if args.fp4
+        else "torch MXFP8 decode, per tensor (CPU)"
+        if args.mx
+        else "DeepSeek fp8_cast_bf16 (torch, CPU)"
+    )
     contenders = {ours: fp8fix, "cp -r of OUTPUT": ["cp", "-r", str(work / "a"), str(out)]}
     if not attention:  # DeepSeek's script dequantizes every weight: the --to bf16 job only
         contenders[deepseek_name] = [sys.executable, str(script), str(src), str(out)]
     results = rotate(contenders, out, args.repeats, args.baseline, ours)
     out_bytes = sum(p.stat().st_size for p in (work / "a").glob("*.safetensors"))
     source_gb = sum(p.stat().st_size for p in src.iterdir()) / 1e9
-    kind = "MXFP8" if args.mx else "block FP8"
+    kind = args.fp4.upper() if args.fp4 else "MXFP8" if args.mx else "block FP8"
     print(f"source: {source_gb:.2f} GB {kind}; output {out_bytes / 1e9:.2f} GB; medians of {args.repeats}")
-    print_table(results, out_bytes, deepseek_name, "torch" if args.mx else "DeepSeek")
+    print_table(results, out_bytes, deepseek_name, "torch" if args.mx or args.fp4 else "DeepSeek")
     if not attention:
         shutil.rmtree(work / "b", ignore_errors=True)
         subprocess.run([sys.executable, str(script), str(src), str(work / "b")], check=True, env=ENV)
         differ, total = differing_values(work / "a", work / "b")
         share = differ / max(total, 1)
-        why = "both exact" if args.mx else "DeepSeek's float32 product rounds twice"
+        why = (
+            "both exact"
+            if args.mx or args.fp4 == "mxfp4"
+            else "torch's float32 scale / global and product round before the BF16 cast"
+            if args.fp4
+            else "DeepSeek's float32 product rounds twice"
+        )
         print(f"values that differ: {differ} of {total} ({share:.2e}; {why})")
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)

@@ -11,6 +11,8 @@ scale rounded once (within half a BF16 step of the exact quotient)."""
 from __future__ import annotations
 
 import json
+import math
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from safetensors.torch import save_file
 
 from fp8fix.io.checkpoint import open_checkpoint
 from fp8fix.model import describe_checkpoint
+from fp8fix.numerics.nvfp4 import nvfp4_table
 from fp8fix.registry.architectures import Registry
 from fp8fix.verdicts import loader_verdicts
 from tests.builders import fp4_compressed_tensors, phi3
@@ -258,3 +261,38 @@ def test_mxfp4_fails_in_sglang_and_unlike_checkpoints_are_not_judged(tmp_path: P
     # a packed q / k / v of two schemes (FP8 q, NVFP4 k / v) was not run: no row is judged
     odd = fp4_compressed_tensors(tmp_path / "odd", {"q_proj": "fp8", "k_proj": "nvfp4", "v_proj": "nvfp4"})
     assert set(_rows(odd).values()) == {"not-judged"}
+
+
+def _bf16_nearest_even(v: Fraction) -> float:
+    """`v` rounded to BF16 (8 significant bits) to nearest, ties to even, exactly (v normal and positive)."""
+    e = v.numerator.bit_length() - v.denominator.bit_length()
+    if Fraction(2) ** e > v:
+        e -= 1
+    ulp = Fraction(2) ** (e - 7)
+    n, rest = divmod(v, ulp)
+    if rest > ulp / 2 or (rest == ulp / 2 and n % 2):
+        n += 1
+    return float(n * ulp)
+
+
+@pytest.mark.parametrize("global_scale", [2688.0 / 0.37, 7.0, 448.0 * 6.0 / 3.1e-3])
+def test_nvfp4_values_are_rounded_once(global_scale: float) -> None:
+    """Every (e4m3 scale, E2M1) pair of the decode table is the exact e2m1 x scale / global scale rounded once to
+    BF16, worked out in rationals here (the float64 quotient the table starts from rounds too: it must not show)."""
+    g = Fraction(float(torch.tensor(global_scale, dtype=torch.float32)))
+    table = nvfp4_table(float(g), "BF16")
+    scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    pairs = table.pairs.reshape(256, 256)
+    checked = 0
+    for byte in range(256):
+        s = float(scales[byte])
+        if not math.isfinite(s) or table.unsafe[byte]:
+            continue
+        for nibble in range(16):
+            v = Fraction(E2M1[nibble]) * Fraction(s) / g
+            want = 0.0 if v == 0 else math.copysign(_bf16_nearest_even(abs(v)), float(v))
+            bits = int(pairs[byte, nibble]) & 0xFFFF  # the pair whose high nibble is 0: its low half
+            got = float(torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16))
+            assert got == want or (want == 0 and got == 0), (byte, nibble, got, want)
+            checked += 1
+    assert checked > 3000

@@ -521,7 +521,9 @@ def _nvfp4_dequantize(sources: _Sources, out: int, piece: Nvfp4Dequantize, sourc
         at = piece.scales.start + row0 * groups
         scales = sources.read(piece.scales.path, at, at + rows * groups)
         try:
-            data, rounding = nvfp4_rows(memoryview(buffer)[:length], scales, piece.cols, table, piece.out_dtype)
+            data, rounding = nvfp4_rows(
+                memoryview(buffer)[:length], scales, piece.cols, table, piece.out_dtype, sources.lookup_arrays
+            )
         except Fp4RangeError as e:
             raise InvalidCheckpoint(
                 f"{piece.path.name}: NVFP4 weight '{source}' row {row0 + e.row}, group {e.group}: its scale "

@@ -121,13 +121,13 @@ class LookupArrays:
         self._index: Any = None
         self._out: Any = None
 
-    def get(self, size: int, kind: Any) -> tuple[Any, Any]:
-        """An index array of numpy dtype `kind` and a uint16 output array, `size` elements each (grown, never
-        shrunk; the index array made anew where `kind` changes)."""
+    def get(self, size: int, kind: Any, out_kind: Any = "<u2") -> tuple[Any, Any]:
+        """An index array of numpy dtype `kind` and an output array of `out_kind` (uint16), `size` elements each
+        (grown, never shrunk; each made anew where its dtype changes)."""
         import numpy as np
 
-        if self._out is None or self._out.size < size:
-            self._out = np.empty(size, dtype="<u2")
+        if self._out is None or self._out.size < size or self._out.dtype != np.dtype(out_kind):
+            self._out = np.empty(size, dtype=out_kind)
         if self._index is None or self._index.dtype != kind or self._index.size < size:
             self._index = np.empty(max(size, self._out.size), dtype=kind)
         return self._index[:size], self._out[:size]

@@ -177,6 +177,8 @@ def mx_to_bf16(
     import numpy as np
 
     _check_sizes(data, scales, shape)
+    if shape.element == "e2m1":
+        return _e2m1_to_bf16(data, scales, shape, arrays or LookupArrays())
     codes = element_codes(data, shape.element).reshape(shape.rows, shape.blocks, MX_BLOCK)
     exponents = np.frombuffer(scales, dtype=np.uint8).reshape(shape.rows, shape.blocks, 1)
     index, out = (arrays or LookupArrays()).get(codes.size, np.uint16)
@@ -187,6 +189,37 @@ def mx_to_bf16(
     nan_codes = shape.element == "e4m3" and any(c in bytes(data) for c in NAN_E4M3)
     if nan_codes or not safe_scales(shape.element)[exponents].all():
         bad = out == OUT_OF_RANGE
+        if bad.any():
+            row, block, _ = (int(i[0]) for i in np.nonzero(bad))
+            raise MxRangeError(row, block, int(exponents[row, block, 0]))
+    return memoryview(out.reshape(-1)).cast("B")
+
+
+@cache
+def e2m1_pair_table() -> Any:
+    """uint32[65536]: at (b << 8) | packed byte, the BF16 bits of its two E2M1 elements at 2^(b - 127), the lower
+    nibble's in the low half (little-endian: the first element first); OUT_OF_RANGE in a half without one."""
+    import numpy as np
+
+    bits = bf16_table("e2m1").reshape(256, 256)[:, :16].astype(np.uint32)  # [scale byte, nibble]
+    low, high = np.arange(256) & 0x0F, np.arange(256) >> 4
+    return (bits[:, low] | (bits[:, high] << np.uint32(16))).astype("<u4").reshape(-1)
+
+
+def _e2m1_to_bf16(
+    data: bytes | bytearray | memoryview, scales: bytes | bytearray | memoryview, shape: MxRows, arrays: LookupArrays
+) -> memoryview:
+    """MXFP4 rows as BF16, one lookup per packed byte (its two elements share a block: `e2m1_pair_table`)."""
+    import numpy as np
+
+    packed = np.frombuffer(data, dtype=np.uint8).reshape(shape.rows, shape.blocks, MX_BLOCK // 2)
+    exponents = np.frombuffer(scales, dtype=np.uint8).reshape(shape.rows, shape.blocks, 1)
+    index, out = arrays.get(packed.size, np.uint16, np.uint32)
+    index, out = index.reshape(packed.shape), out.reshape(packed.shape)
+    np.bitwise_or(np.left_shift(exponents, 8, dtype=np.uint16), packed, out=index)
+    np.take(e2m1_pair_table(), index, out=out, mode="clip")  # every index is inside the table by construction
+    if not safe_scales("e2m1")[exponents].all():
+        bad = ((out & 0xFFFF) == OUT_OF_RANGE) | ((out >> 16) == OUT_OF_RANGE)
         if bad.any():
             row, block, _ = (int(i[0]) for i in np.nonzero(bad))
             raise MxRangeError(row, block, int(exponents[row, block, 0]))

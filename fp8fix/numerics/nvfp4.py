@@ -8,9 +8,11 @@ division's rounding harmless: the exact quotient of a 6-bit significand by a 24-
 boundary of the output or at least 2^-33 (relative) away from one, far more than float64's 2^-53, so rounding the
 float64 quotient once more to the output gives what rounding the exact quotient once would (`round_to`).
 
-Every value depends only on (scale byte, nibble): one 4,096-entry table of output bit patterns per global scale,
-and a row is two numpy passes (unpack, look up). A pair whose value is NaN (an e4m3 NaN scale) or outside the
-output's range is marked in the table; a row holding one is refused with the group named (`Fp4RangeError`).
+Every value depends only on (scale byte, nibble), and a packed byte's two elements share a group: one 65,536-entry
+table per global scale of both elements' output bit patterns at (scale byte, packed byte), and a row is two numpy
+passes (index, look up) over its packed bytes, no unpacking. A pair whose value is NaN (an e4m3 NaN scale) or
+outside the output's range is marked in the table; a row holding one is refused with the group named
+(`Fp4RangeError`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from fp8fix.numerics.dequantize import code_values, fits_output, output_bits, output_step, round_to
+from fp8fix.numerics.dequantize import LookupArrays, code_values, fits_output, output_bits, output_step, round_to
 from fp8fix.numerics.dtypes import E4M3FN
-from fp8fix.numerics.mx import OUT_OF_RANGE, element_codes, element_values
+from fp8fix.numerics.mx import OUT_OF_RANGE, element_values
 from fp8fix.numerics.requantize import RoundingStats
 
 #: Elements per NVFP4 scale (compressed-tensors quant_scheme.py NVFP4: group_size 16).
@@ -41,17 +43,20 @@ class Fp4RangeError(ValueError):
 
 @dataclass(frozen=True)
 class Nvfp4Table:
-    """Output bit patterns at (scale byte << 4) | nibble, OUT_OF_RANGE where the value has none; and the
-    rounding of each entry (its error, and in steps of the output at the value)."""
+    """Output bit patterns of a packed byte's two elements at each scale byte: at (scale byte << 8) | packed byte,
+    uint32 (the lower nibble's value in the low half: little-endian, the first element first), OUT_OF_RANGE in a half
+    whose value has none; per scale byte, whether any of its values has none; and the rounding of each (scale byte,
+    nibble) (its error, and in steps of the output at the value)."""
 
-    bits: Any  # uint16[4096]
+    pairs: Any  # uint32[65536]
+    unsafe: Any  # bool[256]
     errors: Any  # float64[256, 16]
     steps: Any  # float64[256, 16]
 
 
 @lru_cache(maxsize=64)
 def nvfp4_table(global_scale: float, out_dtype: str) -> Nvfp4Table:
-    """The table of every (e4m3 scale byte, E2M1 nibble) at global scale `global_scale` (positive, finite)."""
+    """The table of every (e4m3 scale byte, packed byte) at global scale `global_scale` (positive, finite)."""
     import numpy as np
 
     exact = code_values(E4M3FN)[:, None] * element_values("e2m1")[None, :16] / global_scale
@@ -60,8 +65,10 @@ def nvfp4_table(global_scale: float, out_dtype: str) -> Nvfp4Table:
     rounded = round_to(kept, out_dtype)
     errors = np.abs(rounded - kept)
     steps = np.where(kept == 0, 0.0, errors / output_step(kept, out_dtype))
-    bits = np.where(fits, output_bits(rounded, out_dtype), np.uint16(OUT_OF_RANGE)).astype("<u2").reshape(-1)
-    return Nvfp4Table(bits, errors, steps)
+    bits = np.where(fits, output_bits(rounded, out_dtype), np.uint16(OUT_OF_RANGE)).astype(np.uint32)  # [256, 16]
+    low, high = np.arange(256) & 0x0F, np.arange(256) >> 4
+    pairs = (bits[:, low] | (bits[:, high] << np.uint32(16))).astype("<u4").reshape(-1)
+    return Nvfp4Table(pairs, ~fits.all(axis=1), errors, steps)
 
 
 def nvfp4_rows(
@@ -70,26 +77,30 @@ def nvfp4_rows(
     cols: int,
     table: Nvfp4Table,
     out_dtype: str,
-) -> tuple[bytes, RoundingStats]:
+    arrays: LookupArrays | None = None,
+) -> tuple[memoryview, RoundingStats]:
     """Rows of packed NVFP4 (`cols` elements each) and their e4m3 scale bytes ([rows, cols / 16], row-major) as
-    little-endian `out_dtype` bytes, and the worst rounding of the (scale, element) pairs present.
-    Fp4RangeError names the first group with a value the output cannot hold."""
+    little-endian `out_dtype` bytes, and a bound on the rounding: the worst any element gets at the scales present
+    (verify measures the real worst). One lookup per packed byte (its two elements share a group of 16). The result
+    is a view of `arrays`' output (`numerics.dequantize.LookupArrays`), valid until their next use. Fp4RangeError
+    names the first group with a value the output cannot hold."""
     import numpy as np
 
     groups = cols // NVFP4_GROUP
-    rows = len(scales) // groups
-    if cols % NVFP4_GROUP or len(scales) != rows * groups or len(data) * 2 != rows * cols:
+    rows = len(scales) // groups if groups else 0
+    if not groups or cols % NVFP4_GROUP or len(scales) != rows * groups or len(data) * 2 != rows * cols:
         raise ValueError(f"{len(data)} packed bytes and {len(scales)} scale bytes are not rows of {cols} NVFP4")
-    codes = element_codes(data, "e2m1").reshape(rows, groups, NVFP4_GROUP)
-    bytes_ = np.frombuffer(scales, dtype=np.uint8).reshape(rows, groups, 1)
-    index = np.left_shift(bytes_, 4, dtype=np.uint16) | codes
-    out = np.take(table.bits, index)
-    bad = out == OUT_OF_RANGE
-    if bad.any():
-        row, group, _ = (int(i[0]) for i in np.nonzero(bad))
-        raise Fp4RangeError(row, group, int(bytes_[row, group, 0]), out_dtype)
-    present = np.zeros(4096, dtype=bool)
-    present[index] = True
-    used = present.reshape(256, 16)
-    stats = RoundingStats(float(table.errors[used].max(initial=0.0)), float(table.steps[used].max(initial=0.0)))
-    return out.tobytes(), stats
+    packed = np.frombuffer(data, dtype=np.uint8).reshape(rows, groups, NVFP4_GROUP // 2)
+    scale_bytes = np.frombuffer(scales, dtype=np.uint8).reshape(rows, groups, 1)
+    index, out = (arrays or LookupArrays()).get(packed.size, np.uint16, np.uint32)
+    index, out = index.reshape(packed.shape), out.reshape(packed.shape)
+    np.bitwise_or(np.left_shift(scale_bytes, 8, dtype=np.uint16), packed, out=index)
+    np.take(table.pairs, index, out=out, mode="clip")  # every index is inside the table by construction
+    present = np.bincount(scale_bytes.reshape(-1), minlength=256) > 0
+    if table.unsafe[present].any():
+        bad = ((out & 0xFFFF) == OUT_OF_RANGE) | ((out >> 16) == OUT_OF_RANGE)
+        if bad.any():
+            row, group, _ = (int(i[0]) for i in np.nonzero(bad))
+            raise Fp4RangeError(row, group, int(scale_bytes[row, group, 0]), out_dtype)
+    stats = RoundingStats(float(table.errors[present].max()), float(table.steps[present].max()))
+    return memoryview(out.reshape(-1)).cast("B"), stats
