@@ -24,7 +24,7 @@ from fp8fix.model import describe_checkpoint
 from fp8fix.numerics.nvfp4 import nvfp4_table
 from fp8fix.registry.architectures import Registry
 from fp8fix.verdicts import loader_verdicts
-from tests.builders import fp4_compressed_tensors, phi3
+from tests.builders import fp4_compressed_tensors, llama, phi3
 from tests.conftest import load_tensors, run_cli
 
 #: the OCP MX v1.0 E2M1 table (section 5.3.3), by nibble: bit 3 the sign
@@ -296,3 +296,58 @@ def test_nvfp4_values_are_rounded_once(global_scale: float) -> None:
             assert got == want or (want == 0 and got == 0), (byte, nibble, got, want)
             checked += 1
     assert checked > 3000
+
+
+WHOLE = {"hidden": 256, "heads": 2, "kv_heads": 1, "intermediate": 256, "layers": 1}
+
+
+def test_mxfp4_as_128_blocks_keeps_every_value_where_a_block_spans_little(tmp_path: Path) -> None:
+    """`--blocks 128x128` of MXFP4 (for Hopper / MI300, no FP4): each module an e4m3fn `weight` at one power of two
+    per 128 x 128 block, F32 `weight_scale` grid. Every E2M1 value is an e4m3fn value, so a block whose E8M0 bytes
+    span few powers of two keeps every value: OUTPUT's code x scale equals SOURCE's e2m1 x 2^(b - 127) exactly."""
+    src = fp4_compressed_tensors(tmp_path / "src", {"proj": "mxfp4"}, llama(**WHOLE))
+    out = tmp_path / "out"
+    result = run_cli("convert", src, out, "--blocks", "128x128", "--json")  # (run_cli verifies the output too)
+    assert result.exit_code == 0, result.output
+    before, after = load_tensors(src), load_tensors(out)
+    modules = [n.removesuffix(".weight_packed") for n in before if n.endswith(".weight_packed")]
+    for module in modules:
+        w, grid = after[f"{module}.weight"], after[f"{module}.weight_scale"]
+        assert w.dtype == torch.float8_e4m3fn and grid.dtype == torch.float32
+        assert grid.shape == (-(-w.shape[0] // 128), -(-w.shape[1] // 128))
+        expanded = grid.double().repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+        assert torch.equal(w.double() * expanded, fp4_values(before, module)), module
+    assert not [n for n in after if n.endswith("_packed")]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "float-quantized"
+    assert {g["weights"]["strategy"] for g in qc["config_groups"].values()} == {"block"}
+    plan = json.loads(result.stdout)
+    assert {m["blocks_exact"] == m["blocks"] for m in plan["reblocked"]} == {True}
+    assert len(plan["reblocked"]) == len(modules)
+
+
+def test_mxfp4_blocks_spanning_many_powers_of_two_round_and_say_so(tmp_path: Path) -> None:
+    """A block whose E8M0 bytes lie 20 powers of two apart: its smallest elements fall below e4m3fn's finest step at
+    the block's scale and round (counted, at most half a step; verify checks each against the nearest even)."""
+    src = fp4_compressed_tensors(tmp_path / "src", {"proj": "mxfp4"}, llama(**WHOLE))
+    module = "model.layers.0.mlp.up_proj"
+    scale = load_tensors(src)[f"{module}.weight_scale"].clone()
+    scale[0, 0] -= 20
+    _rewrite(src, {f"{module}.weight_scale": scale})
+    result = run_cli("convert", src, tmp_path / "out", "--blocks", "128x128", "--json")
+    assert result.exit_code == 0, result.output
+    rounded = {m["module"]: m for m in json.loads(result.stdout)["reblocked"]}[module]
+    assert rounded["blocks_rounded"] == 1 and rounded["values_rounded"] > 0 and 0 < rounded["max_steps"] <= 0.5
+    checked = json.loads(run_cli("verify", src, tmp_path / "out", "--json").stdout)
+    record = next(w for w in checked["weights"] if w["tensor"] == f"{module}.weight_packed")
+    assert record["kind"] == "requantized" and record["rounded_codes"] == rounded["values_rounded"]
+
+
+@pytest.mark.parametrize(
+    "schemes, said", [({"proj": "nvfp4"}, "not MX blocks"), (MIXED, "not re-blocked yet")], ids=["nvfp4", "fp8-beside"]
+)
+def test_blocks_128_refuses_what_is_not_mx(tmp_path: Path, schemes: dict[str, str], said: str) -> None:
+    src = fp4_compressed_tensors(tmp_path / "src", schemes, llama(**WHOLE))
+    result = run_cli("convert", src, tmp_path / "out", "--blocks", "128x128")
+    assert result.exit_code == 3 and said in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -23,7 +23,7 @@ from fp8fix.io.source_files import SourceFiles, read_into, source_changed, windo
 from fp8fix.io.workers import Jobs, run_tasks, worker_count
 from fp8fix.numerics.dequantize import LookupArrays, dequantize_rows, lookup_tables
 from fp8fix.numerics.dtypes import BITS, E4M3FN, E8M0_NAN, NAN_CODES, decode_floats, encode_floats
-from fp8fix.numerics.mx import MX_BLOCK, MxRangeError, MxRows, e8m0_row_bytes, mx_to_bf16, mx_values
+from fp8fix.numerics.mx import MX_BLOCK, MxRangeError, MxRows, e2m1_as_e4m3, e8m0_row_bytes, mx_to_bf16, mx_values
 from fp8fix.numerics.mx_blocks import ReblockedRows, ReblockStats, reblock_rows
 from fp8fix.numerics.recodings import RECODINGS, inexact_codes, recode, scale_exactly
 from fp8fix.numerics.requantize import RoundingStats, requantize, requantize_map
@@ -597,11 +597,13 @@ def _mx_scales(sources: _Sources, piece: MxScales) -> bytes:
 
 
 def _mx_block_rows(sources: _Sources, piece: MxBlockCodes) -> ReblockedRows:
-    """One block row of MXFP8 codes at a power of two per 128 x 128 block (`numerics.mx_blocks`); NaN codes and
-    NaN scale bytes refused, named."""
+    """One block row of MXFP8 (or MXFP4) codes at a power of two per 128 x 128 block (`numerics.mx_blocks`); NaN
+    codes and NaN scale bytes refused, named."""
     codes = sources.read(piece.path, piece.start, piece.end)
     nan = NAN_CODES[E4M3FN]
-    if any(c in codes for c in nan):
+    if piece.element == "e2m1":  # MXFP4: its elements as e4m3fn codes (exact; E2M1 has no NaN)
+        codes = e2m1_as_e4m3(codes)
+    elif any(c in codes for c in nan):
         _refuse_codes(sources, piece, nan, piece.weight, "NaN codes")
     ref = piece.scales
     scales = sources.read(ref.path, ref.start, ref.start + ref.count)

@@ -23,6 +23,7 @@ from typing import Any
 from fp8fix.numerics.dequantize import LookupArrays
 from fp8fix.numerics.dtypes import E4M3FN, E8M0_NAN, NAN_CODES
 from fp8fix.numerics.fp8 import e4m3_value
+from fp8fix.numerics.ue8m0 import encode_e4m3fn
 
 #: The e4m3fn codes that are NaN (E2M1 has none).
 NAN_E4M3 = NAN_CODES[E4M3FN]
@@ -193,6 +194,24 @@ def mx_to_bf16(
             row, block, _ = (int(i[0]) for i in np.nonzero(bad))
             raise MxRangeError(row, block, int(exponents[row, block, 0]))
     return memoryview(out.reshape(-1)).cast("B")
+
+
+@cache
+def e2m1_e4m3_pairs() -> Any:
+    """uint16[256]: the e4m3fn codes of a packed byte's two E2M1 elements, the lower nibble's in the low byte
+    (little-endian: the first element first). Every E2M1 value is an e4m3fn value, so each code is exact."""
+    import numpy as np
+
+    codes = encode_e4m3fn(element_values("e2m1")[:16]).astype(np.uint16)  # (-0 as 0x80: the sign kept)
+    nibbles = np.arange(256)
+    return (codes[nibbles & 0x0F] | (codes[nibbles >> 4] << np.uint16(8))).astype("<u2")
+
+
+def e2m1_as_e4m3(data: bytes | bytearray | memoryview) -> bytes:
+    """Packed E2M1 elements (two a byte, the lower nibble first) as e4m3fn codes, one a byte, exactly."""
+    import numpy as np
+
+    return np.take(e2m1_e4m3_pairs(), np.frombuffer(data, dtype=np.uint8)).tobytes()
 
 
 @cache

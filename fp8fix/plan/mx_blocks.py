@@ -1,10 +1,12 @@
-"""`--blocks 128x128`: an MXFP8 checkpoint written as 128 x 128 block FP8, for runtimes without MX kernels.
+"""`--blocks 128x128`: an MXFP8 or MXFP4 checkpoint written as 128 x 128 block FP8, for runtimes without MX kernels.
 
 Hopper and MI300 runtimes compute block FP8 (DeepSeek-V3's 128 x 128 grid) with kernels of their own; an
 MXFP8 checkpoint's scale per 32 elements of a row they either cannot load or requantize at every load. Here
 each weight is written once, block row by block row (`MxBlockCodes`: `numerics.mx_blocks`, one power of two
 per block, each value rounded once where it must move, counted), its E8M0 `weight_scale` [out, in / 32]
-becoming the F32 grid [ceil(out / 128), ceil(in / 128)] of those powers of two (`MxBlockScales`). The config
+becoming the F32 grid [ceil(out / 128), ceil(in / 128)] of those powers of two (`MxBlockScales`). An MXFP4 module
+(packed E2M1, `fp4_modules`) is written the same way, its elements made e4m3fn codes first (exact: every E2M1 value
+is one), as `<module>.weight` where `weight_packed` was: for Hopper and MI300, which have no FP4. The config
 stays compressed-tensors (its `ignore` and `targets` as they are): every group `float-quantized` with
 llm-compressor's FP8_BLOCK scheme, weights `strategy: block`, `block_structure` [128, 128], activations
 quantized at run time per group of 128. The scales are read when the rows are written (`ScaleRef`).
@@ -18,7 +20,9 @@ from typing import Any
 
 from fp8fix.errors import UnsupportedCheckpoint
 from fp8fix.io.checkpoint import CONFIG
-from fp8fix.model import CheckpointModel, Fp8Weight
+from fp8fix.io.safetensors_file import TensorInfo
+from fp8fix.model import CheckpointModel
+from fp8fix.numerics.dtypes import E4M3FN
 from fp8fix.numerics.mx import MX_BLOCK
 from fp8fix.numerics.mx_blocks import BLOCK
 from fp8fix.plan import planner
@@ -61,26 +65,37 @@ class ReblockedModule:
 
 
 def plan_reblocked_model(model: CheckpointModel, blocks: str) -> ConversionPlan:
-    """Every MXFP8 weight of `model` at one power of two per 128 x 128 block; the config FP8_BLOCK's."""
+    """Every MXFP8 weight and MXFP4 module of `model` at one power of two per 128 x 128 block; the config
+    FP8_BLOCK's."""
     ckpt = model.checkpoint
     fmt = model.require_format()
-    if not fmt.mx:
+    mxfp4 = [w for w in model.fp4.values() if w.scheme == "mxfp4"]
+    if not fmt.mx and not mxfp4:
         raise UnsupportedCheckpoint(
-            f"--blocks {blocks}: re-blocks MXFP8 checkpoints; {fmt.label} scales are not MX blocks (for block FP8, "
-            "--tp pads and --scales ue8m0 writes powers of two)"
+            f"--blocks {blocks}: re-blocks MXFP8 and MXFP4 checkpoints; {fmt.label} scales are not MX blocks (for "
+            "block FP8, --tp pads and --scales ue8m0 writes powers of two)"
+        )
+    others = [w.module for w in model.fp4.values() if w.scheme != "mxfp4"]
+    others += [] if fmt.mx else [w.module for w in model.module_weights()]
+    if others:
+        raise UnsupportedCheckpoint(
+            f"--blocks {blocks}: {len(others)} module(s) beside the MX ones are neither MXFP8 nor MXFP4 (e.g. "
+            f"'{others[0]}'): not re-blocked yet; --to bf16 writes every one unquantized"
         )
     arch_name, _ = model.require_architecture()
     model.require_convertible()
     replacements: dict[str, list[OutputTensor]] = {}
     modules = []
-    for w in model.module_weights():
-        assert w.scale is not None  # require_convertible: every MX weight has its scale
-        rows = tuple(_block_rows(w))
-        t = w.tensor
-        grid = (-(-t.shape[0] // BLOCK), -(-t.shape[1] // BLOCK))
-        replacements[w.name] = [OutputTensor(w.name, t.dtype, t.shape, list(rows), w.name)]
-        replacements[w.scale.name] = [OutputTensor(w.scale.name, "F32", grid, [MxBlockScales(rows)], w.scale.name)]
-        modules.append(ReblockedModule(w.module, w.name, grid[0] * grid[1]))
+    weights = [(w.tensor, w.scale, w.name, "e4m3") for w in model.module_weights()]
+    weights += [(w.packed, w.scale, f"{w.module}.weight", "e2m1") for w in mxfp4]
+    for t, scale, name, element in weights:
+        assert scale is not None  # require_convertible: every MX weight has its scale
+        cols = t.shape[1] * (2 if element == "e2m1" else 1)
+        rows = tuple(_block_rows(t, scale, name, cols, element))
+        grid = (-(-t.shape[0] // BLOCK), -(-cols // BLOCK))
+        replacements[t.name] = [OutputTensor(name, E4M3FN, (t.shape[0], cols), list(rows), t.name)]
+        replacements[scale.name] = [OutputTensor(scale.name, "F32", grid, [MxBlockScales(rows)], scale.name)]
+        modules.append(ReblockedModule(name.removesuffix(".weight"), name, grid[0] * grid[1]))
     shards = [planner.plan_shard(name, h.metadata, h.tensors, replacements) for name, h in ckpt.shards.items()]
     planner.check_pieces_inside_sources(shards, ckpt.tensors)
     plan = planner.whole_model_plan(
@@ -91,23 +106,23 @@ def plan_reblocked_model(model: CheckpointModel, blocks: str) -> ConversionPlan:
     return plan
 
 
-def _block_rows(w: Fp8Weight) -> list[MxBlockCodes]:
-    """One piece per 128 rows, with those rows' E8M0 bytes."""
-    t, scale = w.tensor, w.scale
-    assert scale is not None
-    rows, cols = t.shape
+def _block_rows(t: TensorInfo, scale: TensorInfo, name: str, cols: int, element: str) -> list[MxBlockCodes]:
+    """One piece per 128 rows of weight `t` (`cols` elements a row, e4m3 codes or packed E2M1), with those rows'
+    E8M0 bytes."""
+    row_bytes = t.shape[1]
     subs = cols // MX_BLOCK
     return [
         MxBlockCodes(
             t.path,
-            t.start + first * cols,
-            t.start + last * cols,
+            t.start + first * row_bytes,
+            t.start + last * row_bytes,
             cols,
             ScaleRef(scale.path, scale.start + first * subs, (last - first) * subs, scale.dtype, scale.name),
-            w.name,
+            name,
+            element,
         )
-        for first in range(0, rows, BLOCK)
-        for last in (min(rows, first + BLOCK),)
+        for first in range(0, t.shape[0], BLOCK)
+        for last in (min(t.shape[0], first + BLOCK),)
     ]
 
 
@@ -116,14 +131,15 @@ def reblocked_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
     out = copy.deepcopy(config)
     qc = quantization_config(out)
     assert qc is not None  # an MXFP8 checkpoint's
+    source = qc.get("format")
     qc["format"] = "float-quantized"
     for group in qc["config_groups"].values():
         group["weights"] = dict(FP8_BLOCK_WEIGHTS)
         group["input_activations"] = dict(FP8_BLOCK_ACTIVATIONS)
         group.pop("format", None)
     edits = [
-        "quantization_config: format 'mxfp8-quantized' -> 'float-quantized'; every config group's weights MXFP8 "
-        "(groups of 32, E8M0) -> block 128x128 (F32 powers of two), activations dynamic per group of 128 "
+        f"quantization_config: format {source!r} -> 'float-quantized'; every config group's weights MX (groups of "
+        "32, E8M0) -> e4m3fn in blocks of 128x128 (F32 powers of two), activations dynamic per group of 128 "
         "(llm-compressor's FP8_BLOCK)"
     ]
     return out, edits

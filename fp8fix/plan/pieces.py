@@ -193,12 +193,18 @@ class Nvfp4Dequantize(SourceRange):
 
 @dataclass(frozen=True)
 class MxBlockCodes(SourceRange):
-    """Up to 128 rows of MXFP8 codes (`cols` each) and their E8M0 bytes (`scales`: the rows' own, in order),
-    written at one power of two per 128 x 128 block (`numerics.mx_blocks`): `--blocks 128x128`."""
+    """Up to 128 rows of MXFP8 codes (`cols` each; MXFP4: packed elements) and their E8M0 bytes (`scales`: the rows'
+    own, in order), written as e4m3fn codes at one power of two per 128 x 128 block (`numerics.mx_blocks`):
+    `--blocks 128x128`."""
 
     cols: int
     scales: ScaleRef
-    weight: str  # the source weight, for statistics and messages
+    weight: str  # the weight written, for statistics and messages
+    element: str = "e4m3"  # or e2m1: packed MXFP4 (two a byte), made e4m3fn codes first (exact)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.end - self.start) * (2 if self.element == "e2m1" else 1)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ def plan_for_target(
     loaders take best. An explicit layout alone keeps the source's format: it asks for that change only
     (`channel` excepted: compressed-tensors is the one format vLLM takes it in). `to` an unquantized
     dtype (bf16, float16): the whole model written so (`unquantized.py`), the one conversion of FP4 modules."""
-    if model.fp4 and (to is None or to in ENCODING_NAMES or blocks is not None):
+    if model.fp4 and (to is None or to in ENCODING_NAMES) and blocks != "128x128":  # (MXFP4: re-blocked)
         raise _fp4_refusal(model)
     if blocks is not None:
         plan = plan_mx_model(model) if blocks == "mx" else plan_reblocked_model(model, blocks)
@@ -76,6 +76,7 @@ def _fp4_refusal(model: CheckpointModel) -> UnsupportedCheckpoint:
     first = next(iter(model.fp4))
     return UnsupportedCheckpoint(
         f"{model.checkpoint.root.name}: {len(model.fp4)} FP4 module(s) ({', '.join(schemes)}; '{first}', ...) are "
-        "converted to BF16 or F16 only, yet: `fp8fix convert SOURCE OUTPUT --to bf16` writes every FP4 and FP8 "
-        "weight unquantized; `fp8fix inspect SOURCE` describes the FP4 modules"
+        "converted to BF16 or F16 only, yet (MXFP4 also to 128x128 block FP8, --blocks 128x128): `fp8fix convert "
+        "SOURCE OUTPUT --to bf16` writes every FP4 and FP8 weight unquantized; `fp8fix inspect SOURCE` describes the "
+        "FP4 modules"
     )

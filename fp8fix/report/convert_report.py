@@ -162,12 +162,13 @@ def ue8m0_lines(plan: ConversionPlan) -> list[str]:
 
 
 def reblocked_lines(plan: ConversionPlan) -> list[str]:
-    """`--blocks 128x128`: MXFP8 weights at a power of two per 128 x 128 block; blocks exact and values rounded."""
+    """`--blocks 128x128`: MX weights (MXFP8, MXFP4) at a power of two per 128 x 128 block; blocks exact and values
+    rounded."""
     modules = plan.reblocked
     if not modules:
         return []
     blocks = sum(m.blocks for m in modules)
-    line = f"blocks: 128x128: {len(modules)} MXFP8 weight(s) in {blocks} blocks, each one power of two"
+    line = f"blocks: 128x128: {len(modules)} MX weight(s) in {blocks} blocks, each one power of two"
     written = [m for m in modules if m.blocks_exact is not None]
     if not written:
         return [line + "; blocks kept exactly / rounded reported once written"]

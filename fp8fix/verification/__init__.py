@@ -100,6 +100,8 @@ def verify(
         ctx.dropped = dropped_scales(ctx, ctx.dequantized) | fp4_dropped(ctx.fp4)
         ctx.ue8m0 = ue8m0_weights(ctx)
         ctx.reblocked = reblocked_weights(ctx)
+        ctx.renamed = {n: f"{w.module}.weight" for n, w in ctx.fp4.items()}
+        ctx.renamed |= {n: m.out_name for n, m in ctx.reblocked.items() if m.out_name != n}
         ctx.block_mx = mx_weights(ctx)
         checks = _TensorChecks(ctx, map_tensors(ctx), part)
         jobs = 1 if remote else resolve_jobs(jobs, checks.total, started)
@@ -140,6 +142,7 @@ class _TensorChecks:
         self.weights = {w.name: w for w in ctx.model.module_weights()}
         fmt = ctx.fmt
         self.scale_names = {fmt.weight_scale_of(w) for w in self.weights}
+        self.scale_names |= {m.scale.name for m in ctx.reblocked.values()}  # (MXFP4's, checked with its weight)
         self.input_of = {fmt.input_scale_of(w): w for w in self.weights if fmt.input_scale_of(w) in ctx.src.tensors}
         # scales are checked through the weights' values, not streamed
         self.costs = [0 if n in self.scale_names or n in self.input_of else ctx.src.tensors[n].nbytes for n in mapping]
@@ -169,7 +172,7 @@ class _TensorChecks:
                 ctx.report.add(check_fp4(ctx, ctx.fp4[name]))
             elif name in ctx.ue8m0:  # `--scales ue8m0`: power-of-two block scales (its scale checked with it)
                 ctx.report.add(check_ue8m0(ctx, ctx.ue8m0[name]))
-            elif name in ctx.reblocked:  # `--blocks 128x128`: MXFP8 as block FP8 (its scale checked with it)
+            elif name in ctx.reblocked:  # `--blocks 128x128`: MXFP8, MXFP4 as block FP8 (its scale checked with it)
                 ctx.report.add(check_reblocked(ctx, ctx.reblocked[name]))
             elif name in ctx.block_mx:  # `--blocks mx`: block FP8 as MXFP8 (its scale checked with it)
                 ctx.report.add(check_block_mx(ctx, ctx.block_mx[name]))

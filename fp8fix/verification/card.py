@@ -13,8 +13,8 @@ import re
 from fp8fix.errors import InvalidCheckpoint
 from fp8fix.io.checkpoint import CARD, card_front_matter
 from fp8fix.io.source_tree import read_regular
-from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ, is_fp8
-from fp8fix.verification.context import VerifyContext
+from fp8fix.numerics.dtypes import E4M3FNUZ, is_fp8
+from fp8fix.verification.context import VerifyContext, fp8_weight_dtypes
 from fp8fix.verification.report import METADATA
 
 #: A card fp8fix writes is kilobytes; verify reads at most this much of OUTPUT's.
@@ -63,8 +63,8 @@ def check_card(ctx: VerifyContext, renames: dict[str, list[str]]) -> None:
         problem(f"{CARD}: says unfused, but OUTPUT keeps SOURCE's fused modules")
     elif not renames and held is not None and said != held and held != "channel":
         problem(f"{CARD}: says {said}, but OUTPUT's fused modules have the {held} layout's scales")
-    encodings = {t.dtype for t in ctx.out.tensors.values()} & {E4M3FN, E4M3FNUZ}
-    recoded = bool(encodings) and encodings != {t.dtype for t in ctx.src.tensors.values()} & {E4M3FN, E4M3FNUZ}
+    encodings = fp8_weight_dtypes(ctx, "OUTPUT")
+    recoded = bool(encodings) and encodings != fp8_weight_dtypes(ctx, "SOURCE")
     if recoded != ("FP8 encoding: e4m3fn" in body and "->" in body):
         problem(f"{CARD}: {'does not say' if recoded else 'says'} the FP8 weights changed encoding")
     if recoded and encodings == {E4M3FNUZ} and "e4m3fnuz" not in tags:

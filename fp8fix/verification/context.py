@@ -12,7 +12,7 @@ from fp8fix.io.checkpoint import Checkpoint, check_scale_values
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.io.source_files import SourceFiles
 from fp8fix.model import CheckpointModel, FusedModule
-from fp8fix.numerics.dtypes import ITEM_SIZE, is_fp8
+from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, ITEM_SIZE, is_fp8
 from fp8fix.registry.formats import FormatSpec, quantization_config
 from fp8fix.verification.report import VerifyReport, WeightCheck
 
@@ -57,6 +57,8 @@ class VerifyContext:
     reblocked: dict[str, Any] = field(default_factory=dict)  # `--blocks 128x128`: MXFP8 weights as block FP8
     block_mx: dict[str, Any] = field(default_factory=dict)  # `--blocks mx`: block FP8 weights as MXFP8
     fp4: dict[str, Any] = field(default_factory=dict)  # FP4 modules OUTPUT holds unquantized, by packed weight
+    #: SOURCE tensors OUTPUT holds under another name: an FP4 module's packed weight as its `<module>.weight`
+    renamed: dict[str, str] = field(default_factory=dict)
     source_name: str | None = None  # SOURCE as OUTPUT's card must name it (a Hub repo id, or the folder's name)
 
     @property
@@ -72,6 +74,14 @@ class VerifyContext:
         """The shard of each row of a fused module of SOURCE's registry entry, None for other modules."""
         f: FusedModule | None = self.model.fused.get(module)
         return f.shard_of_rows() if f else None
+
+
+def fp8_weight_dtypes(ctx: VerifyContext, side: str) -> set[str]:
+    """The FP8 encodings (safetensors dtypes) of SOURCE's or OUTPUT's tensors, but those OUTPUT made of FP4 modules
+    (`renamed`): an FP4 module written as FP8 did not change encoding."""
+    ckpt = ctx.src if side == "SOURCE" else ctx.out
+    made = set(ctx.renamed.values()) if side == "OUTPUT" else set()
+    return {t.dtype for t in ckpt.tensors.values() if t.dtype in FP8_WEIGHT_DTYPES and t.name not in made}
 
 
 def plain_output(ctx: VerifyContext) -> bool:

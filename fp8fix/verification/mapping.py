@@ -46,8 +46,8 @@ def map_tensors(ctx: VerifyContext) -> dict[str, list[Target]]:
             mapping[name] = [Target(name, 0, rows)]
             continue
         module, _, param = name.rpartition(".")
-        if name in ctx.fp4:  # an FP4 module's packed weight, unquantized under a plain Linear's name (fp4.py)
-            mapping[name] = [Target(f"{module}.weight", 0, rows)]
+        if name in ctx.renamed:  # an FP4 module's packed weight, now `<module>.weight` (fp4.py, mx_blocks.py)
+            mapping[name] = [Target(ctx.renamed[name], 0, rows)]
             continue
         renamed = compressed_tensors_names(name)
         if renamed and all(n in out.tensors for n in renamed):  # legacy AutoFP8 / AMD names, as compressed-tensors

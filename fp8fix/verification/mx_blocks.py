@@ -1,8 +1,10 @@
-"""Verifying `--blocks 128x128`: MXFP8 weights OUTPUT holds as 128 x 128 block FP8.
+"""Verifying `--blocks 128x128`: MXFP8 weights and MXFP4 modules OUTPUT holds as 128 x 128 block FP8.
 
-Read off OUTPUT: a SOURCE MXFP8 weight whose OUTPUT tensor is e4m3fn of its shape, with a float scale grid of
-one value per 128 x 128 block under the same name. For each block, with SOURCE's values v = code x 2^(b - 127)
-(b the element's E8M0 byte, read here from SOURCE's bytes; exact in float64) and OUTPUT's scale p:
+Read off OUTPUT: a SOURCE MXFP8 weight whose OUTPUT tensor is e4m3fn of its shape (an MXFP4 module's: its
+`<module>.weight`, e4m3fn of its elements' shape), with a float scale grid of one value per 128 x 128 block under
+the scale's name. For each block, with SOURCE's values v = code x 2^(b - 127)
+(b the element's E8M0 byte, read here from SOURCE's bytes, an E2M1 element's value from the OCP MX table; exact in
+float64) and OUTPUT's scale p:
 - p is the smallest power of two that holds the block's largest value (worked out here again);
 - every code is v / p rounded to nearest even on the e4m3fn grid (`ue8m0.nearest_e4m3fn`: the nearest of the sorted
   code values, ties to the even code), so no value moves by more than half an e4m3fn step at p; those that
@@ -12,14 +14,16 @@ one value per 128 x 128 block under the same name. For each block, with SOURCE's
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from fp8fix.model import Fp8Weight
+from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dequantize import code_values
 from fp8fix.numerics.dtypes import E4M3FN
 from fp8fix.verification.context import Mismatch, VerifyContext, scale_values
+from fp8fix.verification.fp4 import E2M1_VALUES
 from fp8fix.verification.report import WeightCheck
 from fp8fix.verification.ue8m0 import e4m3fn_steps, nearest_e4m3fn, power_of_two, smallest_holding
 
@@ -68,39 +72,61 @@ def same_but_schemes(source_qc: dict[str, Any], output_qc: dict[str, Any]) -> bo
     return kept and source == output
 
 
-def reblocked_weights(ctx: VerifyContext) -> dict[str, Fp8Weight]:
-    """SOURCE's MXFP8 weights that OUTPUT holds as e4m3fn of the same shape with a 128 x 128 scale grid."""
-    found: dict[str, Fp8Weight] = {}
-    if not ctx.fmt.mx:
-        return found
-    for w in ctx.model.module_weights():
-        o = ctx.out.tensors.get(w.name)
-        out_scale = ctx.out.tensors.get(w.scale.name) if w.scale is not None else None
-        if o is None or out_scale is None or o.dtype != E4M3FN or o.shape != w.tensor.shape or w.stacked:
+@dataclass(frozen=True)
+class MxSource:
+    """A SOURCE MX weight as verify reads it: its codes (e4m3fn bytes, or packed E2M1 two a byte), its E8M0 scale, and
+    the OUTPUT weight it became (its own name; an MXFP4 module's `<module>.weight`)."""
+
+    tensor: TensorInfo
+    scale: TensorInfo
+    element: str  # e4m3 or e2m1
+    out_name: str
+
+    @property
+    def cols(self) -> int:
+        return self.tensor.shape[1] * (2 if self.element == "e2m1" else 1)
+
+
+def reblocked_weights(ctx: VerifyContext) -> dict[str, MxSource]:
+    """SOURCE's MXFP8 weights and MXFP4 modules that OUTPUT holds as e4m3fn of their elements' shape with a
+    128 x 128 scale grid under the scale's name, by SOURCE tensor."""
+    candidates = [
+        MxSource(w.tensor, w.scale, "e4m3", w.name)
+        for w in (ctx.model.module_weights() if ctx.fmt.mx else [])
+        if w.scale is not None and not w.stacked
+    ]
+    candidates += [
+        MxSource(w.packed, w.scale, "e2m1", f"{w.module}.weight")
+        for w in ctx.model.fp4.values()
+        if w.scheme == "mxfp4" and w.scale is not None and w.problem is None
+    ]
+    found: dict[str, MxSource] = {}
+    for m in candidates:
+        o, out_scale = ctx.out.tensors.get(m.out_name), ctx.out.tensors.get(m.scale.name)
+        rows, cols = m.tensor.shape[0], m.cols
+        if o is None or out_scale is None or o.dtype != E4M3FN or o.shape != (rows, cols):
             continue
-        rows, cols = w.tensor.shape
         if out_scale.shape == (-(-rows // BLOCK), -(-cols // BLOCK)) and out_scale.dtype in FLOAT_SCALES:
-            found[w.name] = w
+            found[m.tensor.name] = m
     return found
 
 
-def check_reblocked(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
+def check_reblocked(ctx: VerifyContext, weight: MxSource) -> WeightCheck:
     """Every block of the weight as the module docstring says."""
-    name, t, scale = weight.name, weight.tensor, weight.scale
+    t, scale, name = weight.tensor, weight.scale, weight.out_name
     o = ctx.out.tensors[name]
-    assert scale is not None
-    check = WeightCheck(name, [name], "exact")
-    rows, cols = t.shape
+    check = WeightCheck(t.name, [name], "exact")
+    rows, cols = t.shape[0], weight.cols
     values = np.nan_to_num(code_values(E4M3FN), nan=np.inf)  # a NaN code is no value: it fails every check
     try:
         grid = np.asarray(scale_values(ctx.out.tensors[scale.name], "OUTPUT")).reshape(-1, -(-cols // BLOCK))
         for row in range(0, rows, BLOCK):
             stop = min(rows, row + BLOCK)
-            src = np.frombuffer(ctx.read_rows(t, row, stop, cols), dtype=np.uint8).reshape(-1, cols)
             exponents = np.frombuffer(ctx.read_rows(scale, row, stop, cols // MX), dtype=np.uint8)
             if (exponents == 0xFF).any():
                 raise Mismatch(f"SOURCE scale '{scale.name}' holds a NaN byte (255) in rows {row}-{stop - 1}")
-            v = values[src] * np.repeat(np.ldexp(1.0, exponents.astype(np.int64) - 127).reshape(-1, cols // MX), MX, 1)
+            powers = np.repeat(np.ldexp(1.0, exponents.astype(np.int64) - 127).reshape(-1, cols // MX), MX, 1)
+            v = _source_values(ctx, weight, row, stop, values) * powers
             out = values[np.frombuffer(ctx.read_rows(o, row, stop, cols), dtype=np.uint8).reshape(-1, cols)]
             for c in range(grid.shape[1]):
                 span = slice(c * BLOCK, min(cols, (c + 1) * BLOCK))
@@ -113,6 +139,17 @@ def check_reblocked(ctx: VerifyContext, weight: Fp8Weight) -> WeightCheck:
     except Mismatch as e:
         check.mismatched(str(e), e.codes)
     return check
+
+
+def _source_values(ctx: VerifyContext, weight: MxSource, row: int, stop: int, values: np.ndarray) -> np.ndarray:
+    """SOURCE's elements of rows [row, stop) as float64 [rows, cols]: e4m3fn codes' values, or E2M1 nibbles' (the
+    lower nibble first; `fp4.E2M1_VALUES`)."""
+    if weight.element == "e4m3":
+        codes = np.frombuffer(ctx.read_rows(weight.tensor, row, stop, weight.cols), dtype=np.uint8)
+        return values[codes].reshape(-1, weight.cols)
+    packed = np.frombuffer(ctx.read_rows(weight.tensor, row, stop, weight.cols // 2), dtype=np.uint8)
+    nibbles = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1, weight.cols)
+    return np.array(E2M1_VALUES, dtype=np.float64)[nibbles]
 
 
 def _check_block(v: np.ndarray, codes: np.ndarray, p: float, where: str) -> tuple[int, float, float]:

@@ -12,7 +12,7 @@ from fp8fix.numerics.recodings import scale_factor
 from fp8fix.registry.formats import COMPRESSED_TENSORS, quantization_config
 from fp8fix.verification.card import check_card
 from fp8fix.verification.config import check_config
-from fp8fix.verification.context import VerifyContext, plain_output
+from fp8fix.verification.context import VerifyContext, fp8_weight_dtypes, plain_output
 from fp8fix.verification.mapping import Target
 from fp8fix.verification.report import COPIED
 
@@ -130,9 +130,7 @@ def _check_metadata(ctx: VerifyContext, name: str, metadata: dict[str, str]) -> 
     the encoding of OUTPUT's FP8 weights where it is not SOURCE's."""
     source = ctx.src.shards[name].metadata if name in ctx.src.shards else {}
     expected = {**source, "format": "pt"}
-    encodings = {ENCODINGS[t.dtype] for t in ctx.out.tensors.values() if t.dtype in ENCODINGS} - {
-        ENCODINGS[t.dtype] for t in ctx.src.tensors.values() if t.dtype in ENCODINGS
-    }
+    encodings = {ENCODINGS[d] for d in fp8_weight_dtypes(ctx, "OUTPUT") - fp8_weight_dtypes(ctx, "SOURCE")}
     if len(encodings) == 1:
         expected["fp8fix_encoding"] = encodings.pop()
     if metadata.get("format") != "pt":

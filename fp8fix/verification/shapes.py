@@ -43,7 +43,7 @@ def check_shapes(ctx: VerifyContext, mapping: dict[str, list[Target]], compresse
     reblocked = {w.scale.name: w for w in [*ctx.reblocked.values(), *ctx.block_mx.values()] if w.scale is not None}
     for name, targets in mapping.items():
         t = ctx.src.tensors[name]
-        if name in reblocked or name in ctx.fp4:  # (fp4.py checks an unquantized FP4 module's shape)
+        if name in reblocked or name in ctx.renamed:  # (fp4.py, mx_blocks.py check an FP4 module's shape)
             continue
         by_output: dict[str, list[Target]] = {}
         for target in targets:

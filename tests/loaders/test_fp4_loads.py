@@ -2,7 +2,7 @@
 FP4_RULES): compressed-tensors NVFP4 and MXFP4 as llm-compressor writes them (tests/builders.fp4_compressed_tensors),
 alone and beside FP8_DYNAMIC modules, of a Llama (q / k / v and gate / up packed by vLLM and SGLang) and a Phi-3
 (fused on disk), NVFP4 with the packed projections' global scales shared (llm-compressor) or each its own (other
-exporters), and what `convert --to bf16` writes of them.
+exporters), and what `convert --to bf16` and (MXFP4) `--blocks 128x128` write of them.
 
 Measured here (OUTCOMES): every vLLM release stops on CPU (0.19.0 and 0.20.2's MXFP4 at the FP4 scheme's platform
 query, the rest finding no NVFP4 / MXFP4 kernel), so a GPU's outcome is not seen: not judged, except where vLLM's
@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from tests.builders import fp4_compressed_tensors, llama, loadable, phi3
 from tests.conftest import run_cli
 from tests.loaders.conftest import record, run_loaders
-from tests.loaders.test_real_loaders import VERDICT_ROWS, as_loaded
+from tests.loaders.test_real_loaders import VERDICT_ROWS, as_loaded, outcome, true_weights
 from tests.test_fp4_modules import fp4_values, half_step_of
 
 pytestmark = pytest.mark.loaders
@@ -103,9 +103,8 @@ def test_fp4_rows_are_what_the_loaders_do(tmp_path: Path) -> None:
             assert said == row_of(case, row), (case, row, said, rows[row]["reason"])
             if (case, row) in CITED:
                 assert "vllm 0.32 model_executor" in rows[row]["evidence"], rows[row]["evidence"]
-            record(
-                loader, f"{case}-ct", said, "loads" if loaded.loaded else "fails", said == "not-judged", loaded.error
-            )
+            measured = said != "not-judged" and (case, row) not in CITED  # (a cited row is not what the CPU shows)
+            record(loader, f"{case}-ct", said, "loads" if loaded.loaded else "fails", not measured, loaded.error)
             if expected is None:
                 assert loaded.loaded, f"{case} {loader}: {loaded.error}"
                 assert_fp4_values(src, loaded.weights, loaded.unreadable)
@@ -133,3 +132,32 @@ def assert_fp4_values(src: Path, weights: dict[str, torch.Tensor], unreadable: l
         got = weights[module].double()
         assert got.shape == exact.shape, module
         assert bool(((got - exact).abs() <= half_step_of(exact)).all()), module
+
+
+#: Shapes whose every projection is whole 128 x 128 blocks (head_dim 128), as real models' are.
+WHOLE_BLOCKS = {
+    "llama": lambda: llama(hidden=256, heads=2, kv_heads=1, intermediate=256, layers=1),
+    "phi3": lambda: phi3(hidden=256, heads=2, kv_heads=1, intermediate=256, layers=1),
+}
+
+
+def test_mxfp4_as_128_blocks_is_judged_as_the_loaders_load_it(tmp_path: Path) -> None:
+    """`convert --blocks 128x128` of MXFP4 writes block FP8 (compressed-tensors FP8_BLOCK): each row inspect gives
+    OUTPUT is what the loader does with it, against OUTPUT's own values (code x its block's power of two)."""
+    outputs = {}
+    for name, make in WHOLE_BLOCKS.items():
+        src = fp4_compressed_tensors(tmp_path / name, {"proj": "mxfp4"}, loadable(make()), seed=3)
+        assert run_cli("convert", src, tmp_path / f"{name}-128", "--blocks", "128x128").exit_code == 0
+        outputs[name] = tmp_path / f"{name}-128"
+    ran = run_loaders(VERDICT_ROWS, list(outputs.values()), tmp_path / "loaded")
+    disagree = []
+    for i, (name, out) in enumerate(outputs.items()):
+        rows = json.loads(run_cli("inspect", out, "--json").output)["loaders"]
+        truth = true_weights(out, loadable(WHOLE_BLOCKS[name]()))
+        for loader, results in ran.items():
+            said = rows[VERDICT_ROWS[loader]]["verdict"]
+            real, why = outcome(results[i], truth, out)
+            record(loader, f"{name}-ct-mxfp4-to-block128", said, real, not_judged=said == "not-judged", why=why)
+            if said not in (real, "not-judged"):
+                disagree.append((name, loader, said, real, why[:200]))
+    assert not disagree, disagree
