@@ -123,10 +123,11 @@ Layouts (how fused modules such as qkv_proj carry their scales); without
 @click.option(
     "--blocks",
     type=click.Choice(BLOCKS),
-    help="128x128: write an MXFP8 checkpoint (a scale per 32 elements) as 128x128 block FP8, for runtimes "
-    "without MX kernels (Hopper, MI300): each block one power of two; values kept where its scales agree, else "
-    "rounded once (counted, at most half a step). mx: write block FP8 as MXFP8 (Blackwell): exact where block "
-    "scales are powers of two, else requantized once as --scales ue8m0 does (reported).",
+    help="128x128: write an MXFP8 or MXFP4 checkpoint (a scale per 32 elements) as 128x128 block FP8, for "
+    "runtimes without MX kernels (Hopper, MI300): each block one power of two; values kept where its scales agree "
+    "(MXFP4: lie within 14 powers of two), else rounded once (counted, at most half a step). mx: write block FP8 "
+    "as MXFP8 (Blackwell): exact where block scales are powers of two, else requantized once as --scales ue8m0 "
+    "does (reported).",
 )
 @click.option(
     "--dequantize",

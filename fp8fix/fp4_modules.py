@@ -16,15 +16,17 @@ from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import Checkpoint
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dtypes import E8M0
-from fp8fix.numerics.mx import MX_BLOCK
-from fp8fix.registry.formats import FormatSpec
+from fp8fix.registry.formats import FP4_SCHEMES, FormatSpec
 
 #: The packed weight of an FP4 module (compressed-tensors NVFP4 / MXFP4: compressors/nvfp4/base.py
 #: compression_param_names: `weight_packed`, `weight_scale`, `weight_global_scale`; `input_global_scale`).
 FP4_PACKED = ".weight_packed"
 #: Elements per scale of each FP4 scheme, by the dtype of its scale: NVFP4 an E4M3 scale per 16 (and a global
 #: scale dividing them), MXFP4 an E8M0 byte per 32 (stored as U8).
-FP4_BY_SCALE_DTYPE = {"F8_E4M3": ("nvfp4", 16), "U8": ("mxfp4", MX_BLOCK), E8M0: ("mxfp4", MX_BLOCK)}
+FP4_BY_SCALE_DTYPE = {
+    dtype: (scheme, FP4_SCHEMES[scheme][1])
+    for dtype, scheme in (("F8_E4M3", "nvfp4"), ("U8", "mxfp4"), (E8M0, "mxfp4"))
+}
 
 
 @dataclass(frozen=True)

@@ -254,8 +254,11 @@ class CheckpointModel:
             raise InvalidCheckpoint(
                 f"{ckpt.root.name}: no FP8 tensor in {len(ckpt.shards)} safetensors file(s); not an FP8 checkpoint"
             )
+        if self.checkpoint.has_data:  # NVFP4's global scales (one value each; the group scales are read as written)
+            with SourceFiles() as files:
+                check_scales([w.global_scale for w in self.fp4.values() if w.global_scale is not None], files)
         ordered = sorted(self.weights.values(), key=lambda w: w.stacked)
-        if not ordered:  # FP4 modules only: their scales are read as they are written
+        if not ordered:  # FP4 modules only
             self._convertible.append(True)
             return
         first = next((i for i, w in enumerate(ordered) if w.problem is not None), len(ordered))

@@ -326,6 +326,18 @@ def test_mxfp4_as_128_blocks_keeps_every_value_where_a_block_spans_little(tmp_pa
     assert len(plan["reblocked"]) == len(modules)
 
 
+def test_mxfp4_blocks_spanning_14_powers_of_two_stay_exact(tmp_path: Path) -> None:
+    """The bound docs/formats.md states: a block whose E8M0 bytes lie within 14 of its largest keeps every value."""
+    src = fp4_compressed_tensors(tmp_path / "src", {"proj": "mxfp4"}, llama(**WHOLE))
+    module = "model.layers.0.mlp.up_proj"
+    scale = load_tensors(src)[f"{module}.weight_scale"].clone()
+    scale[0, 0] = scale[:128, :4].max() - 14
+    _rewrite(src, {f"{module}.weight_scale": scale})
+    result = run_cli("convert", src, tmp_path / "out", "--blocks", "128x128", "--json")
+    assert result.exit_code == 0, result.output
+    assert {m["blocks_rounded"] for m in json.loads(result.stdout)["reblocked"]} == {0}
+
+
 def test_mxfp4_blocks_spanning_many_powers_of_two_round_and_say_so(tmp_path: Path) -> None:
     """A block whose E8M0 bytes lie 20 powers of two apart: its smallest elements fall below e4m3fn's finest step at
     the block's scale and round (counted, at most half a step; verify checks each against the nearest even)."""
@@ -351,3 +363,14 @@ def test_blocks_128_refuses_what_is_not_mx(tmp_path: Path, schemes: dict[str, st
     result = run_cli("convert", src, tmp_path / "out", "--blocks", "128x128")
     assert result.exit_code == 3 and said in result.output, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("value", [0.0, float("nan"), -1.0, float("inf")])
+def test_a_global_scale_no_value_comes_back_from_is_refused(tmp_path: Path, value: float) -> None:
+    src = fp4_compressed_tensors(tmp_path / "src", {"mlp.up_proj": "nvfp4"})
+    name = "model.layers.1.mlp.up_proj.weight_global_scale"
+    _rewrite(src, {name: torch.tensor([value], dtype=torch.float32)})
+    result = run_cli("convert", src, tmp_path / "out", "--to", "bf16")
+    assert result.exit_code == 3 and name in result.output and "finite and positive" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert not json.loads(run_cli("inspect", src, "--json").output)["convert_supported"]

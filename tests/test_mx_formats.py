@@ -267,7 +267,7 @@ def test_verify_catches_a_reblocked_code_that_moved(tmp_path: Path) -> None:
 def test_blocks_is_for_mx_checkpoints_and_alone(tmp_path: Path) -> None:
     plain = build(tmp_path / "fp8", phi3())
     result = run_cli("convert", plain, tmp_path / "out", "--blocks", "128x128")
-    assert result.exit_code == 3 and "re-blocks MXFP8 checkpoints" in result.output
+    assert result.exit_code == 3 and "re-blocks MXFP8 and MXFP4 checkpoints" in result.output
     mx = mxfp8_compressed_tensors(tmp_path / "mx")
     result = run_cli("convert", mx, tmp_path / "out", "--blocks", "128x128", "--to", "bf16")
     assert result.exit_code == 2 and "drop --to" in result.output

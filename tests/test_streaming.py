@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.builders import block_fp8_shards, build, llama, mxfp8_compressed_tensors, phi3
+from tests.builders import block_fp8_shards, build, fp4_compressed_tensors, llama, mxfp8_compressed_tensors, phi3
 from tests.disk_sampler import disk_sampler
 from tests.hub_server import FakeHub
 
@@ -565,3 +565,26 @@ def test_a_header_length_past_the_shard_is_refused_before_any_download(tmp_path:
     assert shard.name in line and "header length 1099511627776" in line, line
     assert [r for p, r in hub.reads if p.endswith(shard.name)] == ["bytes=0-7"]
     assert "me/dst" not in hub.repos
+
+
+@pytest.mark.parametrize(
+    "schemes, options",
+    [
+        (
+            {**dict.fromkeys(["q_proj", "k_proj", "v_proj", "o_proj"], "fp8"), "mlp.gate_proj": "nvfp4"},
+            ["--to", "bf16"],
+        ),
+        ({"proj": "mxfp4"}, ["--blocks", "128x128"]),
+    ],
+    ids=["fp8-nvfp4-to-bf16", "mxfp4-to-block128"],
+)
+def test_fp4_modules_stream(tmp_path: Path, hub: FakeHub, schemes: dict[str, str], options: list[str]) -> None:
+    """FP4 modules (issue 49), their scales and global scales mostly in other shards than their packed weights:
+    Hub to Hub under --max-disk lands what a local conversion writes."""
+    model = llama(hidden=256, heads=2, kv_heads=1, intermediate=256)
+    hub.files["org/src"] = folder = fp4_compressed_tensors(tmp_path / "served", schemes, model, files=3)
+    bound = 3 * 2 * max(p.stat().st_size for p in folder.glob("*.safetensors"))
+    env = env_for(tmp_path, hub)
+    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", *options, "--max-disk", str(bound), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert hub.tree("me/dst") == local_reference(tmp_path, env, *options)
