@@ -164,9 +164,11 @@ def parts_of(shards: list[OutputShard], n: int) -> dict[str, int]:
 
 
 def _scales(model: CheckpointModel) -> list[TensorInfo]:
-    """Every weight's scale and input scale, and the KV-cache scales: all a plan reads of the data."""
+    """Every weight's scale and input scale, the KV-cache scales and FP4 modules' global scales (one value each; their
+    group scales are read as their rows are written): all a plan reads of the data."""
     found = {s.name: s for w in model.weights.values() for s in (w.scale, w.input_scale) if s is not None}
     found.update((s.name, s) for s in model.kv_cache_scales)
+    found.update((s.name, s) for w in model.fp4.values() for s in (w.global_scale, w.input_global_scale) if s)
     return list(found.values())
 
 
