@@ -214,15 +214,44 @@ def e2m1_as_e4m3(data: bytes | bytearray | memoryview) -> bytes:
     return np.take(e2m1_e4m3_pairs(), np.frombuffer(data, dtype=np.uint8)).tobytes()
 
 
-@cache
-def e2m1_pair_table() -> Any:
-    """uint32[65536]: at (b << 8) | packed byte, the BF16 bits of its two E2M1 elements at 2^(b - 127), the lower
-    nibble's in the low half (little-endian: the first element first); OUT_OF_RANGE in a half without one."""
+def nibble_pairs(bits: Any) -> Any:
+    """uint32[65536] from uint16 bits [256 scale bytes, 16 nibbles]: at (scale byte << 8) | packed byte, both
+    elements' bits, the lower nibble's in the low half (little-endian: the first element first). FP4 rows are looked
+    up a packed byte at a time this way: its two elements share a block (`look_up_pairs`)."""
     import numpy as np
 
-    bits = bf16_table("e2m1").reshape(256, 256)[:, :16].astype(np.uint32)  # [scale byte, nibble]
+    wide = np.asarray(bits).astype(np.uint32)
     low, high = np.arange(256) & 0x0F, np.arange(256) >> 4
-    return (bits[:, low] | (bits[:, high] << np.uint32(16))).astype("<u4").reshape(-1)
+    return (wide[:, low] | (wide[:, high] << np.uint32(16))).astype("<u4").reshape(-1)
+
+
+def look_up_pairs(packed: Any, scale_bytes: Any, pairs: Any, arrays: LookupArrays) -> Any:
+    """Packed FP4 [rows, blocks, bytes] with a scale byte per block [rows, blocks, 1], through `nibble_pairs`: the
+    uint32 pairs [rows, blocks, bytes], a view of `arrays`' output."""
+    import numpy as np
+
+    index, out = arrays.get(packed.size, np.uint16, np.uint32)
+    index, out = index.reshape(packed.shape), out.reshape(packed.shape)
+    np.bitwise_or(np.left_shift(scale_bytes, 8, dtype=np.uint16), packed, out=index)
+    np.take(pairs, index, out=out, mode="clip")  # every index is inside the table by construction
+    return out
+
+
+def first_out_of_range(out: Any) -> tuple[int, int] | None:
+    """The (row, block) of the first half of `look_up_pairs`' output marked OUT_OF_RANGE, or None."""
+    import numpy as np
+
+    bad = ((out & 0xFFFF) == OUT_OF_RANGE) | ((out >> 16) == OUT_OF_RANGE)
+    if not bad.any():
+        return None
+    row, block, _ = (int(i[0]) for i in np.nonzero(bad))
+    return row, block
+
+
+@cache
+def e2m1_pair_table() -> Any:
+    """`nibble_pairs` of the BF16 bits of every E2M1 element at every 2^(b - 127) (OUT_OF_RANGE where none)."""
+    return nibble_pairs(bf16_table("e2m1").reshape(256, 256)[:, :16])
 
 
 def _e2m1_to_bf16(
@@ -233,15 +262,10 @@ def _e2m1_to_bf16(
 
     packed = np.frombuffer(data, dtype=np.uint8).reshape(shape.rows, shape.blocks, MX_BLOCK // 2)
     exponents = np.frombuffer(scales, dtype=np.uint8).reshape(shape.rows, shape.blocks, 1)
-    index, out = arrays.get(packed.size, np.uint16, np.uint32)
-    index, out = index.reshape(packed.shape), out.reshape(packed.shape)
-    np.bitwise_or(np.left_shift(exponents, 8, dtype=np.uint16), packed, out=index)
-    np.take(e2m1_pair_table(), index, out=out, mode="clip")  # every index is inside the table by construction
-    if not safe_scales("e2m1")[exponents].all():
-        bad = ((out & 0xFFFF) == OUT_OF_RANGE) | ((out >> 16) == OUT_OF_RANGE)
-        if bad.any():
-            row, block, _ = (int(i[0]) for i in np.nonzero(bad))
-            raise MxRangeError(row, block, int(exponents[row, block, 0]))
+    out = look_up_pairs(packed, exponents, e2m1_pair_table(), arrays)
+    bad = None if safe_scales("e2m1")[exponents].all() else first_out_of_range(out)
+    if bad is not None:
+        raise MxRangeError(*bad, int(exponents[bad[0], bad[1], 0]))
     return memoryview(out.reshape(-1)).cast("B")
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from fp8fix.numerics.dequantize import LookupArrays, code_values, fits_output, output_bits, output_step, round_to
 from fp8fix.numerics.dtypes import E4M3FN
-from fp8fix.numerics.mx import OUT_OF_RANGE, element_values
+from fp8fix.numerics.mx import OUT_OF_RANGE, element_values, first_out_of_range, look_up_pairs, nibble_pairs
 from fp8fix.numerics.requantize import RoundingStats
 
 #: Elements per NVFP4 scale (compressed-tensors quant_scheme.py NVFP4: group_size 16).
@@ -65,10 +65,8 @@ def nvfp4_table(global_scale: float, out_dtype: str) -> Nvfp4Table:
     rounded = round_to(kept, out_dtype)
     errors = np.abs(rounded - kept)
     steps = np.where(kept == 0, 0.0, errors / output_step(kept, out_dtype))
-    bits = np.where(fits, output_bits(rounded, out_dtype), np.uint16(OUT_OF_RANGE)).astype(np.uint32)  # [256, 16]
-    low, high = np.arange(256) & 0x0F, np.arange(256) >> 4
-    pairs = (bits[:, low] | (bits[:, high] << np.uint32(16))).astype("<u4").reshape(-1)
-    return Nvfp4Table(pairs, ~fits.all(axis=1), errors, steps)
+    bits = np.where(fits, output_bits(rounded, out_dtype), np.uint16(OUT_OF_RANGE))  # [256 scale bytes, 16 nibbles]
+    return Nvfp4Table(nibble_pairs(bits), ~fits.all(axis=1), errors, steps)
 
 
 def nvfp4_rows(
@@ -92,15 +90,10 @@ def nvfp4_rows(
         raise ValueError(f"{len(data)} packed bytes and {len(scales)} scale bytes are not rows of {cols} NVFP4")
     packed = np.frombuffer(data, dtype=np.uint8).reshape(rows, groups, NVFP4_GROUP // 2)
     scale_bytes = np.frombuffer(scales, dtype=np.uint8).reshape(rows, groups, 1)
-    index, out = (arrays or LookupArrays()).get(packed.size, np.uint16, np.uint32)
-    index, out = index.reshape(packed.shape), out.reshape(packed.shape)
-    np.bitwise_or(np.left_shift(scale_bytes, 8, dtype=np.uint16), packed, out=index)
-    np.take(table.pairs, index, out=out, mode="clip")  # every index is inside the table by construction
+    out = look_up_pairs(packed, scale_bytes, table.pairs, arrays or LookupArrays())
     present = np.bincount(scale_bytes.reshape(-1), minlength=256) > 0
-    if table.unsafe[present].any():
-        bad = ((out & 0xFFFF) == OUT_OF_RANGE) | ((out >> 16) == OUT_OF_RANGE)
-        if bad.any():
-            row, group, _ = (int(i[0]) for i in np.nonzero(bad))
-            raise Fp4RangeError(row, group, int(scale_bytes[row, group, 0]), out_dtype)
+    bad = first_out_of_range(out) if table.unsafe[present].any() else None
+    if bad is not None:
+        raise Fp4RangeError(*bad, int(scale_bytes[bad[0], bad[1], 0]), out_dtype)
     stats = RoundingStats(float(table.errors[present].max()), float(table.steps[present].max()))
     return memoryview(out.reshape(-1)).cast("B"), stats

@@ -24,6 +24,15 @@ from fp8fix.verification.report import WeightCheck
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+def e2m1_values(data: bytes, cols: int) -> Any:
+    """Packed E2M1 rows of `cols` elements as float64 [rows, cols]: each byte's lower nibble first (`E2M1_VALUES`)."""
+    import numpy as np
+
+    packed = np.frombuffer(data, dtype=np.uint8)
+    nibbles = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1, cols)
+    return np.array(E2M1_VALUES, dtype=np.float64)[nibbles]
+
+
 def unquantized_fp4(ctx: VerifyContext) -> dict[str, Fp4Weight]:
     """SOURCE's FP4 modules that OUTPUT holds as a BF16 or F16 `<module>.weight` (by packed weight's name)."""
     found = {}
@@ -52,16 +61,14 @@ def check_fp4(ctx: VerifyContext, w: Fp4Weight) -> WeightCheck:
         assert w.scale is not None
         group = cols // w.scale.shape[1]
         global_scale = scale_values(w.global_scale, "SOURCE")[0] if w.global_scale is not None else 1.0
-        e2m1 = np.array(E2M1_VALUES, dtype=np.float64)
         step_rows = max(1, CHUNK_ELEMENTS // cols)
         for r0 in range(0, rows, step_rows):
             r1 = min(rows, r0 + step_rows)
             with counting(check):
-                packed = np.frombuffer(ctx.read_rows(w.packed, r0, r1, cols // 2), dtype=np.uint8)
-                nibbles = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(r1 - r0, cols)
+                elements = e2m1_values(ctx.read_rows(w.packed, r0, r1, cols // 2), cols)
                 scale_bytes = np.frombuffer(ctx.read_rows(w.scale, r0, r1, cols // group), dtype=np.uint8)
                 scales = _scales(scale_bytes, w.scheme).reshape(r1 - r0, cols // group)
-                exact = e2m1[nibbles] * np.repeat(scales, group, axis=1) / global_scale
+                exact = elements * np.repeat(scales, group, axis=1) / global_scale
                 got = as_float64(ctx.read_rows(o, r0, r1, cols), o.dtype).reshape(r1 - r0, cols)
                 compare_rounded(check, got, exact, r0, o.dtype, f"SOURCE's {w.scheme} value")
     except Mismatch as e:

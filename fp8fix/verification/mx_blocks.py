@@ -23,7 +23,7 @@ from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dequantize import code_values
 from fp8fix.numerics.dtypes import E4M3FN
 from fp8fix.verification.context import Mismatch, VerifyContext, scale_values
-from fp8fix.verification.fp4 import E2M1_VALUES
+from fp8fix.verification.fp4 import e2m1_values
 from fp8fix.verification.report import WeightCheck
 from fp8fix.verification.ue8m0 import e4m3fn_steps, nearest_e4m3fn, power_of_two, smallest_holding
 
@@ -143,13 +143,12 @@ def check_reblocked(ctx: VerifyContext, weight: MxSource) -> WeightCheck:
 
 def _source_values(ctx: VerifyContext, weight: MxSource, row: int, stop: int, values: np.ndarray) -> np.ndarray:
     """SOURCE's elements of rows [row, stop) as float64 [rows, cols]: e4m3fn codes' values, or E2M1 nibbles' (the
-    lower nibble first; `fp4.E2M1_VALUES`)."""
+    lower nibble first; `fp4.e2m1_values`)."""
     if weight.element == "e4m3":
         codes = np.frombuffer(ctx.read_rows(weight.tensor, row, stop, weight.cols), dtype=np.uint8)
         return values[codes].reshape(-1, weight.cols)
-    packed = np.frombuffer(ctx.read_rows(weight.tensor, row, stop, weight.cols // 2), dtype=np.uint8)
-    nibbles = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1, weight.cols)
-    return np.array(E2M1_VALUES, dtype=np.float64)[nibbles]
+    elements: np.ndarray = e2m1_values(ctx.read_rows(weight.tensor, row, stop, weight.cols // 2), weight.cols)
+    return elements
 
 
 def _check_block(v: np.ndarray, codes: np.ndarray, p: float, where: str) -> tuple[int, float, float]:
