@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 from tests.builders import fp4_compressed_tensors, llama, loadable, phi3
 from tests.conftest import run_cli
 from tests.loaders.conftest import record, run_loaders
-from tests.loaders.test_real_loaders import VERDICT_ROWS, as_loaded, outcome, true_weights
+from tests.loaders.test_mx_formats import WHOLE_BLOCKS, assert_judged_as_loaded
+from tests.loaders.test_real_loaders import VERDICT_ROWS, as_loaded
 from tests.test_fp4_modules import fp4_values, half_step_of
 
 pytestmark = pytest.mark.loaders
@@ -134,13 +135,6 @@ def assert_fp4_values(src: Path, weights: dict[str, torch.Tensor], unreadable: l
         assert bool(((got - exact).abs() <= half_step_of(exact)).all()), module
 
 
-#: Shapes whose every projection is whole 128 x 128 blocks (head_dim 128), as real models' are.
-WHOLE_BLOCKS = {
-    "llama": lambda: llama(hidden=256, heads=2, kv_heads=1, intermediate=256, layers=1),
-    "phi3": lambda: phi3(hidden=256, heads=2, kv_heads=1, intermediate=256, layers=1),
-}
-
-
 def test_mxfp4_as_128_blocks_is_judged_as_the_loaders_load_it(tmp_path: Path) -> None:
     """`convert --blocks 128x128` of MXFP4 writes block FP8 (compressed-tensors FP8_BLOCK): each row inspect gives
     OUTPUT is what the loader does with it, against OUTPUT's own values (code x its block's power of two)."""
@@ -149,15 +143,4 @@ def test_mxfp4_as_128_blocks_is_judged_as_the_loaders_load_it(tmp_path: Path) ->
         src = fp4_compressed_tensors(tmp_path / name, {"proj": "mxfp4"}, loadable(make()), seed=3)
         assert run_cli("convert", src, tmp_path / f"{name}-128", "--blocks", "128x128").exit_code == 0
         outputs[name] = tmp_path / f"{name}-128"
-    ran = run_loaders(VERDICT_ROWS, list(outputs.values()), tmp_path / "loaded")
-    disagree = []
-    for i, (name, out) in enumerate(outputs.items()):
-        rows = json.loads(run_cli("inspect", out, "--json").output)["loaders"]
-        truth = true_weights(out, loadable(WHOLE_BLOCKS[name]()))
-        for loader, results in ran.items():
-            said = rows[VERDICT_ROWS[loader]]["verdict"]
-            real, why = outcome(results[i], truth, out)
-            record(loader, f"{name}-ct-mxfp4-to-block128", said, real, not_judged=said == "not-judged", why=why)
-            if said not in (real, "not-judged"):
-                disagree.append((name, loader, said, real, why[:200]))
-    assert not disagree, disagree
+    assert_judged_as_loaded(outputs, "ct-mxfp4-to-block128", tmp_path)

@@ -126,6 +126,12 @@ def test_blocks_128_outputs_are_judged_as_the_loaders_load_them(tmp_path: Path) 
         src = mxfp8_compressed_tensors(tmp_path / name, loadable(make()), seed=5)
         assert run_cli("convert", src, tmp_path / f"{name}-128", "--blocks", "128x128").exit_code == 0
         outputs[name] = tmp_path / f"{name}-128"
+    assert_judged_as_loaded(outputs, "ct-mxfp8-to-block128", tmp_path)
+
+
+def assert_judged_as_loaded(outputs: dict[str, Path], case: str, tmp_path: Path) -> None:
+    """Each output (of a WHOLE_BLOCKS model, by name) loaded by every real loader: each row inspect gives it is what
+    the loader does (or not judged), against the output's own values; recorded as `<name>-<case>`."""
     ran = run_loaders(VERDICT_ROWS, list(outputs.values()), tmp_path / "loaded")
     disagree = []
     for i, (name, out) in enumerate(outputs.items()):
@@ -134,7 +140,7 @@ def test_blocks_128_outputs_are_judged_as_the_loaders_load_them(tmp_path: Path) 
         for loader, results in ran.items():
             said = rows[VERDICT_ROWS[loader]]["verdict"]
             real, why = outcome(results[i], truth, out)
-            record(loader, f"{name}-ct-mxfp8-to-block128", said, real, not_judged=said == "not-judged", why=why)
+            record(loader, f"{name}-{case}", said, real, not_judged=said == "not-judged", why=why)
             if said not in (real, "not-judged"):
                 disagree.append((name, loader, said, real, why[:200]))
     assert not disagree, disagree
