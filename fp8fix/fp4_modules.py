@@ -5,7 +5,13 @@ nibble first: compressors/nvfp4/helpers.py pack_fp4_to_uint8) and `weight_scale`
 (`nvfp4-pack-quantized`) an F8_E4M3 scale per 16 elements with an F32 `weight_global_scale` [1] that every scale is
 divided by (forward_helpers.py _dequantize: scale / global_scale), MXFP4 (`mxfp4-pack-quantized`) an E8M0 byte per
 32 as U8. Here each module is found by its packed weight and checked against its scheme, read off its scale's dtype
-and matched to the config groups the format declares (`registry.formats.FormatSpec.fp4`). Headers only.
+and matched to the config groups the format declares (`registry.formats.FormatSpec.fp4`).
+
+gpt-oss (`quant_method: mxfp4`) stacks each layer's routed experts: `<proj>_blocks` U8 [experts, out, in / 32, 16]
+(the same bytes, row by row, as compressed-tensors' [experts x out, in / 2]) and `<proj>_scales` U8 E8M0
+[experts, out, in / 32] (transformers 5.24 integrations/mxfp4.py convert_moe_packed_tensors, vLLM 0.32
+models/gpt_oss.py). Unquantized, the module is the parameter `<proj>` [experts, in, out]: each expert transposed,
+as transformers' GptOssExperts and vLLM's unquantized gpt-oss loader hold it. Headers only.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import Checkpoint
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dtypes import E8M0
-from fp8fix.registry.formats import FP4_SCHEMES, FormatSpec
+from fp8fix.registry.formats import FP4_SCHEMES, GPT_OSS_MXFP4, MX_GROUP, FormatSpec
 
 #: The packed weight of an FP4 module (compressed-tensors NVFP4 / MXFP4: compressors/nvfp4/base.py
 #: compression_param_names: `weight_packed`, `weight_scale`, `weight_global_scale`; `input_global_scale`).
@@ -27,6 +33,11 @@ FP4_BY_SCALE_DTYPE = {
     dtype: (scheme, FP4_SCHEMES[scheme][1])
     for dtype, scheme in (("F8_E4M3", "nvfp4"), ("U8", "mxfp4"), (E8M0, "mxfp4"))
 }
+#: gpt-oss's stacked experts: `<proj>_blocks` (packed E2M1, 16 bytes a block of 32) and `<proj>_scales`, of the two
+#: projections transformers 5.24 (quantizer_mxfp4.py) and vLLM 0.32 (models/gpt_oss.py) read so; any other
+#: `*_blocks` tensor is theirs to refuse, copied as it is.
+GPT_OSS_BLOCKS, GPT_OSS_SCALES = "_blocks", "_scales"
+GPT_OSS_PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -41,11 +52,20 @@ class Fp4Weight:
     global_scale: TensorInfo | None  # NVFP4's F32 [1]: every scale is divided by it
     input_global_scale: TensorInfo | None
     problem: Fp8fixError | None
+    experts: int = 0  # gpt-oss's stacked experts (packed [experts, out, in / 32, 16]); 0: one Linear [out, in / 2]
 
     @property
     def cols(self) -> int:
         """Elements per row: two per packed byte."""
-        return self.packed.shape[1] * 2 if len(self.packed.shape) == 2 else 0
+        shape = self.packed.shape
+        if self.experts:
+            return shape[2] * MX_GROUP if len(shape) == 4 else 0
+        return shape[1] * 2 if len(shape) == 2 else 0
+
+    @property
+    def rows(self) -> int:
+        """Rows of every element, the experts' one after another."""
+        return self.packed.numel * 2 // self.cols if self.cols else 0
 
     @property
     def tensors(self) -> list[TensorInfo]:
@@ -56,6 +76,8 @@ class Fp4Weight:
 
 def fp4_weights(ckpt: Checkpoint, fmt: FormatSpec | None) -> list[Fp4Weight]:
     """Every module with a packed FP4 weight (`FP4_PACKED`), with its scales, each checked (`_fp4_problem`)."""
+    if fmt is not None and fmt.name == GPT_OSS_MXFP4.name:
+        return _gpt_oss_experts(ckpt)
     found = []
     for t in ckpt.tensors.values():
         if not t.name.endswith(FP4_PACKED):
@@ -69,6 +91,41 @@ def fp4_weights(ckpt: Checkpoint, fmt: FormatSpec | None) -> list[Fp4Weight]:
         scale = replace(scale, dtype=E8M0) if scale is not None and scheme == "mxfp4" else scale  # E8M0 bytes as U8
         found.append(Fp4Weight(t, module, scheme, scale, global_scale, input_global, problem))
     return found
+
+
+def _gpt_oss_experts(ckpt: Checkpoint) -> list[Fp4Weight]:
+    """gpt-oss's stacked MXFP4 experts: every `<proj>_blocks` with its `<proj>_scales`, checked (`_experts_problem`)."""
+    found = []
+    names = tuple(f"experts.{p}{GPT_OSS_BLOCKS}" for p in GPT_OSS_PROJECTIONS)  # what the loaders read as MXFP4
+    for t in ckpt.tensors.values():
+        if not t.name.endswith(names):
+            continue
+        module = t.name.removesuffix(GPT_OSS_BLOCKS)
+        scale = ckpt.tensors.get(module + GPT_OSS_SCALES)
+        problem = _experts_problem(t, scale)
+        scale = replace(scale, dtype=E8M0) if scale is not None else None  # E8M0 bytes stored as U8
+        experts = t.shape[0] if t.shape else 0
+        found.append(Fp4Weight(t, module, "mxfp4", scale, None, None, problem, experts=experts))
+    return found
+
+
+def _experts_problem(blocks: TensorInfo, scales: TensorInfo | None) -> Fp8fixError | None:
+    """Why gpt-oss experts cannot be read as MXFP4 (blocks U8 [experts, out, in / 32, 16], E8M0 scales U8
+    [experts, out, in / 32]), or None."""
+    where = f"{blocks.path.name}: gpt-oss MXFP4 experts '{blocks.name}'"
+    half = MX_GROUP // 2
+    if blocks.dtype != "U8" or len(blocks.shape) != 4 or blocks.shape[3] != half or 0 in blocks.shape:
+        return InvalidCheckpoint(
+            f"{where} are {blocks.dtype} {list(blocks.shape)}; gpt-oss packs them U8 [experts, out, in / 32, 16]"
+        )
+    if scales is None:
+        return InvalidCheckpoint(f"{where} have no scales '{blocks.name.removesuffix(GPT_OSS_BLOCKS)}_scales'")
+    if scales.dtype not in ("U8", E8M0) or scales.shape != blocks.shape[:3]:
+        return InvalidCheckpoint(
+            f"{scales.path.name}: gpt-oss MXFP4 scales '{scales.name}' are {scales.dtype} {list(scales.shape)}; "
+            f"its experts {list(blocks.shape)} need E8M0 bytes U8 {list(blocks.shape[:3])} (one per 32 elements)"
+        )
+    return None
 
 
 def _fp4_problem(

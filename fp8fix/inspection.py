@@ -233,7 +233,11 @@ def fp4_info(w: Fp4Weight) -> dict[str, Any]:
     return {
         "module": w.module,
         "scheme": w.scheme,
-        "shape": [w.packed.shape[0], w.cols] if w.cols else list(w.packed.shape),
+        "shape": [w.experts, w.rows // w.experts, w.cols]
+        if w.experts and w.cols
+        else [w.rows, w.cols]
+        if w.cols
+        else list(w.packed.shape),
         "scale_dtype": w.scale.dtype if w.scale else None,
         "scale_shape": list(w.scale.shape) if w.scale else None,
         "global_scale": w.global_scale is not None,

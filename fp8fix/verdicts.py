@@ -16,7 +16,7 @@ from fp8fix.errors import UnsupportedCheckpoint
 from fp8fix.io.checkpoint import known_values
 from fp8fix.model import CheckpointModel, Fp8Weight, ignore_linears
 from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ
-from fp8fix.registry.formats import LEGACY_RENAMES, modelopt_kv_cache, quantization_config
+from fp8fix.registry.formats import GPT_OSS_MXFP4, LEGACY_RENAMES, modelopt_kv_cache, quantization_config
 from fp8fix.registry.kv_rules import KV_RULES
 from fp8fix.registry.loader_rows import CALLS, LOADERS, WITH_PACKAGE
 from fp8fix.registry.loaders import (
@@ -40,6 +40,8 @@ VLLM_TRANSFORMERS_BACKEND = frozenset({"GlmForCausalLM", "GPTNeoXForCausalLM"})
 VLLM_REMOVED = frozenset({"BaichuanForCausalLM", "BaiChuanForCausalLM"})
 #: Architectures vLLM 0.20 and earlier have no model class for (models/registry.py; 0.21 added MiMo-V2's).
 VLLM_ADDED_AFTER_020 = frozenset({"MiMoV2ForCausalLM"})
+#: Architectures vLLM registered in 0.10.1 (models/registry.py): gpt-oss. The oldest rows have no model class for it.
+VLLM_ADDED_IN_010 = frozenset({"GptOssForCausalLM"})
 #: Architectures whose checkpoints load in transformers only through their repository's modeling code
 #: (`auto_map`, trust_remote_code): ChatGLM2/3 and GLM-4's first releases (THUDM).
 REMOTE_CODE = frozenset({"ChatGLMModel", "ChatGLMForConditionalGeneration"})
@@ -54,8 +56,8 @@ TRANSFORMERS_MISSING = frozenset({"MiMoV2ForCausalLM"})
 
 #: What each fact means, for the table of rules in docs/loader-rules.md (scripts/loader_tables.py).
 FACT_DESCRIPTIONS = {
-    "unread_format": "a quantization format fp8fix does not read yet (ModelOpt's and Quark's MX and FP4, gpt-oss "
-    "MXFP4, compressed-tensors schemes other than FP8, MXFP8, NVFP4 and MXFP4: the format line names it)",
+    "unread_format": "a quantization format fp8fix does not read yet (ModelOpt's and Quark's MX and FP4, "
+    "compressed-tensors schemes other than FP8, MXFP8, NVFP4 and MXFP4: the format line names it)",
     "fp4_modules": "FP4 modules (compressed-tensors NVFP4 or MXFP4), alone or beside FP8 ones",
     "fp4_unmeasured": "FP4 modules in a checkpoint unlike those run (see verdicts._fp4_unmeasured)",
     "mxfp4_modules": "MXFP4 modules (E2M1, an E8M0 scale per 32)",
@@ -82,6 +84,8 @@ FACT_DESCRIPTIONS = {
     "vllm_unknown_architecture": "an architecture name vLLM resolves to no model class (not registered, no "
     "transformers class, no auto_map: a typo such as Phi3ForCasualLM)",
     "vllm_added_after_020": "an architecture vLLM registered after 0.20 (MiMo-V2.5)",
+    "vllm_added_in_010": "an architecture vLLM registered in 0.10.1 (gpt-oss)",
+    "gpt_oss_experts": "gpt-oss's MXFP4 experts (quant_method mxfp4: stacked *_blocks / *_scales)",
     "block_scaled_qkv_fused": "a q / k / v module fused on disk (qkv_proj) with block scales",
     "transformers_missing_architecture": "an architecture transformers has no model for (MiMo-V2.5)",
     "fp8_per_tensor": "quant_method fp8 without weight_block_size (AutoFP8)",
@@ -171,6 +175,8 @@ class Facts:
     block_grid_indivisible: bool = False  # block FP8: a weight whose shape the scale grid does not divide
     block_grid_misread: bool = False  # block FP8: rows / grid rows (or columns) is not the block
     vllm_added_after_020: bool = False
+    vllm_added_in_010: bool = False  # ... registered in 0.10.1: gpt-oss
+    gpt_oss_experts: bool = False  # gpt-oss's MXFP4 experts (`registry.formats.GPT_OSS_MXFP4`)
     block_scaled_qkv_fused: bool = False  # a fused-on-disk q / k / v module with block scales
     quark: bool = False
     quark_without_layer_type_config: bool = False
@@ -400,6 +406,8 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         mx_blocks=mx,
         mx_unmeasured=mx and _mx_unmeasured(model, weights, unfused or targeted),
         vllm_added_after_020=architecture in VLLM_ADDED_AFTER_020,
+        vllm_added_in_010=architecture in VLLM_ADDED_IN_010,
+        gpt_oss_experts=bool(model.fp4) and fmt is not None and fmt.name == GPT_OSS_MXFP4.name,
         block_scaled_qkv_fused=block_qkv_fused,
         transformers_missing_architecture=architecture in TRANSFORMERS_MISSING,
         fp8_per_tensor=fp8,

@@ -22,6 +22,7 @@ fp8fix checkout in the same rotation ("[before]").
     python scripts/bench_bf16.py --size-gb 0.5 --repeats 9 --tp-bf16 32   # attention in heads of 64, --tp-bf16
     python scripts/bench_bf16.py --size-gb 0.5 --repeats 5 --mx   # compressed-tensors MXFP8 (issue 49)
     python scripts/bench_bf16.py --size-gb 0.5 --repeats 5 --fp4 nvfp4   # compressed-tensors NVFP4 (or mxfp4)
+    python scripts/bench_bf16.py --size-gb 0.5 --repeats 5 --fp4 gpt-oss   # gpt-oss's stacked MXFP4 experts
 
 `--mx`: the checkpoint is compressed-tensors MXFP8 (e4m3fn codes, one E8M0 byte per 32 elements of a row, U8),
 and the naive contender decodes each tensor whole with torch, as compressed-tensors' MXFP8 decompression does
@@ -32,6 +33,11 @@ differ.
 MXFP4 (an E8M0 byte per 32); the naive contender decodes each tensor whole with torch as compressed-tensors'
 decompression does (nibbles through the E2M1 table, times the scale divided by the global scale, in float32, cast to
 bfloat16: NVFP4 rounds there up to three times where fp8fix rounds once, so a few values may differ).
+
+`--fp4 gpt-oss`: gpt-oss's MXFP4 experts (`<proj>_blocks` [experts, out, in / 32, 16], E8M0 `<proj>_scales`), 8
+experts a layer; the naive contender is transformers' dequantization (integrations/mxfp4.py
+convert_moe_packed_tensors: nibbles through the E2M1 table in bfloat16, ldexp by b - 127, each expert transposed),
+per tensor: exact, so no value may differ.
 """
 
 from __future__ import annotations
@@ -140,6 +146,43 @@ config.pop("quantization_config", None)
 """
 
 
+#: transformers' gpt-oss dequantization (integrations/mxfp4.py convert_moe_packed_tensors), per tensor.
+TORCH_GPT_OSS = """
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file, save_file
+torch.set_num_threads(1)
+src, out = Path(sys.argv[1]), Path(sys.argv[2])
+out.mkdir()
+lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+lut = lut.to(torch.bfloat16)
+for path in sorted(src.glob("*.safetensors")):
+    state = load_file(path)
+    new = {}
+    for name, w in state.items():
+        if not name.endswith("_blocks"):
+            if not name.endswith("_scales"):
+                new[name] = w
+            continue
+        param = name.removesuffix("_blocks")
+        exponents = state[param + "_scales"].to(torch.int32) - 127
+        experts, rows, groups, _ = w.shape
+        values = torch.empty(experts, rows, groups, 32, dtype=torch.bfloat16)
+        values[..., 0::2] = lut[(w & 0x0F).long()]
+        values[..., 1::2] = lut[(w >> 4).long()]
+        values = torch.ldexp(values, exponents[..., None]).to(torch.bfloat16)
+        new[param] = values.reshape(experts, rows, groups * 32).transpose(1, 2).contiguous()
+    save_file(new, str(out / path.name), metadata={"format": "pt"})
+    del state, new
+config = json.loads((src / "config.json").read_text())
+config.pop("quantization_config", None)
+(out / "config.json").write_text(json.dumps(config))
+"""
+#: gpt-oss's experts a layer in `--fp4 gpt-oss`.
+GPT_OSS_EXPERTS = 8
+
+
 def build(
     root: Path,
     size_gb: float,
@@ -172,6 +215,14 @@ def build(
             if attention
             else {"mlp.gate_proj": (inter, HIDDEN), "mlp.up_proj": (inter, HIDDEN), "mlp.down_proj": (HIDDEN, inter)}
         )
+        if fp4 == "gpt-oss":  # one layer's experts: E8M0 bytes 2^-11 - 2^-4, random nibbles
+            per = inter // GPT_OSS_EXPERTS // BLOCK * BLOCK
+            for proj, (rows, cols) in (("gate_up_proj", (2 * per, HIDDEN)), ("down_proj", (HIDDEN, per))):
+                prefix = f"model.layers.{layer}.mlp.experts.{proj}"
+                shape = (GPT_OSS_EXPERTS, rows, cols // 32)
+                tensors[f"{prefix}_blocks"] = torch.randint(0, 256, (*shape, 16), generator=gen, dtype=torch.uint8)
+                tensors[f"{prefix}_scales"] = torch.randint(116, 124, shape, generator=gen, dtype=torch.uint8)
+            modules = {}
         for module, (rows, cols) in modules.items():
             if fp4:  # random nibbles; NVFP4 e4m3 scales 2^-3 - 2^3 under a global scale, MXFP4 E8M0 bytes 2^-11 - 2^-4
                 prefix = f"model.layers.{layer}.{module}"
@@ -214,7 +265,10 @@ def build(
         "torch_dtype": "bfloat16",
         "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
     }
-    if fp4:
+    if fp4 == "gpt-oss":
+        config["architectures"], config["model_type"] = ["GptOssForCausalLM"], "gpt_oss"
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
+    elif fp4:
         from tests.builders import FP4_PRESETS
 
         fmt, weights, inputs = FP4_PRESETS[fp4]
@@ -331,7 +385,9 @@ def main() -> int:
         "--tp-bf16", type=int, metavar="TP", help="time `convert --tp TP --tp-bf16` on attention layers instead"
     )
     parser.add_argument("--mx", action="store_true", help="a compressed-tensors MXFP8 checkpoint, beside torch")
-    parser.add_argument("--fp4", choices=("nvfp4", "mxfp4"), help="a compressed-tensors FP4 checkpoint, beside torch")
+    parser.add_argument(
+        "--fp4", choices=("nvfp4", "mxfp4", "gpt-oss"), help="a compressed-tensors FP4 or gpt-oss MXFP4 checkpoint"
+    )
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="fp8fix-bench-bf16-"))
     attention = args.tp_bf16 is not None
@@ -343,7 +399,7 @@ def main() -> int:
             f"fp4={args.fp4!r})"
         )
         subprocess.run([sys.executable, "-c", code], check=True, env=ENV)
-    naive = TORCH_FP4 if args.fp4 else TORCH_MX if args.mx else DEEPSEEK
+    naive = TORCH_GPT_OSS if args.fp4 == "gpt-oss" else TORCH_FP4 if args.fp4 else TORCH_MX if args.mx else DEEPSEEK
     script = work / (
         "torch_fp4_to_bf16.py" if args.fp4 else "torch_mx_to_bf16.py" if args.mx else "deepseek_fp8_cast_bf16.py"
     )
@@ -378,7 +434,7 @@ def main() -> int:
         share = differ / max(total, 1)
         why = (
             "both exact"
-            if args.mx or args.fp4 == "mxfp4"
+            if args.mx or args.fp4 in ("mxfp4", "gpt-oss")
             else "torch's float32 scale / global and product round before the BF16 cast"
             if args.fp4
             else "DeepSeek's float32 product rounds twice"

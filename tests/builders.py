@@ -958,3 +958,103 @@ def fp4_compressed_tensors(
     names = sorted(tensors)
     write_files(root, [{n: tensors[n] for n in names[i::files]} for i in range(files)], config)
     return root
+
+
+#: gpt-oss's MXFP4 expert tensors by name (transformers 5.24 quantizers/quantizer_mxfp4.py, vLLM 0.32
+#: models/gpt_oss.py): `<proj>_blocks` U8 [experts, out, in / 32, 16] (two E2M1 a byte, the lower nibble first),
+#: `<proj>_scales` U8 [experts, out, in / 32] (E8M0 bytes), `<proj>_bias` BF16 [experts, out].
+GPT_OSS_PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+def gpt_oss(
+    root: Path,
+    layers: int = 2,
+    experts: int = 4,
+    hidden: int = 64,
+    intermediate: int = 64,
+    seed: int = 0,
+    files: int = 1,
+) -> Path:
+    """A tiny gpt-oss as OpenAI publishes it (openai/gpt-oss-20b's config.json and tensor names): attention,
+    router, embeddings and norms in BF16, each layer's experts in MXFP4 (`GPT_OSS_PROJECTIONS`, quantized by
+    `mxfp4_quantize`), `quantization_config` {quant_method: mxfp4, modules_to_not_convert: [...]}; in `files`
+    safetensors files (tensors dealt round, so scales mostly lie apart from their blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim = 4, 2, 16
+    tensors: dict[str, torch.Tensor] = {}
+
+    def bf16(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for proj, out, inp in (
+            ("q_proj", heads * head_dim, hidden),
+            ("k_proj", kv_heads * head_dim, hidden),
+            ("v_proj", kv_heads * head_dim, hidden),
+            ("o_proj", hidden, heads * head_dim),
+        ):
+            tensors[f"{p}self_attn.{proj}.weight"] = bf16(out, inp)
+            tensors[f"{p}self_attn.{proj}.bias"] = bf16(out)
+        tensors[f"{p}self_attn.sinks"] = bf16(heads, std=1.0)
+        tensors[f"{p}mlp.router.weight"] = bf16(experts, hidden, std=0.5)
+        tensors[f"{p}mlp.router.bias"] = bf16(experts)
+        for proj, out, inp in (("gate_up_proj", 2 * intermediate, hidden), ("down_proj", hidden, intermediate)):
+            w = torch.randn(experts * out, inp, generator=gen) * 0.05
+            quantized = mxfp4_quantize(w)
+            blocks = quantized["weight_packed"].reshape(experts, out, inp // 32, 16)
+            tensors[f"{p}mlp.experts.{proj}_blocks"] = blocks
+            tensors[f"{p}mlp.experts.{proj}_scales"] = quantized["weight_scale"].reshape(experts, out, inp // 32)
+            tensors[f"{p}mlp.experts.{proj}_bias"] = bf16(experts, out)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{p}{norm}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    vocab = 256
+    tensors["model.embed_tokens.weight"] = bf16(vocab, hidden, std=1.0)
+    tensors["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    tensors["lm_head.weight"] = bf16(vocab, hidden, std=1.0)
+    config = {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_local_experts": experts,
+        "num_experts_per_tok": 2,
+        "experts_per_token": 2,
+        "vocab_size": vocab,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "swiglu_limit": 7.0,
+        "attention_bias": True,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+        "quantization_config": {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        },
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    write_files(root, [{n: tensors[n] for n in names[i::files]} for i in range(files)], config)
+    return root

@@ -21,7 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.builders import block_fp8_shards, build, fp4_compressed_tensors, llama, mxfp8_compressed_tensors, phi3
+from tests.builders import (
+    block_fp8_shards,
+    build,
+    fp4_compressed_tensors,
+    gpt_oss,
+    llama,
+    mxfp8_compressed_tensors,
+    phi3,
+)
 from tests.disk_sampler import disk_sampler
 from tests.hub_server import FakeHub
 
@@ -565,6 +573,18 @@ def test_a_header_length_past_the_shard_is_refused_before_any_download(tmp_path:
     assert shard.name in line and "header length 1099511627776" in line, line
     assert [r for p, r in hub.reads if p.endswith(shard.name)] == ["bytes=0-7"]
     assert "me/dst" not in hub.repos
+
+
+def test_gpt_oss_experts_stream(tmp_path: Path, hub: FakeHub) -> None:
+    """gpt-oss's MXFP4 experts (issue 49), written transposed one expert at a time: Hub to Hub under --max-disk,
+    their scales in other shards, lands what a local conversion writes."""
+    hub.files["org/src"] = folder = gpt_oss(tmp_path / "served", experts=8, hidden=128, intermediate=128, files=3)
+    bound = 3 * 2 * max(p.stat().st_size for p in folder.glob("*.safetensors"))
+    env = env_for(tmp_path, hub)
+    options = ["--to", "bf16"]
+    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", *options, "--max-disk", str(bound), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert hub.tree("me/dst") == local_reference(tmp_path, env, *options)
 
 
 @pytest.mark.parametrize(

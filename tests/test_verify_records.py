@@ -92,10 +92,10 @@ SOURCES = {
 
 def summary_counts(line: str) -> dict[str, int]:
     """The counts verify's first text line states."""
-    m = re.search(r"(\d+) FP8 weights \((\d+) exact, (\d+) with rounded codes, (\d+) requantized", line)
+    m = re.search(r"(\d+) quantized weights \((\d+) exact, (\d+) with rounded codes, (\d+) requantized", line)
     assert m, line
     counts = dict(zip(("weights", "exact", "rounded", "requantized"), map(int, m.groups()), strict=True))
-    bf16 = re.search(r", (\d+) in BF16", line)
+    bf16 = re.search(r", (\d+) unquantized", line)
     mismatched = re.search(r", (\d+) MISMATCHED: (\d+) values", line)
     counts["dequantized"] = int(bf16.group(1)) if bf16 else 0
     counts["mismatch"], counts["values"] = map(int, mismatched.groups()) if mismatched else (0, 0)

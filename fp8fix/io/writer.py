@@ -475,6 +475,8 @@ def _mx_dequantize(sources: _Sources, out: int, piece: MxDequantize, source: str
     nan = NAN_CODES[E4M3FN] if piece.element == "e4m3" else ()  # E2M1 has no NaN
     blocks = piece.cols // MX_BLOCK
     window_bytes = max(1, RECODE_WINDOW // piece.row_bytes) * piece.row_bytes
+    if piece.transposed_rows:  # one expert a window: written transposed (a few tens of MB at gpt-oss-120b's size)
+        window_bytes = piece.transposed_rows * piece.row_bytes
     worst = RoundingStats()
     for buffer, first, length in sources.windows(piece.path, piece.start, piece.end, window_bytes):
         if nan and window_contains(buffer, length, nan):
@@ -485,7 +487,7 @@ def _mx_dequantize(sources: _Sources, out: int, piece: MxDequantize, source: str
         codes, shape = memoryview(buffer)[:length], MxRows(rows, piece.cols, piece.element)
         try:
             if piece.out_dtype == BF16:
-                _write_all(out, mx_to_bf16(codes, scales, shape, sources.lookup_arrays))
+                _write_all(out, _transposed(mx_to_bf16(codes, scales, shape, sources.lookup_arrays), piece, rows))
                 continue
             exact = mx_values(codes, scales, shape)
             rounded = round_to(exact, piece.out_dtype)
@@ -501,8 +503,27 @@ def _mx_dequantize(sources: _Sources, out: int, piece: MxDequantize, source: str
         error = abs(rounded - exact)
         steps = error / output_step(exact, piece.out_dtype)
         worst.update(RoundingStats(float(error.max(initial=0.0)), float(steps.max(initial=0.0))))
-        _write_all(out, output_bits(rounded, piece.out_dtype).astype("<u2").tobytes())
+        _write_all(out, _transposed(output_bits(rounded, piece.out_dtype).astype("<u2").tobytes(), piece, rows))
     return worst
+
+
+def _transposed(data: bytes | memoryview, piece: MxDequantize, rows: int) -> bytes | memoryview:
+    """16-bit rows [rows, cols] as they are, or (`transposed_rows`: the window is one expert) as [cols, rows]. Bands
+    of TRANSPOSE_BAND rows at a time: numpy's whole-array transpose of 16-bit values strides through memory (about
+    9 ns a value on these machines), a band's columns land in short runs that stay in cache (about 1.5 ns)."""
+    import numpy as np
+
+    if not piece.transposed_rows:
+        return data
+    values = np.frombuffer(data, dtype="<u2").reshape(rows, piece.cols)
+    out = np.empty((piece.cols, rows), dtype="<u2")
+    for r0 in range(0, rows, TRANSPOSE_BAND):
+        out[:, r0 : r0 + TRANSPOSE_BAND] = values[r0 : r0 + TRANSPOSE_BAND].T
+    return out.data.cast("B")
+
+
+#: Rows transposed at a time (`_transposed`): 16 16-bit values, 32 bytes, a run per column.
+TRANSPOSE_BAND = 16
 
 
 def _nvfp4_dequantize(sources: _Sources, out: int, piece: Nvfp4Dequantize, source: str) -> RoundingStats:

@@ -69,8 +69,9 @@ def plan_unquantized_weights(
 def plan_fp4_weights(
     weights: list[Fp4Weight], out_dtype: str = BF16
 ) -> tuple[list[Bf16Module], dict[str, list[OutputTensor]]]:
-    """Each FP4 module's weight written in `out_dtype` as `<module>.weight` (a plain Linear's name), its packed
-    weight's place; its scales and global scales dropped. MXFP4: each element exactly E2M1 x 2^(b - 127) in BF16
+    """Each FP4 module's weight written in `out_dtype` as `<module>.weight` (a plain Linear's name; gpt-oss's
+    experts: `<proj>` [experts, in, out], `_unquantized`), its packed weight's place; its scales and global
+    scales dropped. MXFP4: each element exactly E2M1 x 2^(b - 127) in BF16
     (`numerics.mx`); NVFP4: E2M1 x scale / global scale, rounded once (`numerics.nvfp4`)."""
     changed: list[Bf16Module] = []
     outputs: dict[str, list[OutputTensor]] = {}
@@ -83,14 +84,23 @@ def plan_fp4_weights(
             global_scale = scale_values_at(w.global_scale, 0, 1)
             piece = Nvfp4Dequantize(t.path, t.start, t.end, w.cols, scales, global_scale, out_dtype)
         else:
-            piece = MxDequantize(t.path, t.start, t.end, "e2m1", w.cols, scales, out_dtype)
-        name = f"{w.module}.weight"
-        outputs[t.name] = [OutputTensor(name, out_dtype, (t.shape[0], w.cols), [piece], t.name)]
+            per_expert = w.rows // w.experts if w.experts else 0  # gpt-oss: each expert written transposed
+            piece = MxDequantize(t.path, t.start, t.end, "e2m1", w.cols, scales, out_dtype, per_expert)
+        name, shape = _unquantized(w)
+        outputs[t.name] = [OutputTensor(name, out_dtype, shape, [piece], t.name)]
         dropped = [x for x in w.tensors if x is not t]
         outputs.update({x.name: [] for x in dropped})
-        added = t.shape[0] * w.cols * 2 - sum(x.nbytes for x in w.tensors)
+        added = w.rows * w.cols * 2 - sum(x.nbytes for x in w.tensors)
         changed.append(Bf16Module(w.module, name, added, dtype=out_dtype, scheme=w.scheme or "fp4"))
     return changed, outputs
+
+
+def _unquantized(w: Fp4Weight) -> tuple[str, tuple[int, ...]]:
+    """An FP4 module's weight unquantized: a Linear's `<module>.weight` [out, in]; gpt-oss's experts the parameter
+    `<proj>` [experts, in, out], each expert transposed (transformers' GptOssExperts, vLLM's unquantized gpt-oss)."""
+    if w.experts:
+        return w.module, (w.experts, w.cols, w.rows // w.experts)
+    return f"{w.module}.weight", (w.rows, w.cols)
 
 
 def _pieces(w: Fp8Weight, block: tuple[int, int] | None, out_dtype: str) -> list[Piece]:

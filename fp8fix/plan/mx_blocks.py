@@ -75,6 +75,12 @@ def plan_reblocked_model(model: CheckpointModel, blocks: str) -> ConversionPlan:
             f"--blocks {blocks}: re-blocks MXFP8 and MXFP4 checkpoints; {fmt.label} scales are not MX blocks (for "
             "block FP8, --tp pads and --scales ue8m0 writes powers of two)"
         )
+    stacked = [w.module for w in mxfp4 if w.experts]
+    if stacked:
+        raise UnsupportedCheckpoint(
+            f"--blocks {blocks}: re-blocks MXFP8 weights and MXFP4 Linear modules; {len(stacked)} are gpt-oss's "
+            f"stacked MXFP4 experts (e.g. '{stacked[0]}'), not re-blocked: --to bf16 writes them unquantized"
+        )
     others = [w.module for w in model.fp4.values() if w.scheme != "mxfp4"]
     others += [] if fmt.mx else [w.module for w in model.module_weights()]
     if others:

@@ -164,6 +164,9 @@ class MxDequantize(SourceRange):
     cols: int
     scales: ScaleRef
     out_dtype: str = "BF16"
+    #: Rows of one stacked expert, each expert written transposed ([in, out]: gpt-oss's unquantized layout); 0:
+    #: the rows as they are
+    transposed_rows: int = 0
 
     @property
     def nbytes(self) -> int:

@@ -299,8 +299,9 @@ def check_pieces_inside_sources(shards: list[OutputShard], sources: dict[str, Te
     """The plan's invariant: every byte range a piece reads lies inside one source tensor's bytes.
 
     Shape checks upstream name the usual causes; this catches any they miss, so no output
-    tensor is ever filled with the bytes of its neighbours.
+    tensor is ever filled with the bytes of its neighbours. And every output name once (`_check_unique_names`).
     """
+    _check_unique_names(shards)
     by_file: dict[Path, list[TensorInfo]] = {}
     for t in sources.values():
         by_file.setdefault(t.path, []).append(t)
@@ -340,7 +341,8 @@ def _check_unique_names(shards: list[OutputShard]) -> None:
         for t in shard.tensors:
             if t.name in seen:
                 raise UnsupportedCheckpoint(
-                    f"{shard.name}: the output would hold '{t.name}' twice (from '{t.source}'); "
-                    "the checkpoint already has the per-shard names of a fused module"
+                    f"{shard.name}: the output would hold '{t.name}' twice (from '{t.source}'); the checkpoint "
+                    "already has a tensor of the name the conversion writes (the per-shard names of a fused module, "
+                    "or an unquantized weight beside its packed FP4 one)"
                 )
             seen[t.name] = shard.name

@@ -74,9 +74,12 @@ def _fp4_refusal(model: CheckpointModel) -> UnsupportedCheckpoint:
     planned for FP8 weights, and an FP4 module's config group and tensors would have to follow it."""
     schemes = sorted({w.scheme.upper() for w in model.fp4.values() if w.scheme})
     first = next(iter(model.fp4))
+    linear = not any(w.experts for w in model.fp4.values())  # gpt-oss's stacked experts are not re-blocked
     return UnsupportedCheckpoint(
         f"{model.checkpoint.root.name}: {len(model.fp4)} FP4 module(s) ({', '.join(schemes)}; '{first}', ...) are "
-        "converted to BF16 or F16 only, yet (MXFP4 also to 128x128 block FP8, --blocks 128x128): `fp8fix convert "
+        "converted to BF16 or F16 only, yet"
+        + (" (MXFP4 Linear modules also to 128x128 block FP8, --blocks 128x128)" if linear else "")
+        + ": `fp8fix convert "
         "SOURCE OUTPUT --to bf16` writes every FP4 and FP8 weight unquantized; `fp8fix inspect SOURCE` describes the "
         "FP4 modules"
     )

@@ -196,6 +196,16 @@ FBGEMM = FormatSpec(
     scalar_shape=(),
     name_lists=(NameList("modules_to_not_convert", "transformers", evidence=_TRANSFORMERS_MATCH),),
 )
+#: gpt-oss's MXFP4 (OpenAI's release; `quant_method: mxfp4`): the routed experts of every layer as stacked E2M1
+#: blocks with E8M0 scales (`fp4_modules.GPT_OSS_BLOCKS`), everything else BF16. transformers reads
+#: `modules_to_not_convert`; vLLM 0.32's Mxfp4Config.from_config ignores it (quantizes only MoE layers).
+GPT_OSS_MXFP4 = FormatSpec(
+    name="mxfp4",
+    label="gpt-oss MXFP4 (experts)",
+    scalar_shape=(),
+    name_lists=(NameList("modules_to_not_convert", "transformers", evidence=_TRANSFORMERS_MATCH),),
+    fp4=frozenset({"mxfp4"}),
+)
 
 
 def _not_yet(label: str) -> UnsupportedCheckpoint:
@@ -360,6 +370,8 @@ def _detect(config: dict[str, Any], root: Path, tensor_names: set[str] | None) -
         return MODELOPT
     if method == "fbgemm_fp8":
         return FBGEMM
+    if method == GPT_OSS_MXFP4.name:
+        return GPT_OSS_MXFP4
     raise UnsupportedCheckpoint(f"config.json: quant_method {method!r} is not an FP8 format fp8fix knows")
 
 

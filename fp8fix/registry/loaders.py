@@ -326,8 +326,50 @@ SGLANG_NVFP4_SCHEMES = (
     "sglang 0.5.23 srt/layers/quantization/compressed_tensors/schemes/compressed_tensors_w4a16_nvfp4.py "
     "process_weights_after_loading; compressed_tensors_w4a4_nvfp4.py process_weights_after_loading"
 )
+#: gpt-oss's MXFP4 experts (`registry.formats.GPT_OSS_MXFP4`), measured on a tiny gpt-oss as OpenAI publishes it.
+GPT_OSS_TEST = "tests/loaders/test_gpt_oss_loads.py"
+GPT_OSS_VLLM = (
+    "runs gpt-oss's MXFP4 experts with a MoE kernel it picks for the GPU it runs on; its CPU builds here either find "
+    "none (0.31, 0.32: NotImplementedError: No MXFP4 MoE backend supports the deployment configuration) or keep the "
+    "experts packed for a CPU kernel (0.19 - 0.21), measured, which says nothing of a GPU's: not judged"
+)
+GPT_OSS_RULES: tuple[Rule, ...] = (
+    *(
+        Rule(
+            row,
+            "gpt_oss_experts",
+            "not-judged",
+            GPT_OSS_VLLM,
+            "vllm 0.32 model_executor/layers/quantization/mxfp4.py Mxfp4MoEMethod, fused_moe/oracle/mxfp4.py; "
+            + GPT_OSS_TEST,
+        )
+        for row in (VLLM_019, VLLM_021, VLLM, VLLM_ROCM)
+    ),
+    Rule(
+        SGLANG,
+        "gpt_oss_experts",
+        "not-judged",
+        "registers its mxfp4 method only on CUDA, ROCm gfx95, XPU and CPU platforms and runs the experts with their "
+        "kernels; the stubbed platform here is none of them (ValueError: Unknown quantization method: mxfp4, "
+        "measured), so what it computes is not run: not judged",
+        "sglang 0.5.23 srt/layers/quantization/__init__.py BASE_QUANTIZATION_METHODS; " + GPT_OSS_TEST,
+    ),
+    *(
+        Rule(
+            row,
+            "gpt_oss_experts",
+            "loads",
+            "without triton kernels (on CPU unless use_kernels=True) dequantizes the experts to BF16 while loading: "
+            "e2m1 x 2^(b - 127), each expert transposed to [in, out] (measured: every expert value the format's)",
+            "transformers 5.24 quantizers/quantizer_mxfp4.py validate_environment (dequantize), "
+            "integrations/mxfp4.py convert_moe_packed_tensors; " + GPT_OSS_TEST,
+        )
+        for row in (TRANSFORMERS, TRANSFORMERS_AMD_QUARK)
+    ),
+)
 FP4_RULES: tuple[Rule, ...] = (
     *unmeasured_rules("fp4_unmeasured", FP4_UNMEASURED, FP4_TEST),
+    *GPT_OSS_RULES,
     *(
         Rule(
             row,
@@ -542,6 +584,22 @@ RULES: tuple[Rule, ...] = (
         )
         for loader in (VLLM_LEGACY, VLLM_OLD)
     ),
+    Rule(
+        VLLM_LEGACY,
+        "vllm_added_in_010",
+        "fails",
+        "these releases have no model class for {architecture} (vLLM 0.10.1 added it)",
+        "vllm 0.5.0 model_executor/models/__init__.py _MODELS (no GptOssForCausalLM); from source, not run",
+    ),
+    Rule(
+        VLLM_OLD,
+        "vllm_added_in_010",
+        "not-judged",
+        "vLLM 0.10.1 added a model class for {architecture}: the releases of this row before it have none, and those "
+        "after it are not run here: not judged",
+        "vllm 0.10.1 model_executor/models/registry.py _TEXT_GENERATION_MODELS (GptOssForCausalLM added); from "
+        "source, not run",
+    ),
     *(
         Rule(
             loader,
@@ -746,6 +804,7 @@ PLAIN_MODEL_RULES = frozenset(
         "phi3_rope_factors",
         "vllm_unknown_architecture",
         "vllm_removed_architecture",
+        "vllm_added_in_010",
         "transformers_missing_architecture",
         "remote_code_architecture",
         "unfused_on_transformers_backend",

@@ -32,7 +32,8 @@ def report_lines(report: Report, verbose: bool = False) -> list[str]:
         key = (m.fused is not None, m.shards, m.scale, m.scale_dtype or "-", shape, m.input_scale)
         groups[(*key, m.module) if verbose else key].append(m.module)
     lines.append(f"FP8 modules:  {len(report.modules)}")
-    lines.append(f"  {'count':>5}  {'fused':<8}  {'weight scale':<22}  {'input':<16}  modules")
+    if report.modules:  # (an FP4-only checkpoint: no table)
+        lines.append(f"  {'count':>5}  {'fused':<8}  {'weight scale':<22}  {'input':<16}  modules")
     for (is_fused, shards, kind, dtype, shape, inp, *_), names in groups.items():
         fused = f"{shards} shards" if is_fused else "-"
         scale = f"{kind} {dtype} {shape}"

@@ -48,7 +48,7 @@ from fp8fix.verification.dequantized import (
     dropped_scales,
     unquantized_modules,
 )
-from fp8fix.verification.fp4 import check_fp4, fp4_dropped, unquantized_fp4
+from fp8fix.verification.fp4 import check_fp4, fp4_dropped, unquantized_fp4, unquantized_name
 from fp8fix.verification.mapping import Target, map_tensors, module_renames
 from fp8fix.verification.mx_blocks import check_reblocked, reblocked_weights
 from fp8fix.verification.padding import check_padded, padded_sizes, padded_tensors
@@ -100,7 +100,7 @@ def verify(
         ctx.dropped = dropped_scales(ctx, ctx.dequantized) | fp4_dropped(ctx.fp4)
         ctx.ue8m0 = ue8m0_weights(ctx)
         ctx.reblocked = reblocked_weights(ctx)
-        ctx.renamed = {n: f"{w.module}.weight" for n, w in ctx.fp4.items()}
+        ctx.renamed = {n: unquantized_name(w) for n, w in ctx.fp4.items()}
         ctx.renamed |= {n: m.out_name for n, m in ctx.reblocked.items() if m.out_name != n}
         ctx.block_mx = mx_weights(ctx)
         checks = _TensorChecks(ctx, map_tensors(ctx), part)

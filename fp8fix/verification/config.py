@@ -34,6 +34,7 @@ from fp8fix.registry.formats import COMPRESSED_TENSORS, NameList, locations, mat
 from fp8fix.registry.formats import quantization_config as quantization_of
 from fp8fix.verification.block_mx import check_mx_config
 from fp8fix.verification.context import VerifyContext, plain_output
+from fp8fix.verification.fp4 import unquantized_name
 from fp8fix.verification.mx_blocks import check_reblocked_config
 from fp8fix.verification.sizes import check_sizes
 
@@ -84,7 +85,7 @@ def _plain_config(ctx: VerifyContext) -> None:
     written in."""
     report = ctx.report
     dtypes = {ctx.out.tensors[n].dtype for n in ctx.dequantized}
-    dtypes |= {ctx.out.tensors[f"{w.module}.weight"].dtype for w in ctx.fp4.values()}
+    dtypes |= {ctx.out.tensors[unquantized_name(w)].dtype for w in ctx.fp4.values()}
     missing = [w.name for w in ctx.model.module_weights() if w.name not in ctx.dequantized]
     missing += [w.packed.name for w in ctx.model.fp4.values() if w.packed.name not in ctx.fp4]
     if missing:

@@ -110,10 +110,10 @@ class VerifyReport:
         rounded = max((w.max_error_steps for w in self.weights if w.kind == "dequantized"), default=None)
         return (
             (f"part {self.part[0]}/{self.part[1]}: " if self.part else "")
-            + f"{len(self.weights)} FP8 weights ({kinds['exact']} exact, {kinds['rounded']} with rounded codes, "
+            + f"{len(self.weights)} quantized weights ({kinds['exact']} exact, {kinds['rounded']} with rounded codes, "
             f"{kinds['requantized']} requantized"
             + (f", max {worst:.2f} fp8 steps" if worst is not None else "")
-            + (f", {kinds['dequantized']} in BF16, max {rounded:.2f} BF16 steps" if rounded is not None else "")
+            + (f", {kinds['dequantized']} unquantized, max {rounded:.2f} steps" if rounded is not None else "")
             + (f", {kinds['mismatch']} MISMATCHED: {self.mismatched_values()} values" if kinds["mismatch"] else "")
             + f"), {self.scales_checked} input scales, {self.identical_tensors} tensors byte-identical"
             + (f"; {len(self.problems)} problem(s)" if self.problems else "")

@@ -11,7 +11,8 @@ quantizes it by mistake computes with garbage there), the float32 weight [out, i
 model computes with (FP8 weights times their scale, as its FP8 layers do; decompressed
 weights as they are; amd-quark's layers: the weight their own forward dequantizes; MX layers, whose scales are
 E8M0 bytes, and FP4 layers, packed: the weight compressed-tensors decompresses them to on the model's first forward,
-which is run), into
+which is run), and every stacked expert parameter held unquantized (gpt-oss's `experts.gate_up_proj` [experts, in,
+out], dequantized while loading), into
 OUT_DIR/<n>/weights.safetensors,
 and OUT_DIR/<n>/result.json with the model class, the loading report's missing and
 unexpected keys, or the error transformers raised. Nothing is patched.
@@ -55,6 +56,16 @@ def packed(module: torch.nn.Module) -> bool:
     return isinstance(getattr(module, "weight_packed", None), torch.Tensor)
 
 
+def unquantized_experts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Stacked experts held unquantized (3-D `experts.gate_up_proj` / `experts.down_proj` parameters, as
+    GptOssExperts declares them: [experts, in, out]), float32 under their parameter names."""
+    return {
+        name: p.float().contiguous()
+        for name, p in model.named_parameters()
+        if p.dim() == 3 and p.dtype in (torch.bfloat16, torch.float16) and name.endswith("_proj")
+    }
+
+
 def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     model, info = AutoModelForCausalLM.from_pretrained(str(folder), device_map="cpu", output_loading_info=True)
     if any(mx_scaled(m) or packed(m) for m in model.modules()):
@@ -75,6 +86,7 @@ def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
             unreadable.append(name)
             continue
         weights[name] = dequantized(module).contiguous()
+    weights.update(unquantized_experts(model))
     report = {k: sorted(v) for k, v in info.items() if isinstance(v, (list, set)) and k != "error_msgs"}
     quantizer = getattr(model, "hf_quantizer", None)  # the quantizer transformers chose (None: a plain model)
     quantization = type(quantizer).__name__ if quantizer is not None else None

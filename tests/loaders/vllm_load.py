@@ -55,6 +55,9 @@ loading:
   (`_fp8fix_loaded`) before the CPU build repacks it for its GEMM and drops it
   (`dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`), so unquantized layers (`convert --to bf16`,
   `--dequantize`) can be read back; what it then does is vLLM's own.
+- `UnquantizedFusedMoEMethod.process_weights_after_loading` likewise keeps each unquantized MoE layer's loaded
+  `w13_weight` / `w2_weight` (`_fp8fix_loaded_experts`) before 0.31 and later repack them for the CPU's MoE kernel
+  (the same values, reordered), so unquantized experts (gpt-oss `--to bf16`) can be read back.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ from vllm.distributed.parallel_state import (  # noqa: E402
     init_distributed_environment,
 )
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod  # noqa: E402
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod  # noqa: E402
 from vllm.model_executor.model_loader import get_model  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
@@ -166,6 +170,15 @@ def keep_loaded_weight(self, layer):  # type: ignore[no-untyped-def]
 
 
 UnquantizedLinearMethod.process_weights_after_loading = keep_loaded_weight
+_process_unquantized_moe = UnquantizedFusedMoEMethod.process_weights_after_loading
+
+
+def keep_loaded_experts(self, layer):  # type: ignore[no-untyped-def]
+    layer._fp8fix_loaded_experts = {p: getattr(layer, p).detach().clone() for p in ("w13_weight", "w2_weight")}
+    _process_unquantized_moe(self, layer)
+
+
+UnquantizedFusedMoEMethod.process_weights_after_loading = keep_loaded_experts
 
 
 def dequantized(layer: torch.nn.Module) -> torch.Tensor:
@@ -209,6 +222,17 @@ def build_model(folder: Path, tp: int = 1, rank: int = 0) -> torch.nn.Module:
         return model
 
 
+def unquantized_experts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each MoE layer's unquantized expert weights as loaded (`keep_loaded_experts`), float32 (`<layer>.w13_weight`
+    [experts, 2 x intermediate, hidden], `<layer>.w2_weight` [experts, hidden, intermediate]); quantized ones are not
+    read here."""
+    found = {}
+    for name, module in model.named_modules():
+        for param, w in getattr(module, "_fp8fix_loaded_experts", {}).items():
+            found[f"{name}.{param}"] = w.float().contiguous()
+    return found
+
+
 def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     model = build_model(folder)
     layers = {
@@ -224,6 +248,7 @@ def load(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
         if name not in layers and isinstance(getattr(module, "_fp8fix_loaded", None), torch.Tensor)
     }
     weights.update({name: w for name, w in plain.items() if name != "lm_head"})
+    weights.update(unquantized_experts(model))
     head = getattr(model, "lm_head", None)  # vLLM's ParallelLMHead: never quantized by these formats
     unreadable = []
     if isinstance(getattr(head, "weight", None), torch.Tensor) and head.weight.numel():
