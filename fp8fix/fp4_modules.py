@@ -11,7 +11,12 @@ gpt-oss (`quant_method: mxfp4`) stacks each layer's routed experts: `<proj>_bloc
 (the same bytes, row by row, as compressed-tensors' [experts x out, in / 2]) and `<proj>_scales` U8 E8M0
 [experts, out, in / 32] (transformers 5.24 integrations/mxfp4.py convert_moe_packed_tensors, vLLM 0.32
 models/gpt_oss.py). Unquantized, the module is the parameter `<proj>` [experts, in, out]: each expert transposed,
-as transformers' GptOssExperts and vLLM's unquantized gpt-oss loader hold it. Headers only.
+as transformers' GptOssExperts and vLLM's unquantized gpt-oss loader hold it.
+
+ModelOpt's NVFP4 (`quant_algo: NVFP4`) packs the same way in the Linear's own `weight` (U8 [out, in / 2]), with an
+F8_E4M3 `weight_scale` per 16 and an F32 `weight_scale_2` that *multiplies* them (vLLM 0.32 modelopt.py
+ModelOptNvFp4Config: `weight`, `weight_scale`, `weight_scale_2`, `input_scale`; ModelOpt's NVFP4QTensor dequantizes
+e2m1 x scale x scale_2). Headers only.
 """
 
 from __future__ import annotations
@@ -22,11 +27,14 @@ from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import Checkpoint
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dtypes import E8M0
-from fp8fix.registry.formats import FP4_SCHEMES, GPT_OSS_MXFP4, MX_GROUP, FormatSpec
+from fp8fix.registry.formats import FP4_SCHEMES, GPT_OSS_MXFP4, MODELOPT_NVFP4, MX_GROUP, FormatSpec
 
 #: The packed weight of an FP4 module (compressed-tensors NVFP4 / MXFP4: compressors/nvfp4/base.py
 #: compression_param_names: `weight_packed`, `weight_scale`, `weight_global_scale`; `input_global_scale`).
 FP4_PACKED = ".weight_packed"
+#: Each FP4 Linear's (packed weight suffix, global scale, input global scale): compressed-tensors' and ModelOpt's.
+COMPRESSED_TENSORS_NAMES = (FP4_PACKED, "weight_global_scale", "input_global_scale")
+MODELOPT_NAMES = (".weight", "weight_scale_2", "input_scale")
 #: Elements per scale of each FP4 scheme, by the dtype of its scale: NVFP4 an E4M3 scale per 16 (and a global
 #: scale dividing them), MXFP4 an E8M0 byte per 32 (stored as U8).
 FP4_BY_SCALE_DTYPE = {
@@ -49,10 +57,11 @@ class Fp4Weight:
     module: str
     scheme: str | None  # None: no scale, or a scale of neither scheme's dtype (see `problem`)
     scale: TensorInfo | None  # NVFP4: F8_E4M3 [out, in / 16]; MXFP4: E8M0 bytes [out, in / 32]
-    global_scale: TensorInfo | None  # NVFP4's F32 [1]: every scale is divided by it
+    global_scale: TensorInfo | None  # NVFP4's F32 [1]: every scale is divided by it (ModelOpt: multiplied)
     input_global_scale: TensorInfo | None
     problem: Fp8fixError | None
     experts: int = 0  # gpt-oss's stacked experts (packed [experts, out, in / 32, 16]); 0: one Linear [out, in / 2]
+    global_multiplies: bool = False  # ModelOpt's `weight_scale_2`: e2m1 x scale x it (compressed-tensors: / it)
 
     @property
     def cols(self) -> int:
@@ -78,18 +87,21 @@ def fp4_weights(ckpt: Checkpoint, fmt: FormatSpec | None) -> list[Fp4Weight]:
     """Every module with a packed FP4 weight (`FP4_PACKED`), with its scales, each checked (`_fp4_problem`)."""
     if fmt is not None and fmt.name == GPT_OSS_MXFP4.name:
         return _gpt_oss_experts(ckpt)
+    names = MODELOPT_NAMES if fmt == MODELOPT_NVFP4 else COMPRESSED_TENSORS_NAMES
+    packed_suffix, global_name, input_name = names
     found = []
     for t in ckpt.tensors.values():
-        if not t.name.endswith(FP4_PACKED):
+        if not t.name.endswith(packed_suffix) or (names is MODELOPT_NAMES and t.dtype != "U8"):
             continue
-        module = t.name.removesuffix(FP4_PACKED)
+        module = t.name.removesuffix(packed_suffix)
         scale = ckpt.tensors.get(f"{module}.weight_scale")
         scheme, group = FP4_BY_SCALE_DTYPE.get(scale.dtype, (None, 0)) if scale is not None else (None, 0)
-        global_scale = ckpt.tensors.get(f"{module}.weight_global_scale")
-        input_global = ckpt.tensors.get(f"{module}.input_global_scale")
-        problem = _fp4_problem(t, scale, scheme, group, global_scale, input_global, fmt)
+        global_scale = ckpt.tensors.get(f"{module}.{global_name}")
+        input_global = ckpt.tensors.get(f"{module}.{input_name}")
+        problem = _fp4_problem(t, scale, scheme, group, global_scale, input_global, fmt, names)
         scale = replace(scale, dtype=E8M0) if scale is not None and scheme == "mxfp4" else scale  # E8M0 bytes as U8
-        found.append(Fp4Weight(t, module, scheme, scale, global_scale, input_global, problem))
+        multiplies = names is MODELOPT_NAMES
+        found.append(Fp4Weight(t, module, scheme, scale, global_scale, input_global, problem, 0, multiplies))
     return found
 
 
@@ -136,8 +148,10 @@ def _fp4_problem(
     global_scale: TensorInfo | None,
     input_global: TensorInfo | None,
     fmt: FormatSpec | None,
+    names: tuple[str, str, str],
 ) -> Fp8fixError | None:
-    """Why an FP4 module cannot be read as its scheme says (compressed-tensors' NVFP4 / MXFP4 layout), or None."""
+    """Why an FP4 module cannot be read as its scheme says (compressed-tensors' NVFP4 / MXFP4 layout, ModelOpt's
+    NVFP4: `names`), or None."""
     where = f"{packed.path.name}: FP4 weight '{packed.name}'"
     if packed.dtype != "U8" or len(packed.shape) != 2 or 0 in packed.shape:
         return InvalidCheckpoint(f"{where} is {packed.dtype} {list(packed.shape)}; packed FP4 is U8 [out, in / 2]")
@@ -158,12 +172,9 @@ def _fp4_problem(
             f"'{packed.name}' of {rows} x {cols} elements has one per {group} elements of a row: "
             f"[{rows}, {cols // group}]"
         )
-    for name, t, needed in (
-        ("weight_global_scale", global_scale, scheme == "nvfp4"),
-        ("input_global_scale", input_global, False),
-    ):
+    for name, t, needed in ((names[1], global_scale, scheme == "nvfp4"), (names[2], input_global, False)):
         if t is None and needed:
-            return InvalidCheckpoint(f"{where} has no '{name}'; an NVFP4 weight's scales are divided by it")
+            return InvalidCheckpoint(f"{where} has no '{name}'; an NVFP4 weight's scales are scaled by it")
         if t is not None and (t.dtype != "F32" or t.numel != 1):
             return InvalidCheckpoint(
                 f"{t.path.name}: '{t.name}' is {t.dtype} {list(t.shape)}; a global scale is one F32 value"

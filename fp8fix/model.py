@@ -31,6 +31,7 @@ from fp8fix.registry.architectures import ArchitectureSpec, FusedModuleSpec, Reg
 from fp8fix.registry.formats import (
     AUTOFP8,
     AUTOFP8_LEGACY,
+    MODELOPT_NVFP4,
     FormatSpec,
     detect_format,
     matches,
@@ -249,6 +250,13 @@ class CheckpointModel:
         fp4_problem = next((w.problem for w in self.fp4.values() if w.problem is not None), None)
         if fp4_problem is not None:
             raise fp4_problem
+        if self.format == MODELOPT_NVFP4 and self.weights:  # (ModelOpt says a mix in MIXED_PRECISION, not read yet)
+            w = next(iter(self.weights.values()))
+            raise InvalidCheckpoint(
+                f"{w.tensor.path.name}: '{w.name}' is an FP8 ({w.tensor.dtype}) tensor, but the ModelOpt config "
+                "declares NVFP4 (quant_algo NVFP4), whose weights are packed FP4 (U8): the config does not match the "
+                "weights"
+            )
         if not self.weights and not self.fp4:
             ckpt = self.checkpoint
             raise InvalidCheckpoint(

@@ -16,7 +16,13 @@ from fp8fix.errors import UnsupportedCheckpoint
 from fp8fix.io.checkpoint import known_values
 from fp8fix.model import CheckpointModel, Fp8Weight, ignore_linears
 from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ
-from fp8fix.registry.formats import GPT_OSS_MXFP4, LEGACY_RENAMES, modelopt_kv_cache, quantization_config
+from fp8fix.registry.formats import (
+    GPT_OSS_MXFP4,
+    LEGACY_RENAMES,
+    MODELOPT_NVFP4,
+    modelopt_kv_cache,
+    quantization_config,
+)
 from fp8fix.registry.kv_rules import KV_RULES
 from fp8fix.registry.loader_rows import CALLS, LOADERS, WITH_PACKAGE
 from fp8fix.registry.loaders import (
@@ -86,6 +92,8 @@ FACT_DESCRIPTIONS = {
     "vllm_added_after_020": "an architecture vLLM registered after 0.20 (MiMo-V2.5)",
     "vllm_added_in_010": "an architecture vLLM registered in 0.10.1 (gpt-oss)",
     "gpt_oss_experts": "gpt-oss's MXFP4 experts (quant_method mxfp4: stacked *_blocks / *_scales)",
+    "modelopt_nvfp4": "a ModelOpt NVFP4 checkpoint (quant_algo NVFP4: packed `weight`, `weight_scale_2`)",
+    "modelopt_nvfp4_scales_differ": "ModelOpt NVFP4 q / k / v or gate / up modules whose weight_scale_2 differ",
     "block_scaled_qkv_fused": "a q / k / v module fused on disk (qkv_proj) with block scales",
     "transformers_missing_architecture": "an architecture transformers has no model for (MiMo-V2.5)",
     "fp8_per_tensor": "quant_method fp8 without weight_block_size (AutoFP8)",
@@ -177,6 +185,8 @@ class Facts:
     vllm_added_after_020: bool = False
     vllm_added_in_010: bool = False  # ... registered in 0.10.1: gpt-oss
     gpt_oss_experts: bool = False  # gpt-oss's MXFP4 experts (`registry.formats.GPT_OSS_MXFP4`)
+    modelopt_nvfp4: bool = False  # ModelOpt NVFP4 (`registry.formats.MODELOPT_NVFP4`)
+    modelopt_nvfp4_scales_differ: bool = False  # ... packed modules whose weight_scale_2 differ
     block_scaled_qkv_fused: bool = False  # a fused-on-disk q / k / v module with block scales
     quark: bool = False
     quark_without_layer_type_config: bool = False
@@ -350,7 +360,7 @@ def _derive_facts(model: CheckpointModel) -> Facts:
     unfused_suffixes = tuple(
         s.unfused for spec in (model.spec.fused_modules if model.spec else ()) for s in spec.shards if s.unfused
     )
-    unquantized = not model.weights and quantization_config(model.checkpoint.config) is None
+    unquantized = not model.weights and not model.fp4 and quantization_config(model.checkpoint.config) is None
     plain = model.plain_linears()  # one pass over every tensor name, for three facts (and for planning)
     modules = plain if unquantized else [w.module for w in weights]
     unfused = not model.fused and bool(unfused_suffixes) and any(m.endswith(unfused_suffixes) for m in modules)
@@ -408,6 +418,8 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         vllm_added_after_020=architecture in VLLM_ADDED_AFTER_020,
         vllm_added_in_010=architecture in VLLM_ADDED_IN_010,
         gpt_oss_experts=bool(model.fp4) and fmt is not None and fmt.name == GPT_OSS_MXFP4.name,
+        modelopt_nvfp4=bool(model.fp4) and fmt == MODELOPT_NVFP4,
+        modelopt_nvfp4_scales_differ=bool(model.fp4) and fmt == MODELOPT_NVFP4 and "differ" in global_scales,
         block_scaled_qkv_fused=block_qkv_fused,
         transformers_missing_architecture=architecture in TRANSFORMERS_MISSING,
         fp8_per_tensor=fp8,

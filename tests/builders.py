@@ -892,6 +892,20 @@ def _group_targets(suffixes: set[str], every: list[str]) -> list[str]:
 SHARED_GLOBAL = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 
 
+def draw_linears(
+    model: Model, gen: torch.Generator, shared_global: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """One layer's linear weights [out, in] by suffix, drawn N(0, 0.02), and the amax each one's global scale is
+    made from: its own, or (`shared_global`) the largest of its `SHARED_GLOBAL` group's."""
+    linears = [(f.suffix, sum(f.rows), f.in_features) for f in model.fused] + list(model.plain)
+    drawn = {suffix: torch.randn(out, inp, generator=gen) * 0.02 for suffix, out, inp in linears}
+    amax = {suffix: float(w.abs().max()) for suffix, w in drawn.items()}
+    for group in SHARED_GLOBAL if shared_global else ():
+        shared = max((amax[s] for s in group if s in amax), default=0.0)
+        amax.update({s: shared for s in group if s in amax})
+    return drawn, amax
+
+
 def fp4_compressed_tensors(
     root: Path,
     schemes: dict[str, str],
@@ -912,12 +926,7 @@ def fp4_compressed_tensors(
     used: dict[str, set[str]] = {}
     for i in range(model.layers):
         prefix = model.layer_prefix.format(i=i)
-        linears = [(f.suffix, sum(f.rows), f.in_features) for f in model.fused] + list(model.plain)
-        drawn = {suffix: torch.randn(out, inp, generator=gen) * 0.02 for suffix, out, inp in linears}
-        amax = {suffix: float(w.abs().max()) for suffix, w in drawn.items()}
-        for group in SHARED_GLOBAL if shared_global else ():
-            shared = max((amax[s] for s in group if s in amax), default=0.0)
-            amax.update({s: shared for s in group if s in amax})
+        drawn, amax = draw_linears(model, gen, shared_global)
         for suffix, w in drawn.items():
             scheme = next((s for key, s in schemes.items() if suffix.endswith(key)), None)
             if scheme is None:
@@ -940,7 +949,7 @@ def fp4_compressed_tensors(
     groups = {}
     for n, (scheme, suffixes) in enumerate(sorted(used.items())):
         fmt, weights, inputs = FP4_PRESETS.get(scheme, ("float-quantized", FP8_CHANNEL_ARGS, FP8_TOKEN_ARGS))
-        targets = _group_targets(suffixes, [suffix for suffix, _, _ in linears]) if len(used) > 1 else ["Linear"]
+        targets = _group_targets(suffixes, list(drawn)) if len(used) > 1 else ["Linear"]
         group = {"targets": targets, "weights": weights, "format": fmt}
         groups[f"group_{n}"] = {**group, "input_activations": inputs}
     formats = {g["format"] for g in groups.values()}
@@ -1057,4 +1066,46 @@ def gpt_oss(
     root.mkdir(parents=True, exist_ok=True)
     names = sorted(tensors)
     write_files(root, [{n: tensors[n] for n in names[i::files]} for i in range(files)], config)
+    return root
+
+
+def modelopt_nvfp4(root: Path, model: Model | None = None, seed: int = 0, shared_global: bool = True) -> Path:
+    """`model` (a Llama by default) as NVIDIA ModelOpt exports NVFP4 (export_hf_checkpoint; the names vLLM 0.32
+    modelopt.py ModelOptNvFp4Config reads): every linear layer but lm_head packed in its `weight` (U8 [out, in / 2],
+    the lower nibble first), an e4m3 `weight_scale` per 16 (amax / 6 / scale_2), an F32 scalar `weight_scale_2`
+    (amax / (6 x 448), multiplying them) and `input_scale`; elements x / (scale x scale_2) to the nearest E2M1.
+    hf_quant_config.json says `quant_algo: NVFP4`, `group_size: 16`, lm_head excluded. `shared_global`: q / k / v
+    and gate / up share one scale_2 (`SHARED_GLOBAL`, as ModelOpt's export unifies fused layers); else each its own."""
+    gen = torch.Generator().manual_seed(seed)
+    model = model or llama()
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(model.layers):
+        prefix = model.layer_prefix.format(i=i)
+        drawn, amax = draw_linears(model, gen, shared_global)
+        for suffix, w in drawn.items():
+            rows, cols = w.shape
+            scale_2 = torch.tensor(amax[suffix] / (6.0 * FP8_MAX), dtype=torch.float32)
+            groups = w.reshape(rows, cols // 16, 16)
+            scales = (groups.abs().amax(-1) / 6.0 / scale_2).clamp(2.0**-9, FP8_MAX).to(torch.float8_e4m3fn)
+            step = scales.to(torch.float64) * scale_2.to(torch.float64)
+            nibbles = e2m1_nibbles((groups / step[..., None]).reshape(rows, cols))
+            tensors[f"{prefix}{suffix}.weight"] = pack_nibbles(nibbles)
+            tensors[f"{prefix}{suffix}.weight_scale"] = scales
+            tensors[f"{prefix}{suffix}.weight_scale_2"] = scale_2
+            tensors[f"{prefix}{suffix}.input_scale"] = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{prefix}{norm}.weight"] = torch.ones(model.hidden, dtype=torch.bfloat16)
+    tensors["model.embed_tokens.weight"] = torch.randn(model.vocab, model.hidden, generator=gen).to(torch.bfloat16)
+    tensors["model.norm.weight"] = torch.ones(model.hidden, dtype=torch.bfloat16)
+    tensors["lm_head.weight"] = torch.randn(model.vocab, model.hidden, generator=gen).to(torch.bfloat16)
+    root.mkdir(parents=True, exist_ok=True)
+    write_files(root, [tensors], dict(model.config))
+    quantization = {
+        "quant_algo": "NVFP4",
+        "kv_cache_quant_algo": None,
+        "group_size": 16,
+        "exclude_modules": ["lm_head"],
+    }
+    producer = {"name": "modelopt", "version": "0.33.0"}
+    (root / "hf_quant_config.json").write_text(json.dumps({"producer": producer, "quantization": quantization}))
     return root

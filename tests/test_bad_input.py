@@ -161,9 +161,13 @@ CASES: dict[str, tuple[Callable[[Path], object], list[str]]] = {
         lambda s: edit_json(s / "config.json", lambda c: c["quantization_config"].update(quant_method="gptq")),
         ["quant_method 'gptq'", "not an FP8 format"],
     ),
-    "modelopt nvfp4": (
+    "modelopt nvfp4 of FP8 weights": (
         lambda s: _modelopt(s, "NVFP4"),
-        ["ModelOpt NVFP4", "not supported yet"],
+        ["ModelOpt config declares NVFP4", "the config does not match the weights"],
+    ),
+    "modelopt w4a8": (
+        lambda s: _modelopt(s, "W4A8_AWQ"),
+        ["ModelOpt W4A8_AWQ", "not supported yet"],
     ),
 }
 

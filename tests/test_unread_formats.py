@@ -1,5 +1,5 @@
-"""A quantization format fp8fix does not read yet (issue 49: MX FP4, NVFP4, mixed precision, the MX dialects
-other than compressed-tensors' MXFP8) is never judged with the FP8 rules: here NVIDIA ModelOpt's MXFP8
+"""A quantization format fp8fix does not read yet (issue 49: ModelOpt's and Quark's MX and mixed precision,
+the MX dialects other than compressed-tensors' MXFP8) is never judged with the FP8 rules: here NVIDIA ModelOpt's MXFP8
 (`quant_algo: MXFP8`, E8M0 scales [out, in / 32] as U8 beside e4m3fn weights, as ModelOpt exports them), whose
 scales are no scale of a shape its layer does not have. Every row is not judged, no finding calls the scales
 malformed, the gate, the findings and the rows say the same, and convert refuses it (exit 3) writing nothing."""

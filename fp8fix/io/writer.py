@@ -533,7 +533,7 @@ def _nvfp4_dequantize(sources: _Sources, out: int, piece: Nvfp4Dequantize, sourc
     from fp8fix.numerics.nvfp4 import NVFP4_GROUP, Fp4RangeError, nvfp4_rows, nvfp4_table
 
     (global_scale,) = _scale_list(sources, piece.global_scale, source)
-    table = nvfp4_table(global_scale, piece.out_dtype)
+    table = nvfp4_table(global_scale, piece.out_dtype, piece.multiply)
     row_bytes, groups = piece.cols // 2, piece.cols // NVFP4_GROUP
     window_bytes = max(1, RECODE_WINDOW // row_bytes) * row_bytes
     worst = RoundingStats()

@@ -55,11 +55,14 @@ class Nvfp4Table:
 
 
 @lru_cache(maxsize=64)
-def nvfp4_table(global_scale: float, out_dtype: str) -> Nvfp4Table:
-    """The table of every (e4m3 scale byte, packed byte) at global scale `global_scale` (positive, finite)."""
+def nvfp4_table(global_scale: float, out_dtype: str, multiply: bool = False) -> Nvfp4Table:
+    """The table of every (e4m3 scale byte, packed byte) at global scale `global_scale` (positive, finite): each
+    value e2m1 x scale / global (compressed-tensors), or (`multiply`) e2m1 x scale x global (ModelOpt's
+    `weight_scale_2`; exact in float64: 4 + 2 + 24 significant bits)."""
     import numpy as np
 
-    exact = code_values(E4M3FN)[:, None] * element_values("e2m1")[None, :16] / global_scale
+    products = code_values(E4M3FN)[:, None] * element_values("e2m1")[None, :16]
+    exact = products * global_scale if multiply else products / global_scale
     fits = fits_output(exact, out_dtype)
     kept = np.where(fits, exact, 0.0)
     rounded = round_to(kept, out_dtype)

@@ -82,7 +82,8 @@ def plan_fp4_weights(
         piece: Piece
         if w.global_scale is not None:
             global_scale = scale_values_at(w.global_scale, 0, 1)
-            piece = Nvfp4Dequantize(t.path, t.start, t.end, w.cols, scales, global_scale, out_dtype)
+            multiply = w.global_multiplies
+            piece = Nvfp4Dequantize(t.path, t.start, t.end, w.cols, scales, global_scale, out_dtype, multiply)
         else:
             per_expert = w.rows // w.experts if w.experts else 0  # gpt-oss: each expert written transposed
             piece = MxDequantize(t.path, t.start, t.end, "e2m1", w.cols, scales, out_dtype, per_expert)

@@ -188,6 +188,7 @@ class Nvfp4Dequantize(SourceRange):
     scales: ScaleRef
     global_scale: ScaleRef
     out_dtype: str = "BF16"
+    multiply: bool = False  # ModelOpt's `weight_scale_2` multiplies the scales (compressed-tensors' divides them)
 
     @property
     def nbytes(self) -> int:

@@ -190,6 +190,10 @@ MODELOPT = FormatSpec(
         NameList("exclude_modules", "fnmatch", evidence=_MODELOPT_FNMATCH),
     ),
 )
+#: ModelOpt's NVFP4 (`quant_algo: NVFP4`): every quantized Linear packed E2M1 in `weight` U8 [out, in / 2], an
+#: F8_E4M3 `weight_scale` per 16 and an F32 `weight_scale_2` that multiplies them (vLLM 0.32 modelopt.py
+#: ModelOptNvFp4Config's weight parameters; `fp4_modules.modelopt_nvfp4`).
+MODELOPT_NVFP4 = replace(MODELOPT, label="NVIDIA ModelOpt NVFP4", fp4=frozenset({"nvfp4"}))
 FBGEMM = FormatSpec(
     name="fbgemm_fp8",
     label="FBGEMM FP8 (per-row)",
@@ -211,7 +215,8 @@ GPT_OSS_MXFP4 = FormatSpec(
 def _not_yet(label: str) -> UnsupportedCheckpoint:
     return UnsupportedCheckpoint(
         f"config.json: {label} checkpoints are not supported yet; fp8fix converts AutoFP8, block FP8, "
-        "compressed-tensors (tensor/channel/block, MXFP8), Quark, ModelOpt and FBGEMM FP8 checkpoints"
+        "compressed-tensors (tensor/channel/block, MXFP8), Quark, ModelOpt and FBGEMM FP8 checkpoints, and writes "
+        "compressed-tensors NVFP4 / MXFP4, ModelOpt NVFP4 and gpt-oss MXFP4 unquantized (--to bf16)"
     )
 
 
@@ -365,9 +370,7 @@ def _detect(config: dict[str, Any], root: Path, tensor_names: set[str] | None) -
     if method == "quark":
         return _quark(qc)
     if method == "modelopt":
-        if qc.get("quant_algo", "FP8") != "FP8":
-            raise _not_yet(f"ModelOpt {qc.get('quant_algo')}")
-        return MODELOPT
+        return _modelopt_algo(qc.get("quant_algo", "FP8"), qc.get("group_size"), "ModelOpt")
     if method == "fbgemm_fp8":
         return FBGEMM
     if method == GPT_OSS_MXFP4.name:
@@ -509,6 +512,14 @@ def _modelopt(path: Path) -> FormatSpec:
     data = read_json(path)
     quantization = data.get("quantization") if isinstance(data, dict) else None
     algo = quantization.get("quant_algo") if isinstance(quantization, dict) else None
+    group = quantization.get("group_size") if isinstance(quantization, dict) else None
+    return _modelopt_algo(algo, group, "NVIDIA ModelOpt")
+
+
+def _modelopt_algo(algo: Any, group_size: Any, label: str) -> FormatSpec:
+    """ModelOpt's FP8, or NVFP4 in groups of 16 (its only group size); any other algorithm is not read yet."""
+    if algo == "NVFP4" and group_size in (None, FP4_SCHEMES["nvfp4"][1]):
+        return MODELOPT_NVFP4
     if algo != "FP8":
-        raise _not_yet(f"NVIDIA ModelOpt {algo}")
+        raise _not_yet(f"{label} {algo}" + (f" (group_size {group_size!r:.20})" if algo == "NVFP4" else ""))
     return MODELOPT

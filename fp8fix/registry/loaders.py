@@ -367,9 +367,56 @@ GPT_OSS_RULES: tuple[Rule, ...] = (
         for row in (TRANSFORMERS, TRANSFORMERS_AMD_QUARK)
     ),
 )
+#: ModelOpt's NVFP4 (`registry.formats.MODELOPT_NVFP4`), measured on a Llama and a Phi-3 as ModelOpt exports them.
+MODELOPT_NVFP4_TEST = "tests/loaders/test_modelopt_nvfp4_loads.py"
+_SGLANG_MODELOPT = "sglang 0.5.23 srt/layers/quantization/modelopt_quant.py ModelOptFp4LinearMethod"
+MODELOPT_NVFP4_RULES: tuple[Rule, ...] = (
+    *(
+        Rule(
+            row,
+            "modelopt_nvfp4",
+            "not-judged",
+            "not run; ModelOpt's NVFP4 is newer than these releases: not judged",
+            evidence,
+        )
+        for row, evidence in ((VLLM_LEGACY, VLLM_050_LOADER), (VLLM_OLD, VLLM_051_LOADER))
+    ),
+    Rule(
+        SGLANG,
+        "modelopt_nvfp4_scales_differ",
+        "loads-wrong",
+        "packs q / k / v and gate / up into one layer and multiplies all of them by the largest of their "
+        "weight_scale_2 (cited from source), where it runs: its native NVFP4 GEMMs need SM100+, below that it stops "
+        "unless --fp4-gemm-backend marlin (measured): the projections whose weight_scale_2 is smaller compute with "
+        "weights too large by the ratio",
+        f"{_SGLANG_MODELOPT} process_weights_after_loading (weight_scale_2.max()); {MODELOPT_NVFP4_TEST}",
+    ),
+    Rule(
+        SGLANG,
+        "modelopt_nvfp4",
+        "not-judged",
+        "runs ModelOpt NVFP4 with native GEMMs on SM100+ only, stopping below unless --fp4-gemm-backend marlin "
+        "(ValueError: ModelOpt NVFP4 native dense GEMM backends require SM100+, measured on the stubbed platform), "
+        "so what a GPU computes is not run here: not judged",
+        f"{_SGLANG_MODELOPT}; {MODELOPT_NVFP4_TEST}",
+    ),
+    *(
+        Rule(
+            row,
+            "modelopt_nvfp4",
+            "fails",
+            "has no ModelOpt quantizer: it builds plain Linear layers and refuses the packed U8 weights, half their "
+            "width (RuntimeError: ... ignore_mismatched_sizes ..., measured)",
+            "transformers 5.24 quantizers/auto.py (no modelopt method; quantizer_nvfp4.py refuses pre-quantized "
+            f"checkpoints); {MODELOPT_NVFP4_TEST}",
+        )
+        for row in (TRANSFORMERS, TRANSFORMERS_AMD_QUARK)
+    ),
+)
 FP4_RULES: tuple[Rule, ...] = (
     *unmeasured_rules("fp4_unmeasured", FP4_UNMEASURED, FP4_TEST),
     *GPT_OSS_RULES,
+    *MODELOPT_NVFP4_RULES,
     *(
         Rule(
             row,
@@ -385,10 +432,13 @@ FP4_RULES: tuple[Rule, ...] = (
             row,
             "nvfp4_global_scales_differ",
             "loads-wrong",
-            "packs q / k / v and gate / up into one layer and divides all of them by the largest of their NVFP4 "
-            "global scales (a warning only), so the projections whose global scale is smaller compute with weights "
-            "off by the ratio (cited from source; its GPU kernels are not run here)",
-            f"vllm 0.32 {VLLM_NVFP4_SCHEME} (0.19.0 - 0.31.0 the same); {FP4_TEST}",
+            "packs q / k / v and gate / up into one layer and uses the largest of their NVFP4 global scales for all "
+            "of them (compressed-tensors' weight_global_scale divides, ModelOpt's weight_scale_2 multiplies; a "
+            "warning only), so the projections whose global scale is other compute with weights off by the ratio "
+            "(cited from source; its GPU kernels are not run here)",
+            f"vllm 0.32 {VLLM_NVFP4_SCHEME}, model_executor/layers/quantization/modelopt.py ModelOptNvFp4 "
+            f"process_weights_after_loading (weight_scale_2.max()) (0.19.0 - 0.31.0 the same); {FP4_TEST}; "
+            + MODELOPT_NVFP4_TEST,
         )
         for row in (VLLM_019, VLLM_021, VLLM)
     ),

@@ -4,8 +4,9 @@ Read off OUTPUT: a SOURCE FP4 module (`model.fp4`) whose OUTPUT holds `<module>.
 module's [out, in] elements, and neither its packed weight nor any of its scales. Each value is worked out here
 from SOURCE's bytes on verify's own reading of the formats, not convert's decoders: the nibbles unpacked (the
 lower first), E2M1 from its table in the OCP MX specification (v1.0 section 5.3.3), NVFP4's value e2m1 x e4m3
-scale / global scale and MXFP4's e2m1 x 2^(b - 127), in float64; OUTPUT's value must lie within half a step of
-it (one rounding to nearest; MXFP4's values are exact in BF16, so there it must be equal). gpt-oss's stacked
+scale / global scale (ModelOpt's: times its `weight_scale_2`) and MXFP4's e2m1 x 2^(b - 127), in float64; OUTPUT's
+value must lie within half a step of it (one rounding to nearest; MXFP4's values are exact in BF16, so there it must
+be equal). gpt-oss's stacked
 experts (`Fp4Weight.experts`) are read as the parameter `<proj>` [experts, in, out]: each expert transposed, as
 transformers 5.24's GptOssExperts declares it (models/gpt_oss/modeling_gpt_oss.py).
 """
@@ -81,7 +82,8 @@ def check_fp4(ctx: VerifyContext, w: Fp4Weight) -> WeightCheck:
                     elements = e2m1_values(ctx.read_rows(w.packed, r0, r1, cols // 2), cols)
                     scale_bytes = np.frombuffer(ctx.read_rows(w.scale, r0, r1, cols // group), dtype=np.uint8)
                     scales = _scales(scale_bytes, w.scheme).reshape(r1 - r0, cols // group)
-                    exact = elements * np.repeat(scales, group, axis=1) / global_scale
+                    exact = elements * np.repeat(scales, group, axis=1)
+                    exact = exact * global_scale if w.global_multiplies else exact / global_scale
                     data = ctx.read_rows(o, r0, r1, cols) if expert is None else expert[r0 - m0 : r1 - m0].tobytes()
                     got = as_float64(data, o.dtype).reshape(r1 - r0, cols)
                     compare_rounded(check, got, exact, r0, o.dtype, f"SOURCE's {w.scheme} value")
