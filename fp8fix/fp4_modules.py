@@ -84,7 +84,8 @@ class Fp4Weight:
 
 
 def fp4_weights(ckpt: Checkpoint, fmt: FormatSpec | None) -> list[Fp4Weight]:
-    """Every module with a packed FP4 weight (`FP4_PACKED`), with its scales, each checked (`_fp4_problem`)."""
+    """Every module with a packed FP4 weight, with its scales, each checked (`_fp4_problem`): compressed-tensors'
+    `weight_packed`, ModelOpt NVFP4's U8 `weight` (`MODELOPT_NAMES`), gpt-oss's stacked experts."""
     if fmt is not None and fmt.name == GPT_OSS_MXFP4.name:
         return _gpt_oss_experts(ckpt)
     names = MODELOPT_NAMES if fmt == MODELOPT_NVFP4 else COMPRESSED_TENSORS_NAMES

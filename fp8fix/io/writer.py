@@ -507,6 +507,10 @@ def _mx_dequantize(sources: _Sources, out: int, piece: MxDequantize, source: str
     return worst
 
 
+#: Rows transposed at a time (`_transposed`): 16 16-bit values, 32 bytes, a run per column.
+TRANSPOSE_BAND = 16
+
+
 def _transposed(data: bytes | memoryview, piece: MxDequantize, rows: int) -> bytes | memoryview:
     """16-bit rows [rows, cols] as they are, or (`transposed_rows`: the window is one expert) as [cols, rows]. Bands
     of TRANSPOSE_BAND rows at a time: numpy's whole-array transpose of 16-bit values strides through memory (about
@@ -520,10 +524,6 @@ def _transposed(data: bytes | memoryview, piece: MxDequantize, rows: int) -> byt
     for r0 in range(0, rows, TRANSPOSE_BAND):
         out[:, r0 : r0 + TRANSPOSE_BAND] = values[r0 : r0 + TRANSPOSE_BAND].T
     return out.data.cast("B")
-
-
-#: Rows transposed at a time (`_transposed`): 16 16-bit values, 32 bytes, a run per column.
-TRANSPOSE_BAND = 16
 
 
 def _nvfp4_dequantize(sources: _Sources, out: int, piece: Nvfp4Dequantize, source: str) -> RoundingStats:

@@ -521,5 +521,6 @@ def _modelopt_algo(algo: Any, group_size: Any, label: str) -> FormatSpec:
     if algo == "NVFP4" and group_size in (None, FP4_SCHEMES["nvfp4"][1]):
         return MODELOPT_NVFP4
     if algo != "FP8":
-        raise _not_yet(f"{label} {algo}" + (f" (group_size {group_size!r:.20})" if algo == "NVFP4" else ""))
+        said = algo if isinstance(algo, str) else repr(algo)
+        raise _not_yet(f"{label} {said:.40}" + (f" (group_size {group_size!r:.20})" if algo == "NVFP4" else ""))
     return MODELOPT

@@ -6,9 +6,8 @@ from SOURCE's bytes on verify's own reading of the formats, not convert's decode
 lower first), E2M1 from its table in the OCP MX specification (v1.0 section 5.3.3), NVFP4's value e2m1 x e4m3
 scale / global scale (ModelOpt's: times its `weight_scale_2`) and MXFP4's e2m1 x 2^(b - 127), in float64; OUTPUT's
 value must lie within half a step of it (one rounding to nearest; MXFP4's values are exact in BF16, so there it must
-be equal). gpt-oss's stacked
-experts (`Fp4Weight.experts`) are read as the parameter `<proj>` [experts, in, out]: each expert transposed, as
-transformers 5.24's GptOssExperts declares it (models/gpt_oss/modeling_gpt_oss.py).
+be equal). gpt-oss's stacked experts (`Fp4Weight.experts`) are read as the parameter `<proj>` [experts, in, out]:
+each expert transposed, as transformers 5.24's GptOssExperts declares it (models/gpt_oss/modeling_gpt_oss.py).
 """
 
 from __future__ import annotations
