@@ -27,6 +27,7 @@ from tests.builders import (
     fp4_compressed_tensors,
     gpt_oss,
     llama,
+    modelopt_nvfp4,
     mxfp8_compressed_tensors,
     phi3,
 )
@@ -573,6 +574,19 @@ def test_a_header_length_past_the_shard_is_refused_before_any_download(tmp_path:
     assert shard.name in line and "header length 1099511627776" in line, line
     assert [r for p, r in hub.reads if p.endswith(shard.name)] == ["bytes=0-7"]
     assert "me/dst" not in hub.repos
+
+
+def test_modelopt_nvfp4_streams(tmp_path: Path, hub: FakeHub) -> None:
+    """ModelOpt NVFP4 (issue 49), whose weight_scale_2 multiplies its scales (read at write time, from the Hub):
+    Hub to Hub under --max-disk lands what a local conversion writes."""
+    model = llama(hidden=256, heads=2, kv_heads=1, intermediate=256)
+    hub.files["org/src"] = folder = modelopt_nvfp4(tmp_path / "served", model, shared_global=False)
+    bound = 3 * 2 * max(p.stat().st_size for p in folder.glob("*.safetensors"))
+    env = env_for(tmp_path, hub)
+    options = ["--to", "bf16"]
+    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", *options, "--max-disk", str(bound), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert hub.tree("me/dst") == local_reference(tmp_path, env, *options)
 
 
 def test_gpt_oss_experts_stream(tmp_path: Path, hub: FakeHub) -> None:
