@@ -1109,3 +1109,22 @@ def modelopt_nvfp4(root: Path, model: Model | None = None, seed: int = 0, shared
     producer = {"name": "modelopt", "version": "0.33.0"}
     (root / "hf_quant_config.json").write_text(json.dumps({"producer": producer, "quantization": quantization}))
     return root
+
+
+def modelopt_mxfp8(root: Path, model: Model | None = None, side_file: bool = False) -> Path:
+    """`model` (a Llama by default) as NVIDIA ModelOpt exports MXFP8: the MXFP8 tensors (e4m3fn `weight`, E8M0
+    `weight_scale` U8 [out, in / 32]: `mxfp8_compressed_tensors`'s) under config.json's quantization_config
+    {quant_method: modelopt, quant_algo: MXFP8}, or (`side_file`) hf_quant_config.json's `quantization` only."""
+    mxfp8_compressed_tensors(root, model)
+    config = json.loads((root / "config.json").read_text())
+    quantization = {"quant_algo": "MXFP8", "ignore": ["lm_head"]}
+    config["quantization_config"] = {"quant_method": "modelopt", **quantization}
+    if side_file:
+        del config["quantization_config"]
+        side = {
+            "producer": {"name": "modelopt"},
+            "quantization": {"quant_algo": "MXFP8", "exclude_modules": ["lm_head"]},
+        }
+        (root / "hf_quant_config.json").write_text(json.dumps(side))
+    (root / "config.json").write_text(json.dumps(config))
+    return root

@@ -28,7 +28,7 @@ from fp8fix.numerics.mx_blocks import BLOCK
 from fp8fix.plan import planner
 from fp8fix.plan.output import output_model
 from fp8fix.plan.pieces import ConversionPlan, MxBlockCodes, MxBlockScales, OutputTensor, ScaleRef
-from fp8fix.registry.formats import quantization_config
+from fp8fix.registry.formats import MODELOPT, quantization_config
 from fp8fix.verdicts import loader_verdicts
 
 #: llm-compressor's FP8_BLOCK scheme (compressed-tensors 0.20 quantization/quant_scheme.py FP8_BLOCK).
@@ -74,6 +74,11 @@ def plan_reblocked_model(model: CheckpointModel, blocks: str) -> ConversionPlan:
         raise UnsupportedCheckpoint(
             f"--blocks {blocks}: re-blocks MXFP8 and MXFP4 checkpoints; {fmt.label} scales are not MX blocks (for "
             "block FP8, --tp pads and --scales ue8m0 writes powers of two)"
+        )
+    if fmt.name == MODELOPT.name:
+        raise UnsupportedCheckpoint(
+            f"--blocks {blocks}: re-blocks compressed-tensors MXFP8 and MXFP4; a {fmt.label} config is not rewritten "
+            "as block FP8 yet: --to bf16 writes its weights unquantized"
         )
     stacked = [w.module for w in mxfp4 if w.experts]
     if stacked:

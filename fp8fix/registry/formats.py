@@ -194,6 +194,9 @@ MODELOPT = FormatSpec(
 #: F8_E4M3 `weight_scale` per 16 and an F32 `weight_scale_2` that multiplies them (vLLM 0.32 modelopt.py
 #: ModelOptNvFp4Config's weight parameters; `fp4_modules.modelopt_nvfp4`).
 MODELOPT_NVFP4 = replace(MODELOPT, label="NVIDIA ModelOpt NVFP4", fp4=frozenset({"nvfp4"}))
+#: ModelOpt's MXFP8 (`quant_algo: MXFP8`): e4m3fn `weight` [out, in] and an E8M0 `weight_scale` U8 [out, in / 32]
+#: (vLLM 0.32 modelopt.py ModelOptMxFp8Config: "e4m3 weights with per-32-block e8m0 scales"), activations dynamic.
+MODELOPT_MXFP8 = replace(MODELOPT, label="NVIDIA ModelOpt MXFP8", block=(1, 32), mx=True)
 FBGEMM = FormatSpec(
     name="fbgemm_fp8",
     label="FBGEMM FP8 (per-row)",
@@ -216,7 +219,7 @@ def _not_yet(label: str) -> UnsupportedCheckpoint:
     return UnsupportedCheckpoint(
         f"config.json: {label} checkpoints are not supported yet; fp8fix converts AutoFP8, block FP8, "
         "compressed-tensors (tensor/channel/block, MXFP8), Quark, ModelOpt and FBGEMM FP8 checkpoints, and writes "
-        "compressed-tensors NVFP4 / MXFP4, ModelOpt NVFP4 and gpt-oss MXFP4 unquantized (--to bf16)"
+        "compressed-tensors NVFP4 / MXFP4, ModelOpt MXFP8 / NVFP4 and gpt-oss MXFP4 unquantized (--to bf16)"
     )
 
 
@@ -520,6 +523,8 @@ def _modelopt_algo(algo: Any, group_size: Any, label: str) -> FormatSpec:
     """ModelOpt's FP8, or NVFP4 in groups of 16 (its only group size); any other algorithm is not read yet."""
     if algo == "NVFP4" and group_size in (None, FP4_SCHEMES["nvfp4"][1]):
         return MODELOPT_NVFP4
+    if algo == "MXFP8":
+        return MODELOPT_MXFP8
     if algo != "FP8":
         said = algo if isinstance(algo, str) else repr(algo)
         raise _not_yet(f"{label} {said:.40}" + (f" (group_size {group_size!r:.20})" if algo == "NVFP4" else ""))

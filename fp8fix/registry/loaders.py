@@ -511,8 +511,49 @@ MX_UNMEASURED = (
     "an MXFP8 checkpoint unlike those run here (a missing or misshapen scale, e4m3fnuz codes, kv-cache scales, "
     "unfused names of fused modules, or a Linear the config targets without an MX weight): not judged"
 )
+#: ModelOpt's MXFP8 (`registry.formats.MODELOPT_MXFP8`), measured on a Llama and a Phi-3 (MODELOPT_MXFP8_TEST).
+MODELOPT_MXFP8_TEST = "tests/loaders/test_modelopt_mxfp8_loads.py"
+MODELOPT_MXFP8_RULES: tuple[Rule, ...] = (
+    *(
+        Rule(row, "modelopt_mxfp8", "not-judged", "not run; ModelOpt's MXFP8 is newer than these releases", evidence)
+        for row, evidence in ((VLLM_LEGACY, VLLM_050_LOADER), (VLLM_OLD, VLLM_051_LOADER))
+    ),
+    *(
+        Rule(
+            row,
+            "modelopt_mxfp8",
+            "not-judged",
+            "computes ModelOpt MXFP8 with a kernel for the GPU it runs on (0.19: compute capability 100 and up); its "
+            "CPU build has none (ValueError: Failed to find a kernel that can implement the MXFP8 linear layer; 0.19: "
+            "not supported for the current GPU, measured), so what a GPU computes is not run here: not judged",
+            "vllm 0.32 model_executor/layers/quantization/modelopt.py ModelOptMxFp8Config; " + MODELOPT_MXFP8_TEST,
+        )
+        for row in (VLLM_019, VLLM_021, VLLM, VLLM_ROCM)
+    ),
+    Rule(
+        SGLANG,
+        "modelopt_mxfp8",
+        "not-judged",
+        "runs MXFP8 on compute capability 100 and up only (ValueError: The quantization method mxfp8 is not "
+        "supported for the current GPU, measured on the stubbed platform), so what a Blackwell computes is not run "
+        "here: not judged",
+        "sglang 0.5.23 srt/layers/quantization/modelopt_quant.py; " + MODELOPT_MXFP8_TEST,
+    ),
+    *(
+        Rule(
+            row,
+            "modelopt_mxfp8",
+            "loads-wrong",
+            "has no ModelOpt quantizer: it loads the e4m3fn codes into plain Linear layers and drops the E8M0 scales "
+            "(unexpected keys), so every layer computes with its raw codes (measured)",
+            "transformers 5.24 quantizers/auto.py (no modelopt method); " + MODELOPT_MXFP8_TEST,
+        )
+        for row in (TRANSFORMERS, TRANSFORMERS_AMD_QUARK)
+    ),
+)
 MX_RULES: tuple[Rule, ...] = (
     *unmeasured_rules("mx_unmeasured", MX_UNMEASURED, MX_TEST),
+    *MODELOPT_MXFP8_RULES,
     *(
         Rule(
             row,
