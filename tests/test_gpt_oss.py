@@ -2,11 +2,11 @@
 stacked as `<proj>_blocks` U8 [experts, out, in / 32, 16] and `<proj>_scales` E8M0 bytes [experts, out, in / 32],
 built by `tests.builders.gpt_oss` from transformers' and vLLM's readers of it.
 
-fp8fix reads them (inspect lists the experts, the rows say what the real loaders do: tests/loaders/
-test_gpt_oss_loads.py), writes them unquantized (`--to bf16` / `float16`) as transformers' GptOssExperts holds them,
-[experts, in, out], and refuses every other conversion, and any misshapen expert, with the tensor named. The values
-OUTPUT must hold come from test_fp4_modules' decoder (the OCP MX specification's E2M1 table, E8M0 2^(b - 127)),
-on the experts' bytes viewed as rows, each expert then transposed here."""
+fp8fix reads them (inspect lists the experts, the rows say what the real loaders do:
+tests/loaders/test_fp4_dialects_loads.py), writes them unquantized (`--to bf16` / `float16`) as transformers'
+GptOssExperts holds them, [experts, in, out], and refuses every other conversion, and any misshapen expert, with
+the tensor named. The values OUTPUT must hold come from test_fp4_modules' decoder (the OCP MX specification's E2M1
+table, E8M0 2^(b - 127)), on the experts' bytes viewed as rows, each expert then transposed here."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 e4m3fn `weight` and an E8M0 `weight_scale` U8 [out, in / 32] per Linear, as vLLM's ModelOptMxFp8Config reads it
 (tests/builders.modelopt_mxfp8).
 
-fp8fix reads it as MXFP8 (inspect lists the modules; the rows are what tests/loaders/test_modelopt_mxfp8_loads.py
+fp8fix reads it as MXFP8 (inspect lists the modules; the rows are what tests/loaders/test_fp4_dialects_loads.py
 measured), writes it unquantized (`--to bf16`, each value exactly code x 2^(b - 127), worked out here from the OCP
 MX definition: torch's e4m3fn values times a power of two) and refuses every other conversion, `--blocks 128x128`
 included (its block-FP8 config is compressed-tensors', which a ModelOpt source does not have yet)."""

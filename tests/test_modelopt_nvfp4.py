@@ -3,7 +3,7 @@ every quantized Linear packed E2M1 in its own `weight` (U8 [out, in / 2]), an e4
 `weight_scale_2` that multiplies them, built by `tests.builders.modelopt_nvfp4` from the names vLLM's
 ModelOptNvFp4Config reads.
 
-fp8fix reads them (inspect lists the modules; the rows are what tests/loaders/test_modelopt_nvfp4_loads.py measured
+fp8fix reads them (inspect lists the modules; the rows are what tests/loaders/test_fp4_dialects_loads.py measured
 or what vLLM's and SGLang's source say of differing weight_scale_2), writes them unquantized (`--to bf16` /
 `float16`) and refuses an NVFP4 config over FP8 weights. The values OUTPUT must hold are worked out here: the
 nibbles (the lower first) through the OCP MX E2M1 table, times the e4m3 scale and scale_2 in float64 (exact: 4 + 2

@@ -327,7 +327,7 @@ SGLANG_NVFP4_SCHEMES = (
     "process_weights_after_loading; compressed_tensors_w4a4_nvfp4.py process_weights_after_loading"
 )
 #: gpt-oss's MXFP4 experts (`registry.formats.GPT_OSS_MXFP4`), measured on a tiny gpt-oss as OpenAI publishes it.
-GPT_OSS_TEST = "tests/loaders/test_gpt_oss_loads.py"
+GPT_OSS_TEST = "tests/loaders/test_fp4_dialects_loads.py (gpt-oss)"
 GPT_OSS_VLLM = (
     "runs gpt-oss's MXFP4 experts with a MoE kernel it picks for the GPU it runs on; its CPU builds here either find "
     "none (0.31, 0.32: NotImplementedError: No MXFP4 MoE backend supports the deployment configuration) or keep the "
@@ -368,7 +368,7 @@ GPT_OSS_RULES: tuple[Rule, ...] = (
     ),
 )
 #: ModelOpt's NVFP4 (`registry.formats.MODELOPT_NVFP4`), measured on a Llama and a Phi-3 as ModelOpt exports them.
-MODELOPT_NVFP4_TEST = "tests/loaders/test_modelopt_nvfp4_loads.py"
+MODELOPT_NVFP4_TEST = "tests/loaders/test_fp4_dialects_loads.py (ModelOpt NVFP4)"
 _SGLANG_MODELOPT = "sglang 0.5.23 srt/layers/quantization/modelopt_quant.py ModelOptFp4LinearMethod"
 MODELOPT_NVFP4_RULES: tuple[Rule, ...] = (
     *(
@@ -512,7 +512,7 @@ MX_UNMEASURED = (
     "unfused names of fused modules, or a Linear the config targets without an MX weight): not judged"
 )
 #: ModelOpt's MXFP8 (`registry.formats.MODELOPT_MXFP8`), measured on a Llama and a Phi-3 (MODELOPT_MXFP8_TEST).
-MODELOPT_MXFP8_TEST = "tests/loaders/test_modelopt_mxfp8_loads.py"
+MODELOPT_MXFP8_TEST = "tests/loaders/test_fp4_dialects_loads.py (ModelOpt MXFP8)"
 MODELOPT_MXFP8_RULES: tuple[Rule, ...] = (
     *(
         Rule(row, "modelopt_mxfp8", "not-judged", "not run; ModelOpt's MXFP8 is newer than these releases", evidence)
