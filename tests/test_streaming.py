@@ -102,6 +102,16 @@ def test_hub_to_hub_lands_what_a_local_conversion_writes(tmp_path: Path, hub: Fa
     assert hub.merges == [("me/dst", 1)]  # one merge: main never held a part of it
 
 
+def assert_streams_as_local(tmp_path: Path, hub: FakeHub, folder: Path, options: list[str]) -> None:
+    """`folder`, served as org/src, converted with `options` Hub to Hub under a --max-disk of three pairs of its
+    largest shard, lands what a local conversion writes."""
+    bound = 3 * 2 * max(p.stat().st_size for p in folder.glob("*.safetensors"))
+    env = env_for(tmp_path, hub)
+    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", *options, "--max-disk", str(bound), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert hub.tree("me/dst") == local_reference(tmp_path, env, *options)
+
+
 @pytest.mark.parametrize("options", [["--to", "bf16"], ["--blocks", "128x128"]])
 def test_an_mxfp8_checkpoint_streams(tmp_path: Path, hub: FakeHub, options: list[str]) -> None:
     """MX weights written in BF16 or as 128 x 128 block FP8 (issue 49) read their E8M0 scales as the rows are
@@ -111,11 +121,7 @@ def test_an_mxfp8_checkpoint_streams(tmp_path: Path, hub: FakeHub, options: list
     model = llama(hidden=256, heads=2, kv_heads=1, intermediate=256, layers=2)
     folder = mxfp8_compressed_tensors(tmp_path / "served", model, files=3)
     hub.files["org/src"] = folder
-    bound = 3 * 2 * max(p.stat().st_size for p in folder.glob("*.safetensors"))
-    env = env_for(tmp_path, hub)
-    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", *options, "--max-disk", str(bound), env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert hub.tree("me/dst") == local_reference(tmp_path, env, *options)
+    assert_streams_as_local(tmp_path, hub, folder, options)
 
 
 def test_block_fp8_streams_as_mxfp8(tmp_path: Path, hub: FakeHub) -> None:
@@ -124,11 +130,7 @@ def test_block_fp8_streams_as_mxfp8(tmp_path: Path, hub: FakeHub) -> None:
     folder = build(tmp_path / "served", llama(hidden=256, heads=2, kv_heads=1, intermediate=256), fmt="block-fp8",
                    kv_scales=False, files=3)  # fmt: skip
     hub.files["org/src"] = folder
-    bound = 3 * 2 * max(p.stat().st_size for p in folder.glob("*.safetensors"))
-    env = env_for(tmp_path, hub)
-    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", "--blocks", "mx", "--max-disk", str(bound), env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert hub.tree("me/dst") == local_reference(tmp_path, env, "--blocks", "mx")
+    assert_streams_as_local(tmp_path, hub, folder, ["--blocks", "mx"])
 
 
 #: The bound counts the stand-ins (headers, scales) and the small files too; the only slack is the file
@@ -581,24 +583,14 @@ def test_modelopt_nvfp4_streams(tmp_path: Path, hub: FakeHub) -> None:
     Hub to Hub under --max-disk lands what a local conversion writes."""
     model = llama(hidden=256, heads=2, kv_heads=1, intermediate=256)
     hub.files["org/src"] = folder = modelopt_nvfp4(tmp_path / "served", model, shared_global=False)
-    bound = 3 * 2 * max(p.stat().st_size for p in folder.glob("*.safetensors"))
-    env = env_for(tmp_path, hub)
-    options = ["--to", "bf16"]
-    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", *options, "--max-disk", str(bound), env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert hub.tree("me/dst") == local_reference(tmp_path, env, *options)
+    assert_streams_as_local(tmp_path, hub, folder, ["--to", "bf16"])
 
 
 def test_gpt_oss_experts_stream(tmp_path: Path, hub: FakeHub) -> None:
     """gpt-oss's MXFP4 experts (issue 49), written transposed one expert at a time: Hub to Hub under --max-disk,
     their scales in other shards, lands what a local conversion writes."""
     hub.files["org/src"] = folder = gpt_oss(tmp_path / "served", experts=8, hidden=128, intermediate=128, files=3)
-    bound = 3 * 2 * max(p.stat().st_size for p in folder.glob("*.safetensors"))
-    env = env_for(tmp_path, hub)
-    options = ["--to", "bf16"]
-    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", *options, "--max-disk", str(bound), env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert hub.tree("me/dst") == local_reference(tmp_path, env, *options)
+    assert_streams_as_local(tmp_path, hub, folder, ["--to", "bf16"])
 
 
 @pytest.mark.parametrize(
@@ -617,8 +609,4 @@ def test_fp4_modules_stream(tmp_path: Path, hub: FakeHub, schemes: dict[str, str
     Hub to Hub under --max-disk lands what a local conversion writes."""
     model = llama(hidden=256, heads=2, kv_heads=1, intermediate=256)
     hub.files["org/src"] = folder = fp4_compressed_tensors(tmp_path / "served", schemes, model, files=3)
-    bound = 3 * 2 * max(p.stat().st_size for p in folder.glob("*.safetensors"))
-    env = env_for(tmp_path, hub)
-    proc = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", *options, "--max-disk", str(bound), env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert hub.tree("me/dst") == local_reference(tmp_path, env, *options)
+    assert_streams_as_local(tmp_path, hub, folder, options)
