@@ -915,11 +915,12 @@ def fp4_compressed_tensors(
     shared_global: bool = True,
 ) -> Path:
     """`model` (a Llama by default) as llm-compressor writes FP4 and mixed checkpoints: each linear layer whose
-    suffix (`self_attn.q_proj`) ends with a key of `schemes` in that scheme (nvfp4, mxfp4 or fp8: FP8_DYNAMIC,
-    e4m3fn with a scale per row), the rest BF16 (embeddings, norms, lm_head; a linear no key names). One scheme:
-    a group targeting `Linear` (lm_head ignored), `format` its own; several: a group per scheme targeting its
-    suffixes (`re:`), `format: mixed-precision`. `shared_global`: NVFP4 q / k / v and gate / up share one global
-    scale (`SHARED_GLOBAL`), as llm-compressor writes them; else each its own, as other exporters do."""
+    suffix (`self_attn.q_proj`) ends with a key of `schemes` in that scheme (nvfp4, mxfp4, fp8: FP8_DYNAMIC,
+    e4m3fn with a scale per row, or fp8block: FP8_BLOCK, 128 x 128 blocks), the rest BF16 (embeddings, norms,
+    lm_head; a linear no key names). One scheme: a group targeting `Linear` (lm_head ignored), `format` its own;
+    several: a group per scheme targeting its suffixes (`re:`), `format: mixed-precision`. `shared_global`: NVFP4
+    q / k / v and gate / up share one global scale (`SHARED_GLOBAL`), as llm-compressor writes them; else each its
+    own, as other exporters do."""
     gen = torch.Generator().manual_seed(seed)
     model = model or llama()
     tensors: dict[str, torch.Tensor] = {}
@@ -936,6 +937,9 @@ def fp4_compressed_tensors(
             if scheme == "fp8":
                 scale = (w.abs().amax(1, keepdim=True) / FP8_MAX).to(torch.float32)
                 quantized = {"weight": quantize(w, scale), "weight_scale": scale}
+            elif scheme == "fp8block":
+                codes, scale = block_quantize(w)
+                quantized = {"weight": codes, "weight_scale": scale}
             else:
                 quantized = nvfp4_quantize(w, amax[suffix]) if scheme == "nvfp4" else mxfp4_quantize(w)
                 if scheme == "nvfp4":
@@ -949,6 +953,9 @@ def fp4_compressed_tensors(
     groups = {}
     for n, (scheme, suffixes) in enumerate(sorted(used.items())):
         fmt, weights, inputs = FP4_PRESETS.get(scheme, ("float-quantized", FP8_CHANNEL_ARGS, FP8_TOKEN_ARGS))
+        if scheme == "fp8block":  # llm-compressor's FP8_BLOCK preset: 128 x 128 weight blocks, activations per group
+            weights = {**FP8_CHANNEL_ARGS, "strategy": "block", "block_structure": list(MIMO_BLOCK)}
+            inputs = {**FP8_TOKEN_ARGS, "strategy": "group", "group_size": MIMO_BLOCK[1]}
         targets = _group_targets(suffixes, list(drawn)) if len(used) > 1 else ["Linear"]
         group = {"targets": targets, "weights": weights, "format": fmt}
         groups[f"group_{n}"] = {**group, "input_activations": inputs}
@@ -1127,4 +1134,44 @@ def modelopt_mxfp8(root: Path, model: Model | None = None, side_file: bool = Fal
         }
         (root / "hf_quant_config.json").write_text(json.dumps(side))
     (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def deepseek_v4(root: Path, layers: int = 1, experts: int = 2, hidden: int = 256, seed: int = 0) -> Path:
+    """A DeepSeek-V4-shaped checkpoint as DeepSeek ships it (deepseek-ai/DeepSeek-V4-Flash: `model_type:
+    deepseek_v4`, `expert_dtype: fp4`, quantization_config fp8 128 x 128 with `scale_fmt: ue8m0`): attention and
+    shared experts e4m3fn with their block scales as `<module>.scale` F8_E8M0, routed experts `ffn.experts.E.wK.weight`
+    packed E2M1 (I8, two a byte) with an F8_E8M0 `.scale` per 32, names without a `model.` prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {"embed.weight": torch.randn(64, hidden, generator=gen).to(torch.bfloat16)}
+    for i in range(layers):
+        for module in ("attn.wq_a", "attn.wo_a", *(f"ffn.shared_experts.w{k}" for k in (1, 2, 3))):
+            w = torch.randn(hidden, hidden, generator=gen) * 0.02
+            scale = torch.exp2(torch.ceil(torch.log2(block_quantize(w)[1])))  # UE8M0: the power of two at or above
+            per = scale.repeat_interleave(MIMO_BLOCK[0], 0).repeat_interleave(MIMO_BLOCK[1], 1)
+            tensors[f"layers.{i}.{module}.weight"] = quantize(w, per[: w.shape[0], : w.shape[1]])
+            tensors[f"layers.{i}.{module}.scale"] = scale.to(torch.float8_e8m0fnu)
+        for e in range(experts):
+            for k in (1, 2, 3):
+                packed = mxfp4_quantize(torch.randn(hidden, hidden, generator=gen) * 0.02)
+                tensors[f"layers.{i}.ffn.experts.{e}.w{k}.weight"] = packed["weight_packed"].view(torch.int8)
+                tensors[f"layers.{i}.ffn.experts.{e}.w{k}.scale"] = packed["weight_scale"].view(torch.float8_e8m0fnu)
+        tensors[f"layers.{i}.ffn.gate.weight"] = torch.randn(experts, hidden, generator=gen).to(torch.bfloat16)
+    config = {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "expert_dtype": "fp4",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "n_routed_experts": experts,
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": list(MIMO_BLOCK),
+        },
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    write_files(root, [tensors], config)
     return root

@@ -3,7 +3,8 @@ alone or beside FP8 groups under `format: mixed-precision`, built as llm-compres
 (`tests.builders.fp4_compressed_tensors`: compressed-tensors' presets, its packing, its global scale).
 
 fp8fix reads them (inspect describes every FP4 module and judges no loader row: what the loaders do with FP4 is
-not measured yet), writes them unquantized (`--to bf16` / `float16`), and refuses every other conversion. The
+not measured yet), writes them unquantized (`--to bf16` / `float16`), and passes them through FP8 conversions of
+the FP8 parts beside them (tests/test_fp4_pass_through.py). The
 values OUTPUT must hold are worked out here from SOURCE's bytes with a decoder of this file's own, from the OCP
 MX specification's E2M1 table and torch's e4m3fn: MXFP4 exactly e2m1 x 2^(b - 127), NVFP4 e2m1 x scale / global
 scale rounded once (within half a BF16 step of the exact quotient)."""
@@ -154,9 +155,13 @@ def test_verify_catches_a_wrong_fp4_value(tmp_path: Path) -> None:
     assert run_cli("verify", src, out).exit_code == 0
 
 
-@pytest.mark.parametrize("options", [[], ["--to", "e4m3fnuz"], ["--blocks", "mx"], ["--layout", "unfused"]])
-def test_every_other_conversion_is_refused_and_writes_nothing(tmp_path: Path, options: list[str]) -> None:
-    src = fp4_compressed_tensors(tmp_path / "src", MIXED, phi3() if "--layout" in options else None)
+@pytest.mark.parametrize("options", [[], ["--layout", "unfused"], ["--tp", "2"]])
+def test_fp8_conversions_of_fp4_only_checkpoints_are_refused_and_write_nothing(
+    tmp_path: Path, options: list[str]
+) -> None:
+    """Nothing FP8 to convert: an FP4-only checkpoint is written unquantized (or MXFP4 re-blocked), not copied
+    under the name of a conversion (mixed checkpoints: tests/test_fp4_pass_through.py)."""
+    src = fp4_compressed_tensors(tmp_path / "src", {"proj": "nvfp4"}, phi3() if "--layout" in options else None)
     result = run_cli("convert", src, tmp_path / "out", *options)
     assert result.exit_code == 3, result.output
     assert "FP4 module" in result.output and "--to bf16" in result.output

@@ -130,7 +130,7 @@ def plan_conversion(
                 "MLP out of the --dequantize patterns"
             )
         replacements.update(padding.outputs)
-    replacements = {name: out for name, out in replacements.items() if not _kept(name, out, ckpt.tensors)}
+    replacements = {name: out for name, out in replacements.items() if not kept_as_is(name, out, ckpt.tensors)}
     # every tensor copied as it is, under its own name (SOURCE's names are unique, its ranges its tensors'): the
     # checks below pass by construction, and are not run over 100k tensors
     copies_only = not replacements and scales != "ue8m0" and not to and output_format != "compressed-tensors"
@@ -195,7 +195,7 @@ def plan_conversion(
     return plan
 
 
-def _kept(name: str, outputs: list[OutputTensor], sources: dict[str, TensorInfo]) -> bool:
+def kept_as_is(name: str, outputs: list[OutputTensor], sources: dict[str, TensorInfo]) -> bool:
     """A replacement that writes source tensor `name` as `plan_shard` copies it (a fused module kept as it is)."""
     source = sources.get(name)
     if source is None or len(outputs) != 1 or not outputs[0].unchanged or outputs[0].source != name:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from fp8fix.errors import UnsupportedCheckpoint
 from fp8fix.model import CheckpointModel
 from fp8fix.plan.block_mx import plan_mx_model
+from fp8fix.plan.fp4_kept import check_fp4_kept, require_fp4_encoding
 from fp8fix.plan.mx_blocks import plan_reblocked_model
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.plan.planner import channel_format, plan_conversion, require_fp8_scales
@@ -31,41 +32,55 @@ def plan_for_target(
     loaders take best. An explicit layout alone keeps the source's format: it asks for that change only
     (`channel` excepted: compressed-tensors is the one format vLLM takes it in). `to` an unquantized
     dtype (bf16, float16): the whole model written so (`unquantized.py`), the one conversion of FP4 modules."""
-    if model.fp4 and (to is None or to in ENCODING_NAMES) and blocks != "128x128":  # (MXFP4: re-blocked)
-        raise _fp4_refusal(model)
+    fp8_rewrite = (to is None or to in ENCODING_NAMES) and blocks != "128x128"  # (MXFP4 modules: re-blocked)
+    if model.fp4 and fp8_rewrite:
+        if not model.weights:  # nothing FP8 to convert: FP4 modules are written unquantized or re-blocked
+            raise _fp4_refusal(model)
+        require_fp4_encoding(model, to)
     if blocks is not None:
         plan = plan_mx_model(model) if blocks == "mx" else plan_reblocked_model(model, blocks)
-        plan.target = target
-        return plan
-    if scales and layout is None and any(w.fused and w.scale_kind == "block" for w in model.module_weights()):
-        layout = "fused"  # `--scales ue8m0` rewrites block-scaled modules kept as they are: fused ones stay fused
-    if to is not None and to not in ENCODING_NAMES:
+    elif to is not None and to not in ENCODING_NAMES:
         plan = plan_unquantized_model(model, to, tp)
-        plan.target = target
-        return plan
+    else:
+        if scales and layout is None and any(w.fused and w.scale_kind == "block" for w in model.module_weights()):
+            layout = "fused"  # `--scales ue8m0` rewrites block-scaled modules kept as they are: fused ones stay fused
+        plan = _fp8_plan(model, layout, to, output_format, target, (tp, tp_bf16, dequantize, scales))
+    plan.target = target
+    if fp8_rewrite:
+        check_fp4_kept(plan, model)  # FP4 modules beside FP8 ones pass through as they are, or it is refused
+    return plan
+
+
+def _fp8_plan(
+    model: CheckpointModel,
+    layout: Layout | None,
+    encoding: Encoding | None,
+    output_format: OutputFormat | None,
+    target: Target,
+    rest: tuple[int | None, bool, tuple[str, ...], str | None],
+) -> ConversionPlan:
+    """An FP8 rewrite: `layout` and `output_format` where given, else `target`'s best candidate (`rest`: tp,
+    tp_bf16, dequantize, scales, as `plan_conversion` takes them)."""
+    tp, tp_bf16, dequantize, scales = rest
     require_fp8_scales(model)
-    encoding: Encoding | None = to  # narrowed: an FP8 encoding or none
     if layout is not None and output_format is None:  # channel: only compressed-tensors holds it
         output_format = (channel_format(model) or "keep") if layout == "channel" else "keep"
-    if layout is None or output_format is None:
-        model.require_format()
-        _, arch = model.require_architecture()
-        model.require_convertible()
-        found = candidates(model, layout, output_format, to=encoding)
-        if not found:  # every candidate refused: plan the first for its error
-            lay = layout or arch.default_layout
-            return plan_conversion(model, lay, encoding, output_format or "keep", tp, tp_bf16, dequantize, scales)
-        chosen = best(found, target, arch.default_layout)
-        only_layout = encoding is None and tp is None and not tp_bf16 and not dequantize and not scales
-        if only_layout and chosen.whole and not chosen.plan.sketch:  # the candidate is the conversion, planned
-            plan = chosen.plan
-        else:
-            lay, fmt = chosen.layout, chosen.output_format
-            plan = plan_conversion(model, lay, encoding, fmt, tp, tp_bf16, dequantize, scales)
-        plan.layout_was_default = layout is None
+    if layout is not None and output_format is not None:
+        return plan_conversion(model, layout, encoding, output_format, tp, tp_bf16, dequantize, scales)
+    model.require_format()
+    _, arch = model.require_architecture()
+    model.require_convertible()
+    found = candidates(model, layout, output_format, to=encoding)
+    if not found:  # every candidate refused: plan the first for its error
+        lay = layout or arch.default_layout
+        return plan_conversion(model, lay, encoding, output_format or "keep", tp, tp_bf16, dequantize, scales)
+    chosen = best(found, target, arch.default_layout)
+    only_layout = encoding is None and tp is None and not tp_bf16 and not dequantize and not scales
+    if only_layout and chosen.whole and not chosen.plan.sketch:  # the candidate is the conversion, planned
+        plan = chosen.plan
     else:
-        plan = plan_conversion(model, layout, encoding, output_format, tp, tp_bf16, dequantize, scales)
-    plan.target = target
+        plan = plan_conversion(model, chosen.layout, encoding, chosen.output_format, tp, tp_bf16, dequantize, scales)
+    plan.layout_was_default = layout is None
     return plan
 
 

@@ -362,6 +362,11 @@ def _detect(config: dict[str, Any], root: Path, tensor_names: set[str] | None) -
             "config.json: has no quantization_config; fp8fix needs it to know how the FP8 weights were exported"
         )
     method = qc.get("quant_method")
+    if method == "fp8" and _deepseek_v4(config):
+        raise _not_yet(
+            "DeepSeek-V4 (block FP8 with E8M0 `.scale` tensors beside FP4 routed experts, expert_dtype "
+            f"{str(config.get('expert_dtype'))!r:.20})"
+        )
     if method == "fp8":
         if qc.get("weight_block_size"):
             return replace(BLOCK_FP8, block=_block(qc["weight_block_size"], "weight_block_size"))
@@ -379,6 +384,15 @@ def _detect(config: dict[str, Any], root: Path, tensor_names: set[str] | None) -
     if method == GPT_OSS_MXFP4.name:
         return GPT_OSS_MXFP4
     raise UnsupportedCheckpoint(f"config.json: quant_method {method!r} is not an FP8 format fp8fix knows")
+
+
+def _deepseek_v4(config: dict[str, Any]) -> bool:
+    """DeepSeek-V4's own layout (`model_type: deepseek_v4`, `expert_dtype`: vLLM 0.32 models/deepseek_v4.py keys its
+    experts' format off it): `layers.N.attn.wq_a.weight` F8_E4M3 with its block scales as `.scale` F8_E8M0 (not
+    `weight_scale_inv`), routed experts `ffn.experts.E.w1.weight` packed FP4 (I8, two E2M1 a byte) with an E8M0
+    `.scale` per 32. Read as block FP8 it would be judged wrongly (every FP8 weight "without a scale")."""
+    model_type = config.get("model_type")
+    return "expert_dtype" in config or (isinstance(model_type, str) and model_type.startswith("deepseek_v4"))
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:
