@@ -27,7 +27,7 @@ from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import Checkpoint
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dtypes import E8M0
-from fp8fix.registry.formats import FP4_SCHEMES, GPT_OSS_MXFP4, MODELOPT_NVFP4, MX_GROUP, FormatSpec
+from fp8fix.registry.formats import FP4_SCHEMES, GPT_OSS_MXFP4, MODELOPT_NVFP4, MX_GROUP, FormatSpec, is_deepseek_v4
 
 #: The packed weight of an FP4 module (compressed-tensors NVFP4 / MXFP4: compressors/nvfp4/base.py
 #: compression_param_names: `weight_packed`, `weight_scale`, `weight_global_scale`; `input_global_scale`).
@@ -35,6 +35,12 @@ FP4_PACKED = ".weight_packed"
 #: Each FP4 Linear's (packed weight suffix, global scale, input global scale): compressed-tensors' and ModelOpt's.
 COMPRESSED_TENSORS_NAMES = (FP4_PACKED, "weight_global_scale", "input_global_scale")
 MODELOPT_NAMES = (".weight", "weight_scale_2", "input_scale")
+#: DeepSeek-V4's routed experts: `ffn.experts.E.wK.weight` packed E2M1 as I8, their E8M0 scale `.scale`, no global
+#: scale (vLLM 0.21 models/deepseek_v4.py maps `.experts.N.wK.scale` to the MXFP4 MoE method's weight_scale).
+DEEPSEEK_V4_EXPERTS = ".experts."
+#: The dtypes packed E2M1 bytes are stored as: U8 (compressed-tensors, ModelOpt, gpt-oss), I8 (DeepSeek-V4:
+#: torch.float4_e2m1fn_x2 saved as int8).
+PACKED_DTYPES = ("U8", "I8")
 #: Elements per scale of each FP4 scheme, by the dtype of its scale: NVFP4 an E4M3 scale per 16 (and a global
 #: scale dividing them), MXFP4 an E8M0 byte per 32 (stored as U8).
 FP4_BY_SCALE_DTYPE = {
@@ -88,6 +94,8 @@ def fp4_weights(ckpt: Checkpoint, fmt: FormatSpec | None) -> list[Fp4Weight]:
     `weight_packed`, ModelOpt NVFP4's U8 `weight` (`MODELOPT_NAMES`), gpt-oss's stacked experts."""
     if fmt is not None and fmt.name == GPT_OSS_MXFP4.name:
         return _gpt_oss_experts(ckpt)
+    if is_deepseek_v4(fmt):
+        return _deepseek_v4_experts(ckpt, fmt) if fmt is not None and fmt.fp4 else []
     names = MODELOPT_NAMES if fmt == MODELOPT_NVFP4 else COMPRESSED_TENSORS_NAMES
     packed_suffix, global_name, input_name = names
     found = []
@@ -103,6 +111,22 @@ def fp4_weights(ckpt: Checkpoint, fmt: FormatSpec | None) -> list[Fp4Weight]:
         scale = replace(scale, dtype=E8M0) if scale is not None and scheme == "mxfp4" else scale  # E8M0 bytes as U8
         multiplies = names is MODELOPT_NAMES
         found.append(Fp4Weight(t, module, scheme, scale, global_scale, input_global, problem, 0, multiplies))
+    return found
+
+
+def _deepseek_v4_experts(ckpt: Checkpoint, fmt: FormatSpec) -> list[Fp4Weight]:
+    """DeepSeek-V4's MXFP4 routed experts: every packed `.weight` (I8 or U8) of an `.experts.` module, with its E8M0
+    `.scale` [out, in / 32], checked as compressed-tensors' MXFP4 is (`_fp4_problem`)."""
+    found = []
+    for t in ckpt.tensors.values():
+        if not t.name.endswith(".weight") or DEEPSEEK_V4_EXPERTS not in t.name or t.dtype not in PACKED_DTYPES:
+            continue
+        module = t.name.removesuffix(".weight")
+        scale = ckpt.tensors.get(f"{module}.scale")
+        scheme, group = FP4_BY_SCALE_DTYPE.get(scale.dtype, (None, 0)) if scale is not None else (None, 0)
+        problem = _fp4_problem(t, scale, scheme, group, None, None, fmt, (".weight", "", ""))
+        scale = replace(scale, dtype=E8M0) if scale is not None and scheme == "mxfp4" else scale
+        found.append(Fp4Weight(t, module, scheme, scale, None, None, problem))
     return found
 
 
@@ -154,10 +178,11 @@ def _fp4_problem(
     """Why an FP4 module cannot be read as its scheme says (compressed-tensors' NVFP4 / MXFP4 layout, ModelOpt's
     NVFP4: `names`), or None."""
     where = f"{packed.path.name}: FP4 weight '{packed.name}'"
-    if packed.dtype != "U8" or len(packed.shape) != 2 or 0 in packed.shape:
+    if packed.dtype not in PACKED_DTYPES or len(packed.shape) != 2 or 0 in packed.shape:
         return InvalidCheckpoint(f"{where} is {packed.dtype} {list(packed.shape)}; packed FP4 is U8 [out, in / 2]")
     if scale is None or scheme is None:
-        said = "has no scale 'weight_scale'" if scale is None else f"has a {scale.dtype} scale '{scale.name}'"
+        scale_name = packed.name.removesuffix(names[0]) + (".scale" if not names[1] else ".weight_scale")
+        said = f"has no scale '{scale_name}'" if scale is None else f"has a {scale.dtype} scale '{scale.name}'"
         return InvalidCheckpoint(
             f"{where} {said}; NVFP4 scales are F8_E4M3 (one per 16 elements), MXFP4's U8 E8M0 bytes (one per 32)"
         )

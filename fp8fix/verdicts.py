@@ -49,6 +49,8 @@ VLLM_REMOVED = frozenset({"BaichuanForCausalLM", "BaiChuanForCausalLM"})
 VLLM_ADDED_AFTER_020 = frozenset({"MiMoV2ForCausalLM"})
 #: Architectures vLLM registered in 0.10.1 (models/registry.py): gpt-oss. The oldest rows have no model class for it.
 VLLM_ADDED_IN_010 = frozenset({"GptOssForCausalLM"})
+#: DeepSeek-V4's architecture names: every loader has its own model class for it (vLLM from 0.20), none run here.
+DEEPSEEK_V4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM"})
 #: Architectures whose checkpoints load in transformers only through their repository's modeling code
 #: (`auto_map`, trust_remote_code): ChatGLM2/3 and GLM-4's first releases (THUDM).
 REMOTE_CODE = frozenset({"ChatGLMModel", "ChatGLMForConditionalGeneration"})
@@ -92,6 +94,7 @@ FACT_DESCRIPTIONS = {
     "transformers class, no auto_map: a typo such as Phi3ForCasualLM)",
     "vllm_added_after_020": "an architecture vLLM registered after 0.20 (MiMo-V2.5)",
     "vllm_added_in_010": "an architecture vLLM registered in 0.10.1 (gpt-oss)",
+    "deepseek_v4": "a DeepSeek-V4 model (DeepseekV4ForCausalLM), whose loaders are not run here",
     "gpt_oss_experts": "gpt-oss's MXFP4 experts (quant_method mxfp4: stacked *_blocks / *_scales)",
     "modelopt_mxfp8": "a ModelOpt MXFP8 checkpoint (quant_algo MXFP8: e4m3fn weights, E8M0 scales per 32)",
     "modelopt_nvfp4": "a ModelOpt NVFP4 checkpoint (quant_algo NVFP4: packed `weight`, `weight_scale_2`)",
@@ -186,6 +189,7 @@ class Facts:
     block_grid_misread: bool = False  # block FP8: rows / grid rows (or columns) is not the block
     vllm_added_after_020: bool = False
     vllm_added_in_010: bool = False  # ... registered in 0.10.1: gpt-oss
+    deepseek_v4: bool = False  # DeepSeek-V4 (`DEEPSEEK_V4_ARCHITECTURES`): `registry.loaders.DEEPSEEK_V4_RULES`
     gpt_oss_experts: bool = False  # gpt-oss's MXFP4 experts (`registry.formats.GPT_OSS_MXFP4`)
     modelopt_nvfp4: bool = False  # ModelOpt NVFP4 (`registry.formats.MODELOPT_NVFP4`)
     modelopt_mxfp8: bool = False  # ModelOpt MXFP8 (`registry.formats.MODELOPT_MXFP8`): judged by MX_RULES
@@ -420,6 +424,7 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         mx_unmeasured=mx and _mx_unmeasured(model, weights, unfused or targeted),
         vllm_added_after_020=architecture in VLLM_ADDED_AFTER_020,
         vllm_added_in_010=architecture in VLLM_ADDED_IN_010,
+        deepseek_v4=architecture in DEEPSEEK_V4_ARCHITECTURES,
         gpt_oss_experts=bool(model.fp4) and fmt is not None and fmt.name == GPT_OSS_MXFP4.name,
         modelopt_nvfp4=bool(model.fp4) and fmt == MODELOPT_NVFP4,
         modelopt_mxfp8=fmt == MODELOPT_MXFP8,

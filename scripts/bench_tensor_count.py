@@ -6,6 +6,7 @@
     python scripts/bench_tensor_count.py --counts 10000 40000 --repeats 5
     python scripts/bench_tensor_count.py --counts 100000 --shards 160 --baseline ../fp8fix-main  # DeepSeek-V3-sized
     python scripts/bench_tensor_count.py --shape phi3 --counts 112000 --shards 40 --baseline ../fp8fix-main
+    python scripts/bench_tensor_count.py --shape deepseek-v4 --counts 100000 --shards 46   # FP8 + MXFP4 (issue 49)
 
 Each checkpoint is one safetensors file of N/2 tiny e4m3fn weights with their F32 scales (a real header,
 real bytes), so the time is fp8fix's own per-tensor work: `inspect --json`, `convert --dry-run` (also with
@@ -13,6 +14,9 @@ real bytes), so the time is fp8fix's own per-tensor work: `inspect --json`, `con
 `--shape phi3`: Phi-3-shaped AutoFP8 layers instead (fused qkv_proj and gate_up_proj with one scale each,
 every scale its own value), where `--target auto` has 8 candidates to judge; `convert --dry-run --layout
 fused` is the single-layout plan the others are measured against.
+`--shape deepseek-v4`: DeepSeek-V4-shaped layers (block FP8 attention and shared experts with E8M0 `.scale`
+grids, routed experts packed MXFP4, I8 with an E8M0 `.scale` per 32), where `convert --dry-run --to bf16` plans
+every module's dequantization.
 Checkouts run alternately, round by round (these machines are noisy); the table gives medians and the
 ratio of CPU seconds, baseline / this checkout. `scripts/bench_convert.py --suite` runs the 10k / 30k / 100k
 series with its other rows.
@@ -135,6 +139,67 @@ def _phi3(layer: int) -> list[Entry]:
     return found
 
 
+def deepseek_v4_config(layers: int, experts: int, hidden: int, expert_dtype: str = "fp4") -> dict[str, object]:
+    """config.json of a DeepSeek-V4 as DeepSeek ships it (V4-Flash: `expert_dtype: fp4`, block FP8 with UE8M0
+    scales; V4-Flash-Base: `fp8`, F32 scales), with this many layers, routed experts and hidden size."""
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "expert_dtype": expert_dtype,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "n_routed_experts": experts,
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            **({"scale_fmt": "ue8m0"} if expert_dtype == "fp4" else {}),
+            "weight_block_size": [128, 128],
+        },
+    }
+
+
+def deepseek_v4_checkpoint(root: Path, tensors: int, shards: int) -> Path:
+    """About N tensors of tiny DeepSeek-V4 layers (61 of them, as V4-Pro has) over SHARDS files: per layer 5 block
+    FP8 attention projections and 3 shared-expert ones with their E8M0 `.scale`, and as many routed experts (w1,
+    w2, w3 packed E2M1 as I8 [4, 16], an E8M0 `.scale` [4, 1] each) as make up the count."""
+    root.mkdir(parents=True)
+    layers, fp8 = (
+        61,
+        (
+            "attn.wq_a",
+            "attn.wq_b",
+            "attn.wkv",
+            "attn.wo_a",
+            "attn.wo_b",
+            "ffn.shared_experts.w1",
+            "ffn.shared_experts.w2",
+            "ffn.shared_experts.w3",
+        ),
+    )
+    experts = max(1, (tensors // layers - 2 * len(fp8) - 1) // 6)
+    per_shard = -(-layers // shards)
+    weight_map: dict[str, str] = {}
+    for index in range(shards):
+        entries: list[Entry] = []
+        for layer in range(index * per_shard, min(layers, (index + 1) * per_shard)):
+            p = f"layers.{layer}."
+            for module in fp8:
+                entries += [(f"{p}{module}.weight", "F8_E4M3", [4, 4], bytes(16))]
+                entries += [(f"{p}{module}.scale", "F8_E8M0", [1, 1], bytes([120]))]
+            for e in range(experts):
+                for w in ("w1", "w2", "w3"):
+                    entries += [(f"{p}ffn.experts.{e}.{w}.weight", "I8", [4, 16], bytes(64))]
+                    entries += [(f"{p}ffn.experts.{e}.{w}.scale", "F8_E8M0", [4, 1], bytes([120] * 4))]
+            entries += [(f"{p}ffn.gate.weight", "BF16", [experts, 4], bytes(8 * experts))]
+        write_shard(root / f"model-{index + 1:05d}-of-{shards:05d}.safetensors", entries, weight_map)
+    index_text = {"metadata": {}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index_text))
+    config = deepseek_v4_config(layers, experts, hidden=4)
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
 def timed(checkout: Path, args: list[str]) -> tuple[float, float, float]:
     """Wall seconds, CPU seconds (with its workers) and peak RSS (MB) of one fp8fix command."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
@@ -169,7 +234,7 @@ def series(
     ]
     for count in counts:
         shards = shards_of[count]
-        make = phi3_checkpoint if shape == "phi3" else checkpoint
+        make = {"phi3": phi3_checkpoint, "deepseek-v4": deepseek_v4_checkpoint}.get(shape, checkpoint)
         src = make(work / f"n{count}", count, shards)
         out = work / f"n{count}-out"
         dry_run = ["convert", str(src), str(out), "--dry-run", "-q"]
@@ -180,6 +245,8 @@ def series(
             **({"convert --dry-run --layout fused": [*dry_run, "--layout", "fused"]} if shape == "phi3" else {}),
             # an encoding change: its candidates are planned with it (issue 47), not sketched
             "convert --dry-run --to e4m3fnuz": [*dry_run, "--to", "e4m3fnuz"],
+            # every module dequantized, the FP4 experts too
+            **({"convert --dry-run --to bf16": [*dry_run, "--to", "bf16"]} if shape == "deepseek-v4" else {}),
             "convert": ["convert", str(src), str(out), "-q", "--overwrite"],
         }
         for label, command in commands.items():
@@ -200,7 +267,9 @@ def main() -> None:
     parser.add_argument("--counts", type=int, nargs="+", default=[10_000, 20_000, 40_000])
     parser.add_argument("--shards", type=int, default=1, help="files per checkpoint (several: block FP8 + index)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shape", choices=["auto", "phi3"], default="auto", help="phi3: fused Phi-3 layers")
+    parser.add_argument(
+        "--shape", choices=["auto", "phi3", "deepseek-v4"], default="auto", help="phi3: fused Phi-3 layers"
+    )
     parser.add_argument("--baseline", type=Path, help="another fp8fix checkout to time in the same run")
     args = parser.parse_args()
     checkouts = {"this": HERE, **({"baseline": args.baseline.resolve()} if args.baseline else {})}

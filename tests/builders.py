@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from scripts.bench_tensor_count import deepseek_v4_config
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -1137,41 +1139,41 @@ def modelopt_mxfp8(root: Path, model: Model | None = None, side_file: bool = Fal
     return root
 
 
-def deepseek_v4(root: Path, layers: int = 1, experts: int = 2, hidden: int = 256, seed: int = 0) -> Path:
+def deepseek_v4(
+    root: Path, layers: int = 1, experts: int = 2, hidden: int = 256, seed: int = 0, expert_dtype: str = "fp4"
+) -> Path:
     """A DeepSeek-V4-shaped checkpoint as DeepSeek ships it (deepseek-ai/DeepSeek-V4-Flash: `model_type:
     deepseek_v4`, `expert_dtype: fp4`, quantization_config fp8 128 x 128 with `scale_fmt: ue8m0`): attention and
-    shared experts e4m3fn with their block scales as `<module>.scale` F8_E8M0, routed experts `ffn.experts.E.wK.weight`
-    packed E2M1 (I8, two a byte) with an F8_E8M0 `.scale` per 32, names without a `model.` prefix."""
+    shared experts e4m3fn with their block scales as `<module>.scale` F8_E8M0 (powers of two), routed experts
+    `ffn.experts.E.wK.weight` packed E2M1 (I8, two a byte, the lower nibble first) with an F8_E8M0 `.scale` per 32,
+    names without a `model.` prefix. `expert_dtype="fp8"` (V4-Flash-Base): the routed experts block FP8 too, and
+    every `.scale` F32 (absmax / 448)."""
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {"embed.weight": torch.randn(64, hidden, generator=gen).to(torch.bfloat16)}
+
+    def block_fp8(name: str) -> None:
+        w = torch.randn(hidden, hidden, generator=gen) * 0.02
+        scale = block_quantize(w)[1]
+        if expert_dtype == "fp4":  # UE8M0: the power of two at or above absmax / 448
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        per = scale.repeat_interleave(MIMO_BLOCK[0], 0).repeat_interleave(MIMO_BLOCK[1], 1)
+        tensors[f"{name}.weight"] = quantize(w, per[: w.shape[0], : w.shape[1]])
+        tensors[f"{name}.scale"] = scale.to(torch.float8_e8m0fnu if expert_dtype == "fp4" else torch.float32)
+
     for i in range(layers):
         for module in ("attn.wq_a", "attn.wo_a", *(f"ffn.shared_experts.w{k}" for k in (1, 2, 3))):
-            w = torch.randn(hidden, hidden, generator=gen) * 0.02
-            scale = torch.exp2(torch.ceil(torch.log2(block_quantize(w)[1])))  # UE8M0: the power of two at or above
-            per = scale.repeat_interleave(MIMO_BLOCK[0], 0).repeat_interleave(MIMO_BLOCK[1], 1)
-            tensors[f"layers.{i}.{module}.weight"] = quantize(w, per[: w.shape[0], : w.shape[1]])
-            tensors[f"layers.{i}.{module}.scale"] = scale.to(torch.float8_e8m0fnu)
+            block_fp8(f"layers.{i}.{module}")
         for e in range(experts):
             for k in (1, 2, 3):
+                name = f"layers.{i}.ffn.experts.{e}.w{k}"
+                if expert_dtype != "fp4":
+                    block_fp8(name)
+                    continue
                 packed = mxfp4_quantize(torch.randn(hidden, hidden, generator=gen) * 0.02)
-                tensors[f"layers.{i}.ffn.experts.{e}.w{k}.weight"] = packed["weight_packed"].view(torch.int8)
-                tensors[f"layers.{i}.ffn.experts.{e}.w{k}.scale"] = packed["weight_scale"].view(torch.float8_e8m0fnu)
+                tensors[f"{name}.weight"] = packed["weight_packed"].view(torch.int8)
+                tensors[f"{name}.scale"] = packed["weight_scale"].view(torch.float8_e8m0fnu)
         tensors[f"layers.{i}.ffn.gate.weight"] = torch.randn(experts, hidden, generator=gen).to(torch.bfloat16)
-    config = {
-        "architectures": ["DeepseekV4ForCausalLM"],
-        "model_type": "deepseek_v4",
-        "expert_dtype": "fp4",
-        "hidden_size": hidden,
-        "num_hidden_layers": layers,
-        "n_routed_experts": experts,
-        "quantization_config": {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": list(MIMO_BLOCK),
-        },
-    }
+    config = deepseek_v4_config(layers, experts, hidden, expert_dtype)
     root.mkdir(parents=True, exist_ok=True)
     write_files(root, [tensors], config)
     return root

@@ -11,6 +11,7 @@ is refused before anything is written, rather than writing FP4 bytes under a dec
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -20,7 +21,7 @@ from fp8fix.io.checkpoint import CONFIG
 from fp8fix.model import CheckpointModel
 from fp8fix.plan.pieces import ConversionPlan, OutputTensor
 from fp8fix.plan.planner import kept_as_is
-from fp8fix.registry.formats import COMPRESSED_TENSORS, matches, quantization_config
+from fp8fix.registry.formats import COMPRESSED_TENSORS, FormatSpec, locations, matches, quantization_config
 from fp8fix.vocab import ConvertTo
 
 #: How `--to bf16` would convert them instead: what each refusal suggests.
@@ -54,6 +55,7 @@ def check_fp4_kept(plan: ConversionPlan, model: CheckpointModel) -> None:
             f"{model.checkpoint.root.name}: --tp padding would make config.json say {sizes}, which FP4 module "
             f"'{next(iter(model.fp4))}' (not padded: FP4 modules pass through as they are) would contradict; {_WHOLE}"
         )
+    fmt = model.require_format()
     sources = model.checkpoint.tensors  # as stored (an MXFP4 scale is read as E8M0, stored as U8)
     for w in model.fp4.values():
         names = [] if plan.sketch else [t.name for t in w.tensors]
@@ -64,7 +66,9 @@ def check_fp4_kept(plan: ConversionPlan, model: CheckpointModel) -> None:
                 f"'{w.module}' ({(w.scheme or 'fp4').upper()}); FP4 modules pass through FP8 conversions only as they "
                 f"are (choose a layout that keeps them, e.g. --layout fused); {_WHOLE}"
             )
-        if output_config is not source_config and declaration(source_config, w) != declaration(output_config, w):
+        if output_config is not source_config and declaration(source_config, w, fmt) != declaration(
+            output_config, w, fmt
+        ):
             raise UnsupportedCheckpoint(
                 f"{model.checkpoint.root.name}: this conversion would change how config.json declares FP4 module "
                 f"'{w.module}' ({(w.scheme or 'fp4').upper()}: the config groups that target it, or `ignore`); FP4 "
@@ -72,13 +76,22 @@ def check_fp4_kept(plan: ConversionPlan, model: CheckpointModel) -> None:
             )
 
 
-def declaration(config: dict[str, Any], w: Fp4Weight) -> str:
+def declaration(config: dict[str, Any], w: Fp4Weight, fmt: FormatSpec) -> str:
     """What `config` says of FP4 module `w`, as text to compare: for compressed-tensors, every config group whose
     targets match it (a class name such as `Linear` matches every Linear; `re:` patterns and exact names by
-    compressed-tensors' matching) and whether `ignore` names it; for another format, its quantization_config."""
+    compressed-tensors' matching) and whether `ignore` names it; for another format (DeepSeek-V4), its
+    quantization_config but the module-name lists, which of those lists name it (each by its loader's matching),
+    and config.json's `expert_dtype`."""
     qc = quantization_config(config) or {}
     if qc.get("quant_method") != COMPRESSED_TENSORS.name:
-        return json.dumps(qc, sort_keys=True)
+        said = copy.deepcopy(qc)
+        named = []
+        for name_list in fmt.name_lists:
+            for where, holder, key in locations(said, name_list.path.split("."), "quantization_config"):
+                if any(matches(entry, w.module, name_list.grammar) for entry in _entries(holder[key])):
+                    named.append(where)
+                del holder[key]  # (a list convert creates, `--dequantize`'s, is no change of this module's)
+        return json.dumps({"config": said, "named": named, "expert_dtype": config.get("expert_dtype")}, sort_keys=True)
     groups = qc.get("config_groups")
     matched = {
         str(name): group

@@ -25,8 +25,9 @@ from fp8fix.registry.architectures import unregistered_note
 from fp8fix.registry.formats import MODELOPT_CONFIG
 from fp8fix.verdicts import loader_verdicts
 
-#: config.json keys that say how a checkpoint is quantized: gone from a plain model.
-QUANTIZATION_KEYS = ("quantization_config", "compression_config")
+#: config.json keys that say how a checkpoint is quantized: gone from a plain model (`expert_dtype`: DeepSeek-V4's
+#: routed experts fp4 / fp8; its inference/model.py builds them BF16 where it is absent, FP4 where it says fp4).
+QUANTIZATION_KEYS = ("quantization_config", "compression_config", "expert_dtype")
 #: Floating dtypes a loader casts to the model's dtype when it loads them into a plain layer.
 FLOAT_DTYPES = ("BF16", "F16")
 #: The config.json keys naming the weights' dtype (transformers < 5: torch_dtype; 5: dtype, reading both).

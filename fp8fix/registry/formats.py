@@ -197,6 +197,20 @@ MODELOPT_NVFP4 = replace(MODELOPT, label="NVIDIA ModelOpt NVFP4", fp4=frozenset(
 #: ModelOpt's MXFP8 (`quant_algo: MXFP8`): e4m3fn `weight` [out, in] and an E8M0 `weight_scale` U8 [out, in / 32]
 #: (vLLM 0.32 modelopt.py ModelOptMxFp8Config: "e4m3 weights with per-32-block e8m0 scales"), activations dynamic.
 MODELOPT_MXFP8 = replace(MODELOPT, label="NVIDIA ModelOpt MXFP8", block=(1, 32), mx=True)
+#: DeepSeek-V4 (`model_type: deepseek_v4`, quant_method fp8, 128 x 128 blocks, `scale_fmt: ue8m0`): block FP8 whose
+#: scales are `<module>.scale` (F8_E8M0 where the experts are FP4, F32 where they are FP8), and routed experts
+#: `ffn.experts.E.w{1,2,3}.weight` packed E2M1 (I8, two a byte) with an E8M0 `.scale` per 32 where `expert_dtype`
+#: is fp4 (vLLM 0.21 models/deepseek_v4.py _make_deepseek_v4_weights_mapper; DeepSeek's inference/model.py).
+DEEPSEEK_V4 = replace(
+    BLOCK_FP8, label="DeepSeek-V4 (block FP8, `.scale` tensors; MXFP4 routed experts)", weight_scale="scale"
+)
+
+
+def is_deepseek_v4(fmt: FormatSpec | None) -> bool:
+    """`fmt` is DeepSeek-V4's (its block size and expert format as its config says)."""
+    return fmt is not None and fmt.label == DEEPSEEK_V4.label
+
+
 FBGEMM = FormatSpec(
     name="fbgemm_fp8",
     label="FBGEMM FP8 (per-row)",
@@ -363,10 +377,7 @@ def _detect(config: dict[str, Any], root: Path, tensor_names: set[str] | None) -
         )
     method = qc.get("quant_method")
     if method == "fp8" and _deepseek_v4(config):
-        raise _not_yet(
-            "DeepSeek-V4 (block FP8 with E8M0 `.scale` tensors beside FP4 routed experts, expert_dtype "
-            f"{str(config.get('expert_dtype'))!r:.20})"
-        )
+        return _deepseek_v4_format(config, qc)
     if method == "fp8":
         if qc.get("weight_block_size"):
             return replace(BLOCK_FP8, block=_block(qc["weight_block_size"], "weight_block_size"))
@@ -393,6 +404,17 @@ def _deepseek_v4(config: dict[str, Any]) -> bool:
     `.scale` per 32. Read as block FP8 it would be judged wrongly (every FP8 weight "without a scale")."""
     model_type = config.get("model_type")
     return "expert_dtype" in config or (isinstance(model_type, str) and model_type.startswith("deepseek_v4"))
+
+
+def _deepseek_v4_format(config: dict[str, Any], qc: dict[str, Any]) -> FormatSpec:
+    """DeepSeek-V4's block FP8 (`.scale` tensors) with its routed experts as `expert_dtype` says: fp4 (MXFP4, read
+    as FP4 modules) or fp8 (block FP8 like the rest); absent, fp4, as vLLM 0.21 models/deepseek_v4.py defaults it."""
+    expert_dtype = config.get("expert_dtype", "fp4")
+    if expert_dtype not in ("fp4", "fp8") or not qc.get("weight_block_size"):
+        said = f"expert_dtype {str(expert_dtype)!r:.20}, weight_block_size {qc.get('weight_block_size')!r:.20}"
+        raise _not_yet(f"DeepSeek-V4 ({said})")
+    block = _block(qc["weight_block_size"], "weight_block_size")
+    return replace(DEEPSEEK_V4, block=block, fp4=frozenset({"mxfp4"}) if expert_dtype == "fp4" else frozenset())
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:

@@ -599,8 +599,62 @@ MX_RULES: tuple[Rule, ...] = (
     ),
 )
 
+#: DeepSeek-V4 (DeepseekV4ForCausalLM), quantized or not: each loader's model class is cited, none is run here.
+_V4_NOT_RUN = "{architecture}: its model class (DeepSeek-V4's own experts and attention) is not run here: not judged"
+DEEPSEEK_V4_RULES: tuple[Rule, ...] = (
+    *(
+        Rule(
+            row,
+            "deepseek_v4",
+            "fails",
+            "these releases have no model class for {architecture} (vLLM 0.20 added it)",
+            "vllm 0.19.0 model_executor/models/registry.py _TEXT_GENERATION_MODELS (no DeepseekV4ForCausalLM; 0.20.2 "
+            "registers it); from source, not run",
+        )
+        for row in (VLLM_LEGACY, VLLM_OLD)
+    ),
+    Rule(
+        VLLM_019,
+        "deepseek_v4",
+        "not-judged",
+        "0.19 has no model class for {architecture}, 0.20 registers one, whose kernels are not run here: not judged",
+        "vllm 0.20.2 model_executor/models/registry.py _TEXT_GENERATION_MODELS (DeepseekV4ForCausalLM; 0.19.0's has "
+        "none)",
+    ),
+    *(
+        Rule(
+            row,
+            "deepseek_v4",
+            "not-judged",
+            _V4_NOT_RUN,
+            "vllm 0.21 model_executor/models/deepseek_v4.py _make_deepseek_v4_weights_mapper (`.scale` -> "
+            "weight_scale_inv, the experts' -> weight_scale; Mxfp4MoEMethod); 0.31, 0.32 vllm/models/deepseek_v4",
+        )
+        for row in (VLLM_021, VLLM, VLLM_ROCM)
+    ),
+    Rule(
+        SGLANG,
+        "deepseek_v4",
+        "not-judged",
+        _V4_NOT_RUN,
+        "sglang 0.5.23 srt/models/deepseek_v4.py DeepseekV4ForCausalLM",
+    ),
+    *(
+        Rule(
+            row,
+            "deepseek_v4",
+            "not-judged",
+            "{architecture}: transformers 5.24's model (models/deepseek_v4) is not run here: not judged",
+            "transformers 5.24 models/deepseek_v4/modeling_deepseek_v4.py DeepseekV4ForCausalLM (FineGrainedFP8 "
+            "with expert_dtype fp4: integrations/finegrained_fp8.py FP8Experts)",
+        )
+        for row in (TRANSFORMERS, TRANSFORMERS_AMD_QUARK)
+    ),
+)
+
 #: In priority order per loader: the first rule that holds decides.
 RULES: tuple[Rule, ...] = (
+    *DEEPSEEK_V4_RULES,
     *UNREAD_FORMAT_RULES,
     *FP4_RULES,
     *(
@@ -896,6 +950,7 @@ PLAIN_MODEL_RULES = frozenset(
         "vllm_unknown_architecture",
         "vllm_removed_architecture",
         "vllm_added_in_010",
+        "deepseek_v4",
         "transformers_missing_architecture",
         "remote_code_architecture",
         "unfused_on_transformers_backend",

@@ -75,6 +75,8 @@ def check_config(
 
 #: The torch dtype name config.json gives weights of each unquantized safetensors dtype.
 TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
+#: What a plain model says no more: how it was quantized (DeepSeek-V4's `expert_dtype`: how its experts are).
+PLAIN_DROPS = ("quantization_config", "compression_config", "expert_dtype")
 #: config.json keys naming the model's dtype (transformers < 5: torch_dtype; 5 reads dtype too).
 DTYPE_KEYS = ("torch_dtype", "dtype")
 
@@ -96,7 +98,7 @@ def _plain_config(ctx: VerifyContext) -> None:
     torch_dtype = TORCH_DTYPES[dtypes.pop()]
     src, out = ctx.src.config, ctx.out.config
     keys = [k for k in DTYPE_KEYS if k in src] or ["torch_dtype"]
-    expected = {k: v for k, v in src.items() if k not in ("quantization_config", "compression_config")}
+    expected = {k: v for k, v in src.items() if k not in PLAIN_DROPS}
     expected.update({k: torch_dtype for k in keys})
     for key in sorted(set(expected) | set(out)):
         if out.get(key, _ABSENT) != expected.get(key, _ABSENT):
