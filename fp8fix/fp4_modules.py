@@ -27,7 +27,7 @@ from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import Checkpoint
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dtypes import E8M0
-from fp8fix.registry.formats import FP4_SCHEMES, GPT_OSS_MXFP4, MODELOPT_NVFP4, MX_GROUP, FormatSpec, is_deepseek_v4
+from fp8fix.registry.formats import FP4_SCHEMES, GPT_OSS_MXFP4, MODELOPT, MX_GROUP, FormatSpec, is_deepseek_v4
 
 #: The packed weight of an FP4 module (compressed-tensors NVFP4 / MXFP4: compressors/nvfp4/base.py
 #: compression_param_names: `weight_packed`, `weight_scale`, `weight_global_scale`; `input_global_scale`).
@@ -96,7 +96,7 @@ def fp4_weights(ckpt: Checkpoint, fmt: FormatSpec | None) -> list[Fp4Weight]:
         return _gpt_oss_experts(ckpt)
     if is_deepseek_v4(fmt):
         return _deepseek_v4_experts(ckpt, fmt) if fmt is not None and fmt.fp4 else []
-    names = MODELOPT_NAMES if fmt == MODELOPT_NVFP4 else COMPRESSED_TENSORS_NAMES
+    names = MODELOPT_NAMES if fmt is not None and fmt.name == MODELOPT.name and fmt.fp4 else COMPRESSED_TENSORS_NAMES
     packed_suffix, global_name, input_name = names
     found = []
     for t in ckpt.tensors.values():

@@ -257,6 +257,8 @@ class CheckpointModel:
                 "declares NVFP4 (quant_algo NVFP4), whose weights are packed FP4 (U8): the config does not match the "
                 "weights"
             )
+        if self.format is not None and self.format.layers:
+            _check_layer_map(self.format.layers, self.weights, self.fp4)
         if not self.weights and not self.fp4:
             ckpt = self.checkpoint
             raise InvalidCheckpoint(
@@ -276,6 +278,24 @@ class CheckpointModel:
         if first < len(ordered):
             raise ordered[first].problem  # type: ignore[misc]
         self._convertible.append(True)
+
+
+def _check_layer_map(
+    layers: tuple[tuple[str, str], ...], weights: dict[str, Fp8Weight], fp4: dict[str, Fp4Weight]
+) -> None:
+    """Each FP8 module and FP4 module is named in a per-module map (ModelOpt MIXED_PRECISION's `quantized_layers`)
+    with its own scheme: a module the map names otherwise, or not at all, is built by the loader as the map says
+    (vLLM 0.32 modelopt.py ModelOptMixedPrecisionConfig: unnamed layers unquantized), not as its tensors are."""
+    said = dict(layers)
+    held = [(w.module, "fp8", w.tensor.path.name) for w in weights.values() if w.is_module_weight]
+    held += [(w.module, w.scheme or "fp4", w.packed.path.name) for w in fp4.values()]
+    for module, scheme, file in held:
+        if said.get(module) != scheme:
+            named = f"names it {said[module].upper()}" if module in said else "does not name it"
+            raise InvalidCheckpoint(
+                f"{file}: '{module}' holds {scheme.upper()} weights, but the ModelOpt config's quantized_layers "
+                f"{named}: the config does not match the weights"
+            )
 
 
 def unquantized_linears(tensors: dict[str, TensorInfo]) -> list[str]:
@@ -343,8 +363,9 @@ def describe_checkpoint(ckpt: Checkpoint, registry: Registry) -> CheckpointModel
         fmt, format_error = None, e
     name = architecture_name(ckpt.config)
     spec = registry.get(name)
-    fused = {m.path: m for m in _find_fused_modules(ckpt, spec)} if spec else {}
     fp4 = {w.module: w for w in fp4_weights(ckpt, fmt)}
+    # FP8 fused modules: an FP4 one (ModelOpt packs it in its own `weight`) is the FP4 rules'
+    fused = {m.path: m for m in _find_fused_modules(ckpt, spec) if m.path not in fp4} if spec else {}
     fp4_tensors = {t.name for w in fp4.values() for t in w.tensors}
     describe = _WeightReader(ckpt, registry, spec, fmt, fused)
     weights = {

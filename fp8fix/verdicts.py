@@ -19,6 +19,7 @@ from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ
 from fp8fix.registry.formats import (
     GPT_OSS_MXFP4,
     LEGACY_RENAMES,
+    MODELOPT_MIXED,
     MODELOPT_MXFP8,
     MODELOPT_NVFP4,
     modelopt_kv_cache,
@@ -97,6 +98,7 @@ FACT_DESCRIPTIONS = {
     "deepseek_v4": "a DeepSeek-V4 model (DeepseekV4ForCausalLM), whose loaders are not run here",
     "gpt_oss_experts": "gpt-oss's MXFP4 experts (quant_method mxfp4: stacked *_blocks / *_scales)",
     "modelopt_mxfp8": "a ModelOpt MXFP8 checkpoint (quant_algo MXFP8: e4m3fn weights, E8M0 scales per 32)",
+    "modelopt_mixed": "a ModelOpt MIXED_PRECISION checkpoint (FP8 and NVFP4 layers by quantized_layers)",
     "modelopt_nvfp4": "a ModelOpt NVFP4 checkpoint (quant_algo NVFP4: packed `weight`, `weight_scale_2`)",
     "modelopt_nvfp4_scales_differ": "ModelOpt NVFP4 q / k / v or gate / up modules whose weight_scale_2 differ",
     "block_scaled_qkv_fused": "a q / k / v module fused on disk (qkv_proj) with block scales",
@@ -192,6 +194,7 @@ class Facts:
     deepseek_v4: bool = False  # DeepSeek-V4 (`DEEPSEEK_V4_ARCHITECTURES`): `registry.loaders.DEEPSEEK_V4_RULES`
     gpt_oss_experts: bool = False  # gpt-oss's MXFP4 experts (`registry.formats.GPT_OSS_MXFP4`)
     modelopt_nvfp4: bool = False  # ModelOpt NVFP4 (`registry.formats.MODELOPT_NVFP4`)
+    modelopt_mixed: bool = False  # ModelOpt MIXED_PRECISION (`registry.formats.MODELOPT_MIXED`)
     modelopt_mxfp8: bool = False  # ModelOpt MXFP8 (`registry.formats.MODELOPT_MXFP8`): judged by MX_RULES
     modelopt_nvfp4_scales_differ: bool = False  # ... packed modules whose weight_scale_2 differ
     block_scaled_qkv_fused: bool = False  # a fused-on-disk q / k / v module with block scales
@@ -427,6 +430,7 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         deepseek_v4=architecture in DEEPSEEK_V4_ARCHITECTURES,
         gpt_oss_experts=bool(model.fp4) and fmt is not None and fmt.name == GPT_OSS_MXFP4.name,
         modelopt_nvfp4=bool(model.fp4) and fmt == MODELOPT_NVFP4,
+        modelopt_mixed=fmt is not None and fmt.label == MODELOPT_MIXED.label,
         modelopt_mxfp8=fmt == MODELOPT_MXFP8,
         modelopt_nvfp4_scales_differ=bool(model.fp4) and fmt == MODELOPT_NVFP4 and "differ" in global_scales,
         block_scaled_qkv_fused=block_qkv_fused,

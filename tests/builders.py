@@ -1085,23 +1085,47 @@ def modelopt_nvfp4(root: Path, model: Model | None = None, seed: int = 0, shared
     (amax / (6 x 448), multiplying them) and `input_scale`; elements x / (scale x scale_2) to the nearest E2M1.
     hf_quant_config.json says `quant_algo: NVFP4`, `group_size: 16`, lm_head excluded. `shared_global`: q / k / v
     and gate / up share one scale_2 (`SHARED_GLOBAL`, as ModelOpt's export unifies fused layers); else each its own."""
+    return modelopt_mixed(root, {"proj": "nvfp4"}, model, seed, shared_global)
+
+
+def modelopt_mixed(
+    root: Path, schemes: dict[str, str], model: Model | None = None, seed: int = 0, shared_global: bool = True
+) -> Path:
+    """ModelOpt's export of `model` with each linear layer whose suffix ends with a key of `schemes` in that scheme:
+    nvfp4 (`modelopt_nvfp4`'s tensors) or fp8 (per tensor: e4m3fn `weight`, F32 scalar `weight_scale` amax / 448 and
+    `input_scale`), the rest BF16. One scheme: hf_quant_config.json says it (`quant_algo` NVFP4 or FP8); several:
+    `quant_algo: MIXED_PRECISION` with `quantized_layers` naming each module's recipe, as ModelOpt writes it."""
     gen = torch.Generator().manual_seed(seed)
     model = model or llama()
     tensors: dict[str, torch.Tensor] = {}
+    layers: dict[str, dict[str, Any]] = {}
     for i in range(model.layers):
         prefix = model.layer_prefix.format(i=i)
         drawn, amax = draw_linears(model, gen, shared_global)
         for suffix, w in drawn.items():
+            scheme = next((s for key, s in schemes.items() if suffix.endswith(key)), None)
+            name = f"{prefix}{suffix}"
+            if scheme == "fp8":
+                scale = torch.tensor(float(w.abs().max()) / FP8_MAX, dtype=torch.float32)
+                tensors[f"{name}.weight"] = quantize(w, scale)
+                tensors[f"{name}.weight_scale"] = scale
+                tensors[f"{name}.input_scale"] = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+                layers[name] = {"quant_algo": "FP8"}
+                continue
+            if scheme is None:
+                tensors[f"{name}.weight"] = w.to(torch.bfloat16)
+                continue
             rows, cols = w.shape
             scale_2 = torch.tensor(amax[suffix] / (6.0 * FP8_MAX), dtype=torch.float32)
             groups = w.reshape(rows, cols // 16, 16)
             scales = (groups.abs().amax(-1) / 6.0 / scale_2).clamp(2.0**-9, FP8_MAX).to(torch.float8_e4m3fn)
             step = scales.to(torch.float64) * scale_2.to(torch.float64)
             nibbles = e2m1_nibbles((groups / step[..., None]).reshape(rows, cols))
-            tensors[f"{prefix}{suffix}.weight"] = pack_nibbles(nibbles)
-            tensors[f"{prefix}{suffix}.weight_scale"] = scales
-            tensors[f"{prefix}{suffix}.weight_scale_2"] = scale_2
-            tensors[f"{prefix}{suffix}.input_scale"] = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+            tensors[f"{name}.weight"] = pack_nibbles(nibbles)
+            tensors[f"{name}.weight_scale"] = scales
+            tensors[f"{name}.weight_scale_2"] = scale_2
+            tensors[f"{name}.input_scale"] = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+            layers[name] = {"quant_algo": "NVFP4", "group_size": 16}
         for norm in ("input_layernorm", "post_attention_layernorm"):
             tensors[f"{prefix}{norm}.weight"] = torch.ones(model.hidden, dtype=torch.bfloat16)
     tensors["model.embed_tokens.weight"] = torch.randn(model.vocab, model.hidden, generator=gen).to(torch.bfloat16)
@@ -1109,12 +1133,13 @@ def modelopt_nvfp4(root: Path, model: Model | None = None, seed: int = 0, shared
     tensors["lm_head.weight"] = torch.randn(model.vocab, model.hidden, generator=gen).to(torch.bfloat16)
     root.mkdir(parents=True, exist_ok=True)
     write_files(root, [tensors], dict(model.config))
-    quantization = {
-        "quant_algo": "NVFP4",
-        "kv_cache_quant_algo": None,
-        "group_size": 16,
-        "exclude_modules": ["lm_head"],
-    }
+    algos = {recipe["quant_algo"] for recipe in layers.values()}
+    quantization: dict[str, Any] = {"quant_algo": algos.pop() if len(algos) == 1 else "MIXED_PRECISION"}
+    quantization |= {"kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
+    if quantization["quant_algo"] == "NVFP4":
+        quantization["group_size"] = 16
+    elif quantization["quant_algo"] == "MIXED_PRECISION":
+        quantization["quantized_layers"] = layers
     producer = {"name": "modelopt", "version": "0.33.0"}
     (root / "hf_quant_config.json").write_text(json.dumps({"producer": producer, "quantization": quantization}))
     return root

@@ -10,14 +10,17 @@ import json
 from pathlib import Path
 
 from tests.builders import Model, modelopt_mxfp8, phi3
-from tests.conftest import run_cli
+from tests.conftest import load_tensors, run_cli
 
 
 def modelopt_mixed(root: Path, model: Model | None = None) -> Path:
-    """ModelOpt's MXFP8 tensors under a MIXED_PRECISION config (fp8fix does not read ModelOpt's per-layer map)."""
+    """ModelOpt's MXFP8 tensors under a MIXED_PRECISION config whose `quantized_layers` say MXFP8 for each (fp8fix
+    reads ModelOpt's per-layer map for FP8 and NVFP4 layers only)."""
     modelopt_mxfp8(root, model)
     config = json.loads((root / "config.json").read_text())
     config["quantization_config"]["quant_algo"] = "MIXED_PRECISION"
+    modules = [n.removesuffix(".weight_scale") for n in load_tensors(root) if n.endswith(".weight_scale")]
+    config["quantization_config"]["quantized_layers"] = {m: {"quant_algo": "MXFP8"} for m in modules}
     (root / "config.json").write_text(json.dumps(config))
     return root
 

@@ -56,6 +56,20 @@ def check_fp4_kept(plan: ConversionPlan, model: CheckpointModel) -> None:
             f"'{next(iter(model.fp4))}' (not padded: FP4 modules pass through as they are) would contradict; {_WHOLE}"
         )
     fmt = model.require_format()
+    side = sorted(f for f in plan.config_files if f != CONFIG)
+    if side:  # (ModelOpt's hf_quant_config.json: where its FP4 modules may be declared)
+        raise UnsupportedCheckpoint(
+            f"{model.checkpoint.root.name}: this conversion would rewrite {side[0]}, which declares FP4 module "
+            f"'{next(iter(model.fp4))}' too; FP4 modules pass through FP8 conversions only declared as in SOURCE; "
+            f"{_WHOLE}"
+        )
+    if fmt.layers and plan.renames:  # ModelOpt MIXED_PRECISION: `quantized_layers` names modules as SOURCE does
+        fused = next(iter(plan.renames))
+        raise UnsupportedCheckpoint(
+            f"{model.checkpoint.root.name}: unfusing '{fused}' would leave the ModelOpt config's quantized_layers "
+            f"naming it, not its shards (a loader then leaves them unquantized); keep the layout (--layout fused); "
+            f"{_WHOLE}"
+        )
     sources = model.checkpoint.tensors  # as stored (an MXFP4 scale is read as E8M0, stored as U8)
     for w in model.fp4.values():
         names = [] if plan.sketch else [t.name for t in w.tensors]

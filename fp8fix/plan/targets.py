@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from fp8fix.errors import Fp8fixError, UnsupportedCheckpoint
 from fp8fix.io.checkpoint import check_scale_values
 from fp8fix.model import CheckpointModel
+from fp8fix.plan.fp4_kept import check_fp4_kept
 from fp8fix.plan.layer_classes import representatives
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.plan.planner import channel_format, plan_conversion
@@ -93,6 +94,7 @@ def candidates(
         for fmt in [output_format] if output_format else OUTPUT_FORMATS:
             try:
                 plan = plan_conversion(model, lay, to, output_format=fmt, sketch=to is None)
+                check_fp4_kept(plan, model)  # a candidate that would move or re-declare an FP4 module is none
             except (UnsupportedCheckpoint, OSError):  # no unfused names; no such format; Hub headers only
                 continue
             unchanged = to is None and fmt == "keep" and all(m.action == "keep" for m in plan.modules)

@@ -60,6 +60,9 @@ class FormatSpec:
     #: The FP4 schemes its config declares beside (or instead of) FP8 ones (`FP4_FORMATS` values): modules of
     #: packed E2M1 weights (`model.Fp4Weight`)
     fp4: frozenset[str] = frozenset()
+    #: A per-module map of schemes (ModelOpt MIXED_PRECISION's `quantized_layers`: module -> "fp8" or "nvfp4"); a
+    #: module it does not name is left unquantized by the loader
+    layers: tuple[tuple[str, str], ...] = ()
 
     def weight_scale_of(self, weight: str) -> str:
         """The scale tensor of FP8 weight `weight`: a sibling of `x.weight` (`x.weight_scale`), or, for a
@@ -389,7 +392,7 @@ def _detect(config: dict[str, Any], root: Path, tensor_names: set[str] | None) -
     if method == "quark":
         return _quark(qc)
     if method == "modelopt":
-        return _modelopt_algo(qc.get("quant_algo", "FP8"), qc.get("group_size"), "ModelOpt")
+        return _modelopt_algo({"quant_algo": "FP8", **qc}, "ModelOpt")
     if method == "fbgemm_fp8":
         return FBGEMM
     if method == GPT_OSS_MXFP4.name:
@@ -550,18 +553,50 @@ def modelopt_kv_cache(config: dict[str, Any], root: Path) -> bool:
 def _modelopt(path: Path) -> FormatSpec:
     data = read_json(path)
     quantization = data.get("quantization") if isinstance(data, dict) else None
-    algo = quantization.get("quant_algo") if isinstance(quantization, dict) else None
-    group = quantization.get("group_size") if isinstance(quantization, dict) else None
-    return _modelopt_algo(algo, group, "NVIDIA ModelOpt")
+    return _modelopt_algo(quantization if isinstance(quantization, dict) else {}, "NVIDIA ModelOpt")
 
 
-def _modelopt_algo(algo: Any, group_size: Any, label: str) -> FormatSpec:
-    """ModelOpt's FP8, or NVFP4 in groups of 16 (its only group size); any other algorithm is not read yet."""
+#: ModelOpt MIXED_PRECISION's per-layer algorithms fp8fix reads (vLLM 0.32 modelopt.py ModelOptMixedPrecisionConfig
+#: resolves each to its FP8 or NVFP4 config; W4A16_NVFP4 packs its weights as NVFP4 does).
+MODELOPT_LAYER_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4"}
+#: ModelOpt's mixed precision: per-tensor FP8 modules and NVFP4 ones, each named in `quantized_layers`.
+MODELOPT_MIXED = replace(MODELOPT, label="NVIDIA ModelOpt MIXED_PRECISION (FP8 + NVFP4)", fp4=frozenset({"nvfp4"}))
+
+
+def _modelopt_algo(section: dict[str, Any], label: str) -> FormatSpec:
+    """ModelOpt's FP8, NVFP4 in groups of 16 (its only group size), MXFP8, or MIXED_PRECISION of FP8 and NVFP4
+    layers; any other algorithm is not read yet."""
+    algo, group_size = section.get("quant_algo"), section.get("group_size")
     if algo == "NVFP4" and group_size in (None, FP4_SCHEMES["nvfp4"][1]):
         return MODELOPT_NVFP4
     if algo == "MXFP8":
         return MODELOPT_MXFP8
+    if algo == "MIXED_PRECISION":
+        return _modelopt_mixed(section.get("quantized_layers"), label)
     if algo != "FP8":
         said = algo if isinstance(algo, str) else repr(algo)
         raise _not_yet(f"{label} {said:.40}" + (f" (group_size {group_size!r:.20})" if algo == "NVFP4" else ""))
     return MODELOPT
+
+
+#: Most entries of `quantized_layers` read (a module each: DeepSeek-V3 has ~60k linear modules).
+MAX_QUANTIZED_LAYERS = 1_000_000
+
+
+def _modelopt_mixed(layers: Any, label: str) -> FormatSpec:
+    """MIXED_PRECISION whose `quantized_layers` maps module names to FP8 or NVFP4 (group 16) recipes."""
+    if not isinstance(layers, dict) or not layers or len(layers) > MAX_QUANTIZED_LAYERS:
+        count = len(layers) if isinstance(layers, dict) else 0
+        raise InvalidCheckpoint(
+            f"{label} MIXED_PRECISION needs `quantized_layers`, a map of module names to their quant_algo "
+            f"(vLLM refuses it without one), not {type(layers).__name__} of {count} entries"
+        )
+    found = []
+    for module, recipe in layers.items():
+        algo = recipe.get("quant_algo") if isinstance(recipe, dict) else None
+        scheme = MODELOPT_LAYER_ALGOS.get(str(algo).upper()) if isinstance(algo, str) else None
+        group = recipe.get("group_size", 16) if isinstance(recipe, dict) else None
+        if scheme is None or (scheme == "nvfp4" and group != FP4_SCHEMES["nvfp4"][1]):
+            raise _not_yet(f"{label} MIXED_PRECISION with a {str(algo)[:30]} layer ({module[:80]}: {recipe!r:.60})")
+        found.append((str(module), scheme))
+    return replace(MODELOPT_MIXED, layers=tuple(found))

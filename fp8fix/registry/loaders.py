@@ -413,7 +413,31 @@ MODELOPT_NVFP4_RULES: tuple[Rule, ...] = (
         for row in (TRANSFORMERS, TRANSFORMERS_AMD_QUARK)
     ),
 )
+#: ModelOpt MIXED_PRECISION (`registry.formats.MODELOPT_MIXED`): each loader's mixed-precision config is cited.
+MODELOPT_MIXED_RULES: tuple[Rule, ...] = tuple(
+    Rule(
+        row,
+        "modelopt_mixed",
+        "not-judged",
+        "ModelOpt MIXED_PRECISION (FP8 and NVFP4 layers named in quantized_layers) is not run here: not judged",
+        evidence,
+    )
+    for row, evidence in (
+        (VLLM_LEGACY, VLLM_050_LOADER),
+        (VLLM_OLD, VLLM_051_LOADER),
+        *(
+            (row, "vllm 0.32 model_executor/layers/quantization/modelopt.py ModelOptMixedPrecisionConfig")
+            for row in (VLLM_019, VLLM_021, VLLM, VLLM_ROCM)
+        ),
+        (SGLANG, "sglang 0.5.23 srt/layers/quantization/modelopt_quant.py ModelOptMixedPrecisionConfig"),
+        *(
+            (row, "transformers 5.24 quantizers/auto.py AUTO_QUANTIZER_MAPPING (no modelopt method)")
+            for row in (TRANSFORMERS, TRANSFORMERS_AMD_QUARK)
+        ),
+    )
+)
 FP4_RULES: tuple[Rule, ...] = (
+    *MODELOPT_MIXED_RULES,
     *unmeasured_rules("fp4_unmeasured", FP4_UNMEASURED, FP4_TEST),
     *GPT_OSS_RULES,
     *MODELOPT_NVFP4_RULES,
