@@ -99,6 +99,7 @@ FACT_DESCRIPTIONS = {
     "gpt_oss_experts": "gpt-oss's MXFP4 experts (quant_method mxfp4: stacked *_blocks / *_scales)",
     "modelopt_mxfp8": "a ModelOpt MXFP8 checkpoint (quant_algo MXFP8: e4m3fn weights, E8M0 scales per 32)",
     "modelopt_mixed": "a ModelOpt MIXED_PRECISION checkpoint (FP8 and NVFP4 layers by quantized_layers)",
+    "modelopt_mixed_scales_differ": "ModelOpt MIXED_PRECISION NVFP4 q / k / v or gate / up whose weight_scale_2 differ",
     "modelopt_nvfp4": "a ModelOpt NVFP4 checkpoint (quant_algo NVFP4: packed `weight`, `weight_scale_2`)",
     "modelopt_nvfp4_scales_differ": "ModelOpt NVFP4 q / k / v or gate / up modules whose weight_scale_2 differ",
     "block_scaled_qkv_fused": "a q / k / v module fused on disk (qkv_proj) with block scales",
@@ -195,6 +196,7 @@ class Facts:
     gpt_oss_experts: bool = False  # gpt-oss's MXFP4 experts (`registry.formats.GPT_OSS_MXFP4`)
     modelopt_nvfp4: bool = False  # ModelOpt NVFP4 (`registry.formats.MODELOPT_NVFP4`)
     modelopt_mixed: bool = False  # ModelOpt MIXED_PRECISION (`registry.formats.MODELOPT_MIXED`)
+    modelopt_mixed_scales_differ: bool = False  # ... whose packed NVFP4 modules' weight_scale_2 differ
     modelopt_mxfp8: bool = False  # ModelOpt MXFP8 (`registry.formats.MODELOPT_MXFP8`): judged by MX_RULES
     modelopt_nvfp4_scales_differ: bool = False  # ... packed modules whose weight_scale_2 differ
     block_scaled_qkv_fused: bool = False  # a fused-on-disk q / k / v module with block scales
@@ -431,6 +433,9 @@ def _derive_facts(model: CheckpointModel) -> Facts:
         gpt_oss_experts=bool(model.fp4) and fmt is not None and fmt.name == GPT_OSS_MXFP4.name,
         modelopt_nvfp4=bool(model.fp4) and fmt == MODELOPT_NVFP4,
         modelopt_mixed=fmt is not None and fmt.label == MODELOPT_MIXED.label,
+        modelopt_mixed_scales_differ=fmt is not None
+        and fmt.label == MODELOPT_MIXED.label
+        and "differ" in global_scales,
         modelopt_mxfp8=fmt == MODELOPT_MXFP8,
         modelopt_nvfp4_scales_differ=bool(model.fp4) and fmt == MODELOPT_NVFP4 and "differ" in global_scales,
         block_scaled_qkv_fused=block_qkv_fused,

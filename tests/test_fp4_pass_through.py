@@ -20,6 +20,8 @@ from fp8fix.model import describe_checkpoint
 from fp8fix.plan.fp4_kept import check_fp4_kept
 from fp8fix.plan.target_plan import plan_for_target
 from fp8fix.registry.architectures import Registry
+from fp8fix.registry.formats import matches, name_matcher, pattern_error
+from fp8fix.vocab import Grammar
 from tests.builders import fp4_compressed_tensors, llama, phi3
 from tests.conftest import load_tensors, run_cli
 
@@ -168,3 +170,38 @@ def test_verify_catches_an_fp4_group_output_lost(tmp_path: Path) -> None:
     (out / CONFIG).write_text(json.dumps(config))
     checked = run_cli("verify", src, out)
     assert checked.exit_code == 1 and "quantization_config differs from SOURCE's" in checked.output, checked.output
+
+
+@pytest.mark.parametrize("grammar", ["exact", "exact-or-re", "transformers", "fnmatch", "quark-layer"])
+def test_one_matcher_for_many_entries_names_what_each_entry_names(grammar: Grammar) -> None:
+    """`name_matcher` (plain entries at once, with Python's re) against `matches` entry by entry, over names and
+    entries chosen to differ by a boundary, a suffix, a wildcard and a regex."""
+    entries = [
+        "model.layers.0.mlp",
+        "lm_head",
+        "layers.1.attn.wq_a",
+        "re:.*q_proj$",
+        "re:model.layers.1",
+        "*.down_proj",
+        "mlp.up",
+        "model.layers.1.self_attn.q_proj.extra",
+    ]
+    names = [
+        "model.layers.0.mlp",
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.0.mlpx.gate_proj",
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.10.mlp.down_proj",
+        "layers.1.attn.wq_a",
+        "layers.1.attn.wq_ab",
+        "lm_head",
+        "model.lm_head",
+        "model.layers.0.mlp.up",
+        "model.layers.0.mlp.upper",
+    ]
+    if grammar == "transformers":  # its entries are regexes: config checks refuse one that does not compile
+        entries = [e for e in entries if pattern_error(e) is None]
+    for chosen in (entries, entries[:1], entries[3:5], entries[5:]):
+        named = name_matcher(chosen, grammar)
+        for name in names:
+            assert named(name) == any(matches(e, name, grammar) for e in chosen), (chosen, name)

@@ -104,3 +104,17 @@ def test_a_map_that_does_not_match_the_weights_is_refused(
     result = run_cli("convert", src, tmp_path / "out", "--to", "bf16")
     assert result.exit_code == 3 and said in result.output, result.output
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_packed_nvfp4_layers_whose_scale_2_differ_load_wrong_in_vllm(tmp_path: Path) -> None:
+    """gate / up NVFP4 with each its own weight_scale_2: vLLM 0.32 builds MIXED_PRECISION's NVFP4 layers with
+    ModelOpt NVFP4's linear method, which multiplies the packed layer by the largest (cited); `--to bf16` fixes it."""
+    src = modelopt_mixed(tmp_path / "src", LLAMA, shared_global=False)
+    report = json.loads(run_cli("inspect", src, "--json").stdout)
+    rows = {name: row["verdict"] for name, row in report["loaders"].items()}
+    assert rows.pop("vLLM >= 0.32") == "loads-wrong"
+    assert set(rows.values()) == {"not-judged"}
+    wrong = [f for f in report["findings"] if f["code"] == "row-loads-wrong"]
+    assert wrong and wrong[0]["fix"] == "--to bf16", wrong
+    shared = json.loads(run_cli("inspect", modelopt_mixed(tmp_path / "shared", LLAMA), "--json").stdout)
+    assert shared["loaders"]["vLLM >= 0.32"]["verdict"] == "not-judged"

@@ -12,17 +12,15 @@ is refused before anything is written, rather than writing FP4 bytes under a dec
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
 
 from fp8fix.errors import UnsupportedCheckpoint
-from fp8fix.fp4_modules import Fp4Weight
 from fp8fix.io.checkpoint import CONFIG
 from fp8fix.model import CheckpointModel
 from fp8fix.plan.pieces import ConversionPlan, OutputTensor
 from fp8fix.plan.planner import kept_as_is
-from fp8fix.registry.formats import COMPRESSED_TENSORS, FormatSpec, locations, matches, quantization_config
-from fp8fix.vocab import ConvertTo
+from fp8fix.registry.formats import FormatSpec, locations, name_matcher, quantization_config
+from fp8fix.vocab import ConvertTo, Grammar
 
 #: How `--to bf16` would convert them instead: what each refusal suggests.
 _WHOLE = "`fp8fix convert SOURCE OUTPUT --to bf16` writes every FP4 and FP8 weight unquantized"
@@ -80,49 +78,65 @@ def check_fp4_kept(plan: ConversionPlan, model: CheckpointModel) -> None:
                 f"'{w.module}' ({(w.scheme or 'fp4').upper()}); FP4 modules pass through FP8 conversions only as they "
                 f"are (choose a layout that keeps them, e.g. --layout fused); {_WHOLE}"
             )
-        if output_config is not source_config and declaration(source_config, w, fmt) != declaration(
-            output_config, w, fmt
-        ):
-            raise UnsupportedCheckpoint(
-                f"{model.checkpoint.root.name}: this conversion would change how config.json declares FP4 module "
-                f"'{w.module}' ({(w.scheme or 'fp4').upper()}: the config groups that target it, or `ignore`); FP4 "
-                f"modules pass through FP8 conversions only declared as in SOURCE; {_WHOLE}"
-            )
+    redeclared = None if output_config is source_config else _redeclared(source_config, output_config, model, fmt)
+    if redeclared is not None:
+        raise UnsupportedCheckpoint(
+            f"{model.checkpoint.root.name}: this conversion would change how config.json declares FP4 module "
+            f"'{redeclared}' (the config groups that target it, a list that names it, or the settings of its "
+            f"format); FP4 modules pass through FP8 conversions only declared as in SOURCE; {_WHOLE}"
+        )
 
 
-def declaration(config: dict[str, Any], w: Fp4Weight, fmt: FormatSpec) -> str:
-    """What `config` says of FP4 module `w`, as text to compare: for compressed-tensors, every config group whose
-    targets match it (a class name such as `Linear` matches every Linear; `re:` patterns and exact names by
-    compressed-tensors' matching) and whether `ignore` names it; for another format (DeepSeek-V4), its
-    quantization_config but the module-name lists, which of those lists name it (each by its loader's matching),
-    and config.json's `expert_dtype`."""
-    qc = quantization_config(config) or {}
-    if qc.get("quant_method") != COMPRESSED_TENSORS.name:
-        said = copy.deepcopy(qc)
-        named = []
-        for name_list in fmt.name_lists:
-            for where, holder, key in locations(said, name_list.path.split("."), "quantization_config"):
-                if any(matches(entry, w.module, name_list.grammar) for entry in _entries(holder[key])):
-                    named.append(where)
-                del holder[key]  # (a list convert creates, `--dequantize`'s, is no change of this module's)
-        return json.dumps({"config": said, "named": named, "expert_dtype": config.get("expert_dtype")}, sort_keys=True)
-    groups = qc.get("config_groups")
-    matched = {
-        str(name): group
-        for name, group in (groups.items() if isinstance(groups, dict) else ())
-        if isinstance(group, dict) and any(_targets(entry, w.module) for entry in _entries(group.get("targets")))
-    }
-    ignored = any(_targets(entry, w.module) for entry in _entries(qc.get("ignore")))
-    return json.dumps({"groups": matched, "ignored": ignored, "format": qc.get("format")}, sort_keys=True)
+def _redeclared(source: dict[str, Any], output: dict[str, Any], model: CheckpointModel, fmt: FormatSpec) -> str | None:
+    """The first FP4 module that config.json `output` declares otherwise than `source`, or None: the settings
+    outside the module-name lists (a config group's, where that group targets the module), and the entries of
+    each list (config groups' targets, `ignore`, `modules_to_not_convert`, ...) that one config has and the
+    other has not, matched against the modules by the list's own grammar. Only what differs is matched: a
+    config and 100k FP4 modules (DeepSeek-V4) are not matched entry by entry for each module."""
+    modules = list(model.fp4)
+    before, after = _without_lists(source, fmt), _without_lists(output, fmt)
+    if before.keys() != after.keys() or any(before[k] != after[k] for k in before if k != "config_groups"):
+        return modules[0]  # quant_method, format, expert_dtype, ...: every module's declaration
+    groups_before, groups_after = before.get("config_groups") or {}, after.get("config_groups") or {}
+    changed_groups = {g for g in set(groups_before) | set(groups_after) if groups_before.get(g) != groups_after.get(g)}
+    entries: list[tuple[str, Grammar]] = []  # (entry, grammar) that one config has and the other has not
+    for name_list in fmt.name_lists:
+        if name_list.file != CONFIG:
+            continue
+        spots: dict[str, set[str]] = {}
+        for config in (source, output):
+            qc = quantization_config(config) or {}
+            for where, holder, key in locations(qc, name_list.path.split("."), "quantization_config"):
+                said = set(_entries(holder[key]))
+                spots[where] = spots.get(where, said) ^ said if where in spots else said
+                group = where.split(".")[2] if where.startswith("quantization_config.config_groups.") else None
+                if group in changed_groups:  # a group whose settings changed: each module it targets
+                    entries += [(e, name_list.grammar) for e in said]
+        entries += [(e, name_list.grammar) for spot in spots.values() for e in spot]
+    by_grammar: dict[Grammar, list[str]] = {}
+    for entry, grammar in dict.fromkeys(entries):
+        if grammar == "exact-or-re" and entry[:1].isupper() and "." not in entry and not entry.startswith("re:"):
+            if entry == "Linear":  # a compressed-tensors class name: every FP4 module read here is a Linear
+                return modules[0]
+            continue
+        by_grammar.setdefault(grammar, []).append(entry)
+    for grammar, listed in by_grammar.items():
+        named = name_matcher(listed, grammar)
+        found = next((m for m in modules if named(m)), None)
+        if found is not None:
+            return found
+    return None
+
+
+def _without_lists(config: dict[str, Any], fmt: FormatSpec) -> dict[str, Any]:
+    """quantization_config without its module-name lists, and config.json's `expert_dtype` (DeepSeek-V4's)."""
+    qc = copy.deepcopy(quantization_config(config) or {})
+    for name_list in fmt.name_lists:
+        if name_list.file == CONFIG:
+            for _, holder, key in locations(qc, name_list.path.split("."), "quantization_config"):
+                del holder[key]
+    return {**qc, "__expert_dtype": config.get("expert_dtype")}
 
 
 def _entries(value: Any) -> list[str]:
     return [e for e in value if isinstance(e, str)] if isinstance(value, list) else []
-
-
-def _targets(entry: str, module: str) -> bool:
-    """A compressed-tensors target or ignore entry names Linear `module`: a class name (no dot, capitalised: the
-    module's class, Linear for every FP4 module read here), or an exact name or `re:` pattern."""
-    if entry[:1].isupper() and "." not in entry and not entry.startswith("re:"):
-        return entry == "Linear"
-    return matches(entry, module, "exact-or-re")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -278,6 +279,49 @@ def matches(entry: str, name: str, grammar: Grammar) -> bool:
     if grammar == "quark-layer":
         return fnmatch.fnmatchcase(name, entry) if "*" in entry else name in entry
     raise ValueError(f"unknown name-list grammar {grammar!r}")
+
+
+#: A name-list entry that is a plain dotted name (`model.layers.0.mlp`, `lm_head`): as a regex it has no
+#: alternation, repetition or group, so Python's `re` matches it in linear time (no timeout needed).
+_PLAIN = re.compile(r"[\w\-]+(?:\.[\w\-]+)*")
+#: Plain entries compiled into one alternation at most this many at a time (a list of 10^5 names: 100 patterns).
+_ALTERNATIVES = 1000
+
+
+def name_matcher(entries: list[str], grammar: Grammar) -> Callable[[str], bool]:
+    """Whether any of `entries` names a module (`matches`), as one test per module name: plain entries (`_PLAIN`)
+    at once (a set, a suffix tuple, one alternation compiled with `re`), any other entry one by one with `matches`.
+    For many names against many entries (100k FP4 modules, a list of hundreds): `matches` costs microseconds a pair."""
+    exact: set[str] = set()
+    from_start: list[str] = []  # regexes matched from the start of the name (`re:` entries, transformers')
+    suffixes: list[str] = []
+    slow: list[str] = []
+    for entry in entries:
+        pattern = entry[3:] if grammar == "exact-or-re" and entry.startswith("re:") else None
+        text = entry if pattern is None else pattern
+        if grammar == "quark-layer" or not _PLAIN.fullmatch(text) or len(text) > MAX_ENTRY_CHARS:
+            slow.append(entry)
+        elif grammar == "transformers":
+            from_start.append(text)
+            suffixes.append(text)
+        elif pattern is not None:
+            from_start.append(pattern)
+        else:  # exact, exact-or-re's exact names, fnmatch without a wildcard
+            exact.add(text)
+    boundary = _BOUNDARY if grammar == "transformers" else ""
+    chunks = [from_start[i : i + _ALTERNATIVES] for i in range(0, len(from_start), _ALTERNATIVES)]
+    combined = [re.compile(f"(?:{'|'.join(chunk)}){boundary}") for chunk in chunks]
+    ends = tuple(suffixes)
+
+    def named(name: str) -> bool:
+        return (
+            name in exact
+            or any(pattern.match(name) is not None for pattern in combined)
+            or (bool(ends) and name.endswith(ends))
+            or any(matches(entry, name, grammar) for entry in slow)
+        )
+
+    return named
 
 
 def _match(pattern: str, entry: str, name: str) -> bool:

@@ -413,8 +413,21 @@ MODELOPT_NVFP4_RULES: tuple[Rule, ...] = (
         for row in (TRANSFORMERS, TRANSFORMERS_AMD_QUARK)
     ),
 )
-#: ModelOpt MIXED_PRECISION (`registry.formats.MODELOPT_MIXED`): each loader's mixed-precision config is cited.
-MODELOPT_MIXED_RULES: tuple[Rule, ...] = tuple(
+#: ModelOpt MIXED_PRECISION (`registry.formats.MODELOPT_MIXED`): each loader's mixed-precision config is cited;
+#: vLLM 0.32 builds its NVFP4 layers with ModelOpt NVFP4's linear method, which multiplies a packed layer by the
+#: largest weight_scale_2 of its shards (as for ModelOpt NVFP4, `MODELOPT_NVFP4_RULES`).
+MODELOPT_MIXED_RULES: tuple[Rule, ...] = (
+    Rule(
+        VLLM,
+        "modelopt_mixed_scales_differ",
+        "loads-wrong",
+        "builds the NVFP4 layers of MIXED_PRECISION with ModelOpt NVFP4's linear method, which packs q / k / v and "
+        "gate / up into one layer and multiplies all of them by the largest of their weight_scale_2 (cited from "
+        "source): the projections whose weight_scale_2 is smaller compute with weights too large by the ratio",
+        "vllm 0.32 model_executor/layers/quantization/modelopt.py ModelOptMixedPrecisionConfig (get_quant_method: "
+        "build_linear_method(nvfp4_config); process_weights_after_loading: weight_scale_2.max())",
+    ),
+) + tuple(
     Rule(
         row,
         "modelopt_mixed",
