@@ -114,10 +114,14 @@ class Report:
         return self.gate
 
     def to_json(self) -> dict[str, Any]:
-        """`asdict`, with the module table (one entry per FP8 weight: 50k in DeepSeek-V3) built flat:
+        """`asdict`, with the module tables (one entry per FP8 weight: 50k in DeepSeek-V3; per FP4 module) built flat:
         `asdict` recurses into every value of every entry, seconds at that size."""
-        out = asdict(replace(self, modules=[]))
+        out = asdict(replace(self, modules=[], fp4_modules=[]))
         out["modules"] = [{**vars(m), "scale_shape": _copied(m.scale_shape)} for m in self.modules]
+        # FP4 modules (100k DeepSeek-V4 experts) likewise: flat dicts of plain values and lists of ints
+        out["fp4_modules"] = [
+            {**m, "shape": list(m["shape"]), "scale_shape": _copied(m["scale_shape"])} for m in self.fp4_modules
+        ]
         return out
 
 
