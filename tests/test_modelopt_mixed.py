@@ -118,3 +118,14 @@ def test_packed_nvfp4_layers_whose_scale_2_differ_load_wrong_in_vllm(tmp_path: P
     assert wrong and wrong[0]["fix"] == "--to bf16", wrong
     shared = json.loads(run_cli("inspect", modelopt_mixed(tmp_path / "shared", LLAMA), "--json").stdout)
     assert shared["loaders"]["vLLM >= 0.32"]["verdict"] == "not-judged"
+
+
+def test_mixed_precision_without_its_map_is_refused(tmp_path: Path) -> None:
+    """vLLM refuses MIXED_PRECISION without `quantized_layers`; fp8fix names what is missing (exit 3)."""
+    src = modelopt_mixed(tmp_path / "src", LLAMA)
+    data = json.loads((src / "hf_quant_config.json").read_text())
+    del data["quantization"]["quantized_layers"]
+    (src / "hf_quant_config.json").write_text(json.dumps(data))
+    result = run_cli("convert", src, tmp_path / "out", "--to", "bf16")
+    assert result.exit_code == 3 and "needs `quantized_layers`" in result.output, result.output
+    assert not (tmp_path / "out").exists()

@@ -1,12 +1,14 @@
 """FP4 modules through an FP8 conversion: copied byte for byte and declared in OUTPUT's config as in SOURCE's.
 
-A mixed checkpoint (compressed-tensors `mixed-precision`: FP8 groups beside NVFP4 / MXFP4 ones) has its FP8 parts
-converted as any FP8 checkpoint's (layouts, `--tp`, `--scales`, encodings, `--dequantize`); its FP4 modules are no
-input of those rewrites. Each is checked here once the conversion is planned, whatever planned it: every tensor of
-the module written under its own name as SOURCE's bytes, and the config groups that declare it (those whose
-targets match it, by compressed-tensors' own matching, and whether `ignore` names it) unchanged. A conversion that
-would move, rewrite or re-declare one (a layout unfusing a fused FP4 module, a config written in another format)
-is refused before anything is written, rather than writing FP4 bytes under a declaration that reads them wrongly.
+A mixed checkpoint (compressed-tensors `mixed-precision`: FP8 groups beside NVFP4 / MXFP4 ones; ModelOpt
+MIXED_PRECISION; DeepSeek-V4's block FP8 beside MXFP4 experts) has its FP8 parts converted as any FP8 checkpoint's
+(layouts, `--scales`, encodings, `--dequantize`); its FP4 modules are no input of those rewrites. Each is checked
+here once the conversion is planned, whatever planned it: every tensor of the module written under its own name as
+SOURCE's bytes, and what config.json says of it unchanged (the config groups that target it, by the format's own
+matching, the lists that name it, its format's settings). A conversion that would move, rewrite or re-declare one
+(a layout unfusing a module ModelOpt's map names, a config written in another format, `--tp` padding that changes a
+size, a rewritten hf_quant_config.json) is refused before anything is written, rather than writing FP4 bytes under
+a declaration that reads them wrongly.
 """
 
 from __future__ import annotations
@@ -47,27 +49,10 @@ def check_fp4_kept(plan: ConversionPlan, model: CheckpointModel) -> None:
         written.setdefault(t.name, []).append(t)
     source_config = model.checkpoint.config
     output_config = plan.config_files.get(CONFIG, (source_config, []))[0]
-    if plan.padding is not None and plan.padding.config:
-        sizes = ", ".join(f"{k} {v}" for k, v in plan.padding.config.items())
-        raise UnsupportedCheckpoint(
-            f"{model.checkpoint.root.name}: --tp padding would make config.json say {sizes}, which FP4 module "
-            f"'{next(iter(model.fp4))}' (not padded: FP4 modules pass through as they are) would contradict; {_WHOLE}"
-        )
     fmt = model.require_format()
-    side = sorted(f for f in plan.config_files if f != CONFIG)
-    if side:  # (ModelOpt's hf_quant_config.json: where its FP4 modules may be declared)
-        raise UnsupportedCheckpoint(
-            f"{model.checkpoint.root.name}: this conversion would rewrite {side[0]}, which declares FP4 module "
-            f"'{next(iter(model.fp4))}' too; FP4 modules pass through FP8 conversions only declared as in SOURCE; "
-            f"{_WHOLE}"
-        )
-    if fmt.layers and plan.renames:  # ModelOpt MIXED_PRECISION: `quantized_layers` names modules as SOURCE does
-        fused = next(iter(plan.renames))
-        raise UnsupportedCheckpoint(
-            f"{model.checkpoint.root.name}: unfusing '{fused}' would leave the ModelOpt config's quantized_layers "
-            f"naming it, not its shards (a loader then leaves them unquantized); keep the layout (--layout fused); "
-            f"{_WHOLE}"
-        )
+    refusal = _config_refusal(plan, model, fmt)
+    if refusal is not None:
+        raise UnsupportedCheckpoint(f"{model.checkpoint.root.name}: {refusal}; {_WHOLE}")
     sources = model.checkpoint.tensors  # as stored (an MXFP4 scale is read as E8M0, stored as U8)
     for w in model.fp4.values():
         names = [] if plan.sketch else [t.name for t in w.tensors]
@@ -85,6 +70,29 @@ def check_fp4_kept(plan: ConversionPlan, model: CheckpointModel) -> None:
             f"'{redeclared}' (the config groups that target it, a list that names it, or the settings of its "
             f"format); FP4 modules pass through FP8 conversions only declared as in SOURCE; {_WHOLE}"
         )
+
+
+def _config_refusal(plan: ConversionPlan, model: CheckpointModel, fmt: FormatSpec) -> str | None:
+    """Why the configs `plan` writes cannot leave its FP4 modules declared as SOURCE's do, before any is matched."""
+    first = next(iter(model.fp4))
+    if plan.padding is not None and plan.padding.config:
+        sizes = ", ".join(f"{k} {v}" for k, v in plan.padding.config.items())
+        return (
+            f"--tp padding would make config.json say {sizes}, which FP4 module '{first}' (not padded: FP4 modules "
+            "pass through as they are) would contradict"
+        )
+    side = sorted(f for f in plan.config_files if f != CONFIG)
+    if side:  # (ModelOpt's hf_quant_config.json: where its FP4 modules may be declared)
+        return (
+            f"this conversion would rewrite {side[0]}, which declares FP4 module '{first}' too; FP4 modules pass "
+            "through FP8 conversions only declared as in SOURCE"
+        )
+    if fmt.layers and plan.renames:  # ModelOpt MIXED_PRECISION: `quantized_layers` names modules as SOURCE does
+        return (
+            f"unfusing '{next(iter(plan.renames))}' would leave the ModelOpt config's quantized_layers naming it, not "
+            "its shards (a loader then leaves them unquantized); keep the layout (--layout fused)"
+        )
+    return None
 
 
 def _redeclared(source: dict[str, Any], output: dict[str, Any], model: CheckpointModel, fmt: FormatSpec) -> str | None:

@@ -629,11 +629,15 @@ MAX_QUANTIZED_LAYERS = 1_000_000
 
 def _modelopt_mixed(layers: Any, label: str) -> FormatSpec:
     """MIXED_PRECISION whose `quantized_layers` maps module names to FP8 or NVFP4 (group 16) recipes."""
-    if not isinstance(layers, dict) or not layers or len(layers) > MAX_QUANTIZED_LAYERS:
-        count = len(layers) if isinstance(layers, dict) else 0
+    if not isinstance(layers, dict) or not layers:
         raise InvalidCheckpoint(
             f"{label} MIXED_PRECISION needs `quantized_layers`, a map of module names to their quant_algo "
-            f"(vLLM refuses it without one), not {type(layers).__name__} of {count} entries"
+            f"(vLLM refuses it without one), not {str(layers)[:40] if layers is not None else 'none'}"
+        )
+    if len(layers) > MAX_QUANTIZED_LAYERS:
+        raise InvalidCheckpoint(
+            f"{label} MIXED_PRECISION: `quantized_layers` has {len(layers):,} entries, more modules than a model has "
+            f"(fp8fix reads at most {MAX_QUANTIZED_LAYERS:,})"
         )
     found = []
     for module, recipe in layers.items():
