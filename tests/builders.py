@@ -1165,14 +1165,21 @@ def modelopt_mxfp8(root: Path, model: Model | None = None, side_file: bool = Fal
 
 
 def deepseek_v4(
-    root: Path, layers: int = 1, experts: int = 2, hidden: int = 256, seed: int = 0, expert_dtype: str = "fp4"
+    root: Path,
+    layers: int = 1,
+    experts: int = 2,
+    hidden: int = 256,
+    seed: int = 0,
+    expert_dtype: str = "fp4",
+    files: int = 1,
 ) -> Path:
     """A DeepSeek-V4-shaped checkpoint as DeepSeek ships it (deepseek-ai/DeepSeek-V4-Flash: `model_type:
     deepseek_v4`, `expert_dtype: fp4`, quantization_config fp8 128 x 128 with `scale_fmt: ue8m0`): attention and
     shared experts e4m3fn with their block scales as `<module>.scale` F8_E8M0 (powers of two), routed experts
     `ffn.experts.E.wK.weight` packed E2M1 (I8, two a byte, the lower nibble first) with an F8_E8M0 `.scale` per 32,
     names without a `model.` prefix. `expert_dtype="fp8"` (V4-Flash-Base): the routed experts block FP8 too, and
-    every `.scale` F32 (absmax / 448)."""
+    every `.scale` F32 (absmax / 448). `files`: the tensors dealt over that many shards in name order, so most
+    scales sit in another shard than their weights."""
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {"embed.weight": torch.randn(64, hidden, generator=gen).to(torch.bfloat16)}
 
@@ -1200,5 +1207,6 @@ def deepseek_v4(
         tensors[f"layers.{i}.ffn.gate.weight"] = torch.randn(experts, hidden, generator=gen).to(torch.bfloat16)
     config = deepseek_v4_config(layers, experts, hidden, expert_dtype)
     root.mkdir(parents=True, exist_ok=True)
-    write_files(root, [tensors], config)
+    names = sorted(tensors)
+    write_files(root, [{n: tensors[n] for n in names[i::files]} for i in range(files)], config)
     return root

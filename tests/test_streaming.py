@@ -24,6 +24,7 @@ import pytest
 from tests.builders import (
     block_fp8_shards,
     build,
+    deepseek_v4,
     fp4_compressed_tensors,
     gpt_oss,
     llama,
@@ -601,12 +602,24 @@ def test_gpt_oss_experts_stream(tmp_path: Path, hub: FakeHub) -> None:
             ["--to", "bf16"],
         ),
         ({"proj": "mxfp4"}, ["--blocks", "128x128"]),
+        (
+            {**dict.fromkeys(["q_proj", "k_proj", "v_proj", "o_proj"], "mxfp4"), "_proj": "fp8"},  # (first key wins)
+            ["--to", "e4m3fnuz"],
+        ),
     ],
-    ids=["fp8-nvfp4-to-bf16", "mxfp4-to-block128"],
+    ids=["fp8-nvfp4-to-bf16", "mxfp4-to-block128", "mxfp4-passes-through-fnuz"],
 )
 def test_fp4_modules_stream(tmp_path: Path, hub: FakeHub, schemes: dict[str, str], options: list[str]) -> None:
     """FP4 modules (issue 49), their scales and global scales mostly in other shards than their packed weights:
     Hub to Hub under --max-disk lands what a local conversion writes."""
     model = llama(hidden=256, heads=2, kv_heads=1, intermediate=256)
     hub.files["org/src"] = folder = fp4_compressed_tensors(tmp_path / "served", schemes, model, files=3)
+    assert_streams_as_local(tmp_path, hub, folder, options)
+
+
+@pytest.mark.parametrize("options", [["--to", "bf16"], ["--to", "e4m3fnuz"]])
+def test_deepseek_v4_streams(tmp_path: Path, hub: FakeHub, options: list[str]) -> None:
+    """DeepSeek-V4 (issue 49): its experts written in BF16, or passed through beside e4m3fnuz block FP8, their
+    `.scale` tensors in other shards: Hub to Hub under --max-disk lands what a local conversion writes."""
+    hub.files["org/src"] = folder = deepseek_v4(tmp_path / "served", layers=2, files=3)
     assert_streams_as_local(tmp_path, hub, folder, options)
