@@ -32,15 +32,31 @@ from fp8fix.registry.formats import FP4_SCHEMES, GPT_OSS_MXFP4, MODELOPT, MX_GRO
 #: The packed weight of an FP4 module (compressed-tensors NVFP4 / MXFP4: compressors/nvfp4/base.py
 #: compression_param_names: `weight_packed`, `weight_scale`, `weight_global_scale`; `input_global_scale`).
 FP4_PACKED = ".weight_packed"
-#: Each FP4 Linear's (packed weight suffix, global scale, input global scale): compressed-tensors' and ModelOpt's.
-COMPRESSED_TENSORS_NAMES = (FP4_PACKED, "weight_global_scale", "input_global_scale")
-MODELOPT_NAMES = (".weight", "weight_scale_2", "input_scale")
-#: DeepSeek-V4's routed experts: `ffn.experts.E.wK.weight` packed E2M1 as I8, their E8M0 scale `.scale`, no global
-#: scale (vLLM 0.21 models/deepseek_v4.py maps `.experts.N.wK.scale` to the MXFP4 MoE method's weight_scale).
-DEEPSEEK_V4_EXPERTS = ".experts."
+
+
+@dataclass(frozen=True)
+class Fp4Names:
+    """How a dialect names an FP4 Linear's tensors: the packed weight's suffix (and the part of its name and the
+    dtypes it must have), its scale's, its global scale's and input global scale's ("": none)."""
+
+    packed: str
+    scale: str
+    global_scale: str
+    input_scale: str
+    dtypes: tuple[str, ...] | None = None  # None: any (a packed weight of another dtype is reported, not skipped)
+    part: str = ""  # a part of the packed weight's name (DeepSeek-V4: only its routed experts are FP4)
+    global_multiplies: bool = False  # ModelOpt's `weight_scale_2`: e2m1 x scale x it (compressed-tensors: / it)
+
+
 #: The dtypes packed E2M1 bytes are stored as: U8 (compressed-tensors, ModelOpt, gpt-oss), I8 (DeepSeek-V4:
 #: torch.float4_e2m1fn_x2 saved as int8).
 PACKED_DTYPES = ("U8", "I8")
+COMPRESSED_TENSORS_NAMES = Fp4Names(FP4_PACKED, "weight_scale", "weight_global_scale", "input_global_scale")
+#: ModelOpt NVFP4: the Linear's own `weight`, U8 (an FP8 or BF16 `weight` is no FP4 module).
+MODELOPT_NAMES = Fp4Names(".weight", "weight_scale", "weight_scale_2", "input_scale", ("U8",), global_multiplies=True)
+#: DeepSeek-V4's routed experts: `ffn.experts.E.wK.weight` packed E2M1 as I8, their E8M0 scale `.scale`, no global
+#: scale (vLLM 0.21 models/deepseek_v4.py maps `.experts.N.wK.scale` to the MXFP4 MoE method's weight_scale).
+DEEPSEEK_V4_NAMES = Fp4Names(".weight", "scale", "", "", PACKED_DTYPES, part=".experts.")
 #: Elements per scale of each FP4 scheme, by the dtype of its scale: NVFP4 an E4M3 scale per 16 (and a global
 #: scale dividing them), MXFP4 an E8M0 byte per 32 (stored as U8).
 FP4_BY_SCALE_DTYPE = {
@@ -91,42 +107,32 @@ class Fp4Weight:
 
 def fp4_weights(ckpt: Checkpoint, fmt: FormatSpec | None) -> list[Fp4Weight]:
     """Every module with a packed FP4 weight, with its scales, each checked (`_fp4_problem`): compressed-tensors'
-    `weight_packed`, ModelOpt NVFP4's U8 `weight` (`MODELOPT_NAMES`), gpt-oss's stacked experts."""
+    `weight_packed`, ModelOpt NVFP4's U8 `weight`, DeepSeek-V4's experts (`Fp4Names`), gpt-oss's stacked experts."""
     if fmt is not None and fmt.name == GPT_OSS_MXFP4.name:
         return _gpt_oss_experts(ckpt)
     if is_deepseek_v4(fmt):
-        return _deepseek_v4_experts(ckpt, fmt) if fmt is not None and fmt.fp4 else []
-    names = MODELOPT_NAMES if fmt is not None and fmt.name == MODELOPT.name and fmt.fp4 else COMPRESSED_TENSORS_NAMES
-    packed_suffix, global_name, input_name = names
+        if fmt is None or not fmt.fp4:  # (`expert_dtype: fp8`: its experts are block FP8)
+            return []
+        names = DEEPSEEK_V4_NAMES
+    else:
+        names = (
+            MODELOPT_NAMES if fmt is not None and fmt.name == MODELOPT.name and fmt.fp4 else COMPRESSED_TENSORS_NAMES
+        )
     found = []
     for t in ckpt.tensors.values():
-        if not t.name.endswith(packed_suffix) or (names is MODELOPT_NAMES and t.dtype != "U8"):
+        if not t.name.endswith(names.packed) or names.part not in t.name:
             continue
-        module = t.name.removesuffix(packed_suffix)
-        scale = ckpt.tensors.get(f"{module}.weight_scale")
+        if names.dtypes is not None and t.dtype not in names.dtypes:
+            continue
+        module = t.name.removesuffix(names.packed)
+        scale = ckpt.tensors.get(f"{module}.{names.scale}")
         scheme, group = FP4_BY_SCALE_DTYPE.get(scale.dtype, (None, 0)) if scale is not None else (None, 0)
-        global_scale = ckpt.tensors.get(f"{module}.{global_name}")
-        input_global = ckpt.tensors.get(f"{module}.{input_name}")
+        global_scale = ckpt.tensors.get(f"{module}.{names.global_scale}") if names.global_scale else None
+        input_global = ckpt.tensors.get(f"{module}.{names.input_scale}") if names.input_scale else None
         problem = _fp4_problem(t, scale, scheme, group, global_scale, input_global, fmt, names)
         scale = replace(scale, dtype=E8M0) if scale is not None and scheme == "mxfp4" else scale  # E8M0 bytes as U8
-        multiplies = names is MODELOPT_NAMES
+        multiplies = names.global_multiplies
         found.append(Fp4Weight(t, module, scheme, scale, global_scale, input_global, problem, 0, multiplies))
-    return found
-
-
-def _deepseek_v4_experts(ckpt: Checkpoint, fmt: FormatSpec) -> list[Fp4Weight]:
-    """DeepSeek-V4's MXFP4 routed experts: every packed `.weight` (I8 or U8) of an `.experts.` module, with its E8M0
-    `.scale` [out, in / 32], checked as compressed-tensors' MXFP4 is (`_fp4_problem`)."""
-    found = []
-    for t in ckpt.tensors.values():
-        if not t.name.endswith(".weight") or DEEPSEEK_V4_EXPERTS not in t.name or t.dtype not in PACKED_DTYPES:
-            continue
-        module = t.name.removesuffix(".weight")
-        scale = ckpt.tensors.get(f"{module}.scale")
-        scheme, group = FP4_BY_SCALE_DTYPE.get(scale.dtype, (None, 0)) if scale is not None else (None, 0)
-        problem = _fp4_problem(t, scale, scheme, group, None, None, fmt, (".weight", "", ""))
-        scale = replace(scale, dtype=E8M0) if scale is not None and scheme == "mxfp4" else scale
-        found.append(Fp4Weight(t, module, scheme, scale, None, None, problem))
     return found
 
 
@@ -173,7 +179,7 @@ def _fp4_problem(
     global_scale: TensorInfo | None,
     input_global: TensorInfo | None,
     fmt: FormatSpec | None,
-    names: tuple[str, str, str],
+    names: Fp4Names,
 ) -> Fp8fixError | None:
     """Why an FP4 module cannot be read as its scheme says (compressed-tensors' NVFP4 / MXFP4 layout, ModelOpt's
     NVFP4: `names`), or None."""
@@ -181,7 +187,7 @@ def _fp4_problem(
     if packed.dtype not in PACKED_DTYPES or len(packed.shape) != 2 or 0 in packed.shape:
         return InvalidCheckpoint(f"{where} is {packed.dtype} {list(packed.shape)}; packed FP4 is U8 [out, in / 2]")
     if scale is None or scheme is None:
-        scale_name = packed.name.removesuffix(names[0]) + (".scale" if not names[1] else ".weight_scale")
+        scale_name = f"{packed.name.removesuffix(names.packed)}.{names.scale}"
         said = f"has no scale '{scale_name}'" if scale is None else f"has a {scale.dtype} scale '{scale.name}'"
         return InvalidCheckpoint(
             f"{where} {said}; NVFP4 scales are F8_E4M3 (one per 16 elements), MXFP4's U8 E8M0 bytes (one per 32)"
@@ -198,7 +204,8 @@ def _fp4_problem(
             f"'{packed.name}' of {rows} x {cols} elements has one per {group} elements of a row: "
             f"[{rows}, {cols // group}]"
         )
-    for name, t, needed in ((names[1], global_scale, scheme == "nvfp4"), (names[2], input_global, False)):
+    needs_global = scheme == "nvfp4" and bool(names.global_scale)  # (a dialect without one: its config check)
+    for name, t, needed in ((names.global_scale, global_scale, needs_global), (names.input_scale, input_global, False)):
         if t is None and needed:
             return InvalidCheckpoint(f"{where} has no '{name}'; an NVFP4 weight's scales are scaled by it")
         if t is not None and (t.dtype != "F32" or t.numel != 1):

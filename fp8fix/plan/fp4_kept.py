@@ -116,7 +116,7 @@ def _redeclared(source: dict[str, Any], output: dict[str, Any], model: Checkpoin
             qc = quantization_config(config) or {}
             for where, holder, key in locations(qc, name_list.path.split("."), "quantization_config"):
                 said = set(_entries(holder[key]))
-                spots[where] = spots.get(where, said) ^ said if where in spots else said
+                spots[where] = spots[where] ^ said if where in spots else said
                 group = where.split(".")[2] if where.startswith("quantization_config.config_groups.") else None
                 if group in changed_groups:  # a group whose settings changed: each module it targets
                     entries += [(e, name_list.grammar) for e in said]
