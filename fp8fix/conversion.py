@@ -242,6 +242,11 @@ def record_stats(plan: ConversionPlan, stats: WriteStats) -> None:
                 counted.values_rounded,
             )
             m.max_steps, m.max_error = counted.max_steps, counted.max_abs
+    for shared in plan.shared_fp4:
+        moved = stats.shared.get(shared.weight)
+        if moved is not None:
+            shared.groups_exact = moved.groups_exact
+            shared.max_error, shared.max_steps = moved.max_abs, moved.max_steps
     for bf16 in [*plan.dequantized, *(plan.padding.bf16 if plan.padding is not None else [])]:
         rounding = stats.dequantized.get(bf16.weight)
         if rounding is not None:

@@ -21,13 +21,15 @@ e2m1 x scale x scale_2). Headers only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from fp8fix.errors import Fp8fixError, InvalidCheckpoint, UnsupportedCheckpoint
-from fp8fix.io.checkpoint import Checkpoint
+from fp8fix.io.checkpoint import Checkpoint, known_values
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.numerics.dtypes import E8M0
 from fp8fix.registry.formats import FP4_SCHEMES, GPT_OSS_MXFP4, MODELOPT, MX_GROUP, FormatSpec, is_deepseek_v4
+from fp8fix.registry.parallel import packed_siblings
 
 #: The packed weight of an FP4 module (compressed-tensors NVFP4 / MXFP4: compressors/nvfp4/base.py
 #: compression_param_names: `weight_packed`, `weight_scale`, `weight_global_scale`; `input_global_scale`).
@@ -218,3 +220,42 @@ def _fp4_problem(
             f"declares no {scheme} config group ({fmt.label}): the config does not match the weights"
         )
     return None
+
+
+@dataclass(frozen=True)
+class PackedNvfp4:
+    """NVFP4 modules vLLM and SGLang pack into one layer (q / k / v, gate / up: `packed_siblings`), in the layer's
+    order, and the multiplier each module's scales are worth (`Fp4Weight.multiplier`; None: not read, headers
+    only)."""
+
+    modules: tuple[Fp4Weight, ...]
+    multipliers: tuple[float, ...] | None
+
+    @property
+    def differ(self) -> bool:
+        return self.multipliers is not None and len(set(self.multipliers)) > 1
+
+
+def packed_nvfp4(ckpt: Checkpoint, fp4: dict[str, Fp4Weight]) -> list[PackedNvfp4]:
+    """Every packed layer of NVFP4 modules with one global scale each (a layer some of whose modules are not
+    such: none)."""
+    nvfp4 = {w.module: w for w in fp4.values() if w.scheme == "nvfp4" and w.global_scale is not None}
+    found = []
+    for module in nvfp4:
+        siblings = packed_siblings(module)
+        if siblings[0] != module or len(siblings) == 1 or not all(s in nvfp4 for s in siblings):
+            continue
+        modules = tuple(nvfp4[s] for s in siblings)
+        values = [known_values(ckpt, w.global_scale) for w in modules if w.global_scale is not None]
+        readable = all(v is not None and len(v) == 1 and v[0] > 0 and math.isfinite(v[0]) for v in values)
+        multipliers = (
+            tuple(_multiplier(w, v[0]) for w, v in zip(modules, values, strict=True) if v) if readable else None
+        )
+        found.append(PackedNvfp4(modules, multipliers))
+    return found
+
+
+def _multiplier(w: Fp4Weight, global_scale: float) -> float:
+    """What the module's group scales are multiplied by: ModelOpt's weight_scale_2 itself, compressed-tensors'
+    1 / weight_global_scale."""
+    return global_scale if w.global_multiplies else 1.0 / global_scale

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fp8fix.errors import UnsupportedCheckpoint
+from fp8fix.fp4_modules import packed_nvfp4
 from fp8fix.io.checkpoint import known_values
 from fp8fix.model import CheckpointModel, Fp8Weight, ignore_linears
 from fp8fix.numerics.dtypes import E4M3FN, E4M3FNUZ
@@ -516,19 +517,10 @@ def _fp4_unmeasured(model: CheckpointModel, weights: list[Fp8Weight], unlike: bo
 
 def _nvfp4_global_scales(model: CheckpointModel) -> set[str]:
     """Of the NVFP4 modules vLLM and SGLang pack into one layer (q / k / v, gate / up: `PACKED_SHARDS`), whether the
-    global scales of some group "differ", or are "unread" (headers only)."""
-    nvfp4 = {w.module: w for w in model.fp4.values() if w.scheme == "nvfp4" and w.global_scale is not None}
-    found: set[str] = set()
-    for module in nvfp4:
-        siblings = packed_siblings(module)
-        if siblings[0] != module or len(siblings) == 1 or not all(s in nvfp4 for s in siblings):
-            continue
-        values = [known_values(model.checkpoint, nvfp4[s].global_scale) for s in siblings]  # type: ignore[arg-type]
-        if any(v is None for v in values):
-            found.add("unread")
-        elif len({tuple(v) for v in values if v is not None}) > 1:
-            found.add("differ")
-    return found
+    global scales of some layer "differ", or are "unread" (headers only)."""
+    layers = packed_nvfp4(model.checkpoint, model.fp4)
+    found = {"differ"} if any(p.differ for p in layers) else set()
+    return found | ({"unread"} if any(p.multipliers is None for p in layers) else set())
 
 
 def _weight_only_group(config: dict[str, Any]) -> bool:

@@ -623,3 +623,34 @@ def test_deepseek_v4_streams(tmp_path: Path, hub: FakeHub, options: list[str]) -
     `.scale` tensors in other shards: Hub to Hub under --max-disk lands what a local conversion writes."""
     hub.files["org/src"] = folder = deepseek_v4(tmp_path / "served", layers=2, files=3)
     assert_streams_as_local(tmp_path, hub, folder, options)
+
+
+@pytest.mark.parametrize("modelopt", [False, True], ids=["compressed-tensors", "modelopt"])
+def test_nvfp4_shared_global_scales_stream(tmp_path: Path, hub: FakeHub, modelopt: bool) -> None:
+    """NVFP4 q / k / v and gate / up whose global scales differ (issue 49), given one per packed layer by the
+    default conversion, their scales and the shared global scale in other shards than their packed weights: Hub to
+    Hub under --max-disk lands what a local conversion writes."""
+    model = llama(hidden=256, heads=2, kv_heads=1, intermediate=256)
+    if modelopt:
+        folder = modelopt_nvfp4(tmp_path / "served", model, shared_global=False)
+    else:
+        folder = fp4_compressed_tensors(tmp_path / "served", {"proj": "nvfp4"}, model, files=3, shared_global=False)
+    hub.files["org/src"] = folder
+    assert_streams_as_local(tmp_path, hub, folder, [])
+
+
+def test_a_resumed_nvfp4_shared_stream_reports_as_one_run(tmp_path: Path, hub: FakeHub) -> None:
+    """The figures of NVFP4 modules moved to a shared global scale (issue 49) in the shards a cut run uploaded
+    are read back from its records: the resumed run's card is a single run's."""
+    model = llama(hidden=256, heads=2, kv_heads=1, intermediate=256)
+    folder = fp4_compressed_tensors(tmp_path / "served", {"proj": "nvfp4"}, model, files=3, shared_global=False)
+    hub.files["org/src"] = folder
+    env = env_for(tmp_path, hub)
+    hub.fail_commit_after = 2
+    cut = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", env=env)
+    assert cut.returncode == 4, cut.stderr
+    hub.fail_commit_after = None
+    again = fp8fix("convert", "org/src", "--push-to-hub", "me/dst", env=env)
+    assert again.returncode == 0 and "2 already on the Hub" in again.stdout, again.stdout + again.stderr
+    main = hub.tree("me/dst")
+    assert main == local_reference(tmp_path, env) and b"groups of 16 keep every value exactly" in main["README.md"]

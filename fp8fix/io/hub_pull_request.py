@@ -16,6 +16,7 @@ from typing import Any
 from fp8fix.io.hub import bounded_session, hub_errors, retried
 from fp8fix.io.remote_source import RemoteRepo
 from fp8fix.io.writer import WriteStats
+from fp8fix.numerics.nvfp4_shared import SharedStats
 from fp8fix.numerics.requantize import RoundingStats
 from fp8fix.plan.pieces import OutputShard
 
@@ -173,6 +174,7 @@ def _stats_to_json(stats: WriteStats) -> dict[str, Any]:
         "requantized": {k: [v.max_abs, v.max_steps] for k, v in stats.requantized.items()},
         "dequantized": {k: [v.max_abs, v.max_steps] for k, v in stats.dequantized.items()},
         "inexact_codes": stats.inexact_codes,
+        "shared": {k: [v.groups, v.groups_exact, v.max_abs, v.max_steps] for k, v in stats.shared.items()},
     }
 
 
@@ -181,4 +183,5 @@ def stats_from_json(data: dict[str, Any]) -> WriteStats:
         requantized={k: RoundingStats(*v) for k, v in data["requantized"].items()},
         dequantized={k: RoundingStats(*v) for k, v in data["dequantized"].items()},
         inexact_codes=int(data["inexact_codes"]),
+        shared={k: SharedStats(*v) for k, v in data.get("shared", {}).items()},  # (records before it: none)
     )

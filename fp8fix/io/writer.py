@@ -25,6 +25,7 @@ from fp8fix.numerics.dequantize import LookupArrays, dequantize_rows, lookup_tab
 from fp8fix.numerics.dtypes import BITS, E4M3FN, E8M0_NAN, NAN_CODES, decode_floats, encode_floats
 from fp8fix.numerics.mx import MX_BLOCK, MxRangeError, MxRows, e2m1_as_e4m3, e8m0_row_bytes, mx_to_bf16, mx_values
 from fp8fix.numerics.mx_blocks import ReblockedRows, ReblockStats, reblock_rows
+from fp8fix.numerics.nvfp4_shared import SharedScaleNaN, SharedStats, share_rows
 from fp8fix.numerics.recodings import RECODINGS, inexact_codes, recode, scale_exactly
 from fp8fix.numerics.requantize import RoundingStats, requantize, requantize_map
 from fp8fix.numerics.ue8m0 import BlockRow, Ue8m0Stats, ue8m0_rows
@@ -38,6 +39,7 @@ from fp8fix.plan.pieces import (
     MxDequantize,
     MxScales,
     Nvfp4Dequantize,
+    Nvfp4Shared,
     OutputShard,
     PadRows,
     Recode,
@@ -74,6 +76,7 @@ class WriteStats:
     dequantized: dict[str, RoundingStats] = field(default_factory=dict)  # BF16 rounding, per source weight
     ue8m0: dict[str, Ue8m0Stats] = field(default_factory=dict)  # `--scales ue8m0`, per source weight
     reblocked: dict[str, ReblockStats] = field(default_factory=dict)  # `--blocks 128x128`, per source weight
+    shared: dict[str, SharedStats] = field(default_factory=dict)  # NVFP4 at a shared global scale, per packed weight
     processes: int = 1  # how many processes wrote the shards (`jobs`, as far as it applied)
 
     def merge(self, other: WriteStats) -> None:
@@ -85,6 +88,8 @@ class WriteStats:
             self.ue8m0.setdefault(name, Ue8m0Stats()).update(figures)
         for name, counted in other.reblocked.items():
             self.reblocked.setdefault(name, ReblockStats()).update(counted)
+        for name, moved in other.shared.items():
+            self.shared.setdefault(name, SharedStats()).update(moved)
         self.inexact_codes += other.inexact_codes
 
 
@@ -97,6 +102,8 @@ class _Sources(SourceFiles):
         # `--scales ue8m0`: the exponents each block row got, by its piece, for its scale tensor written
         # after it (a scale written first works them out from the rows itself; a grid's worth of ints)
         self.exponents: dict[Ue8m0Codes | MxBlockCodes, list[int]] = {}
+        self.shared_scales: dict[Nvfp4Shared, bytes] = {}  # NVFP4 rows' new scale bytes, for their scale tensor
+        self.scales_to_come: set[Nvfp4Shared] = set()  # ... which the shard being written holds further on
         self.lookup_arrays = LookupArrays()  # `--to bf16`'s index and output, reused window after window
 
 
@@ -137,7 +144,7 @@ def shard_inputs(shard: OutputShard) -> set[Path]:
                 paths |= {p.path, p.col_scales.path}
             elif isinstance(p, Dequantize):
                 paths |= {p.path} | {ref.path for ref in (p.col_scales, p.row_scales) if ref is not None}
-            elif isinstance(p, MxDequantize | MxBlockCodes):
+            elif isinstance(p, MxDequantize | MxBlockCodes | Nvfp4Shared):
                 paths |= {p.path, p.scales.path}
             elif isinstance(p, Nvfp4Dequantize):
                 paths |= {p.path, p.scales.path, p.global_scale.path}
@@ -159,6 +166,7 @@ CPU_BOUND_PIECES = (
     Nvfp4Dequantize,
     MxBlockCodes,
     Ue8m0Codes,
+    Nvfp4Shared,
 )
 
 
@@ -189,6 +197,7 @@ def shard_file_bytes(shard: OutputShard) -> int:
 def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progress, stats: WriteStats) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     header = _header(shard)
+    sources.scales_to_come = {p for t in shard.tensors for p in t.pieces if isinstance(p, Nvfp4Shared)}
     with open(path, "w+b", buffering=0) as f:  # read too: `_copy` restores bytes it overwrote
         out = f.fileno()
         _write_all(out, header)
@@ -223,6 +232,8 @@ def _write_shard(shard: OutputShard, path: Path, sources: _Sources, bar: Progres
                     sources.exponents[piece] = row.exponents
                     _write_all(out, row.codes)
                     stats.reblocked.setdefault(piece.weight, ReblockStats()).update(row.stats)
+                elif isinstance(piece, Nvfp4Shared):
+                    _write_all(out, _nvfp4_shared(sources, piece, stats))
                 elif isinstance(piece, MxBlockScales):
                     exponents = [e for r in piece.rows for e in _exponents_of(sources, r)]
                     _write_all(out, encode_floats([2.0**e for e in exponents], piece.dtype))
@@ -634,6 +645,36 @@ def _mx_block_rows(sources: _Sources, piece: MxBlockCodes) -> ReblockedRows:
             "finite and positive (fp8fix inspect lists every such scale)"
         )
     return reblock_rows(codes, scales, piece.cols)
+
+
+def _nvfp4_shared(sources: _Sources, piece: Nvfp4Shared, stats: WriteStats) -> bytes:
+    """NVFP4 rows at their layer's shared global scale (`numerics.nvfp4_shared`): the packed part counted in
+    `stats`, its scale bytes kept for the scale part (worked out again where the scales come first)."""
+    key = replace(piece, part="scales")
+    sources.scales_to_come.discard(piece)
+    if piece.part == "scales" and key in sources.shared_scales:
+        return sources.shared_scales.pop(key)
+    ref = piece.scales
+    try:
+        packed, scales, moved = share_rows(
+            sources.read(piece.path, piece.start, piece.end),
+            sources.read(ref.path, ref.start, ref.start + ref.count),
+            piece.cols,
+            piece.ratio,
+            piece.multiplier,
+            piece.first_row,
+        )
+    except SharedScaleNaN as e:
+        raise InvalidCheckpoint(
+            f"{ref.path.name}: scale '{ref.name}' of NVFP4 weight '{piece.weight}' is NaN at {e}; scales must be "
+            "finite (fp8fix inspect lists every such scale)"
+        ) from e
+    if piece.part == "scales":
+        return scales
+    if key in sources.scales_to_come:
+        sources.shared_scales[key] = scales
+    stats.shared.setdefault(piece.weight, SharedStats()).update(moved)
+    return packed
 
 
 def _exponents_of(sources: _Sources, row: MxBlockCodes) -> list[int]:

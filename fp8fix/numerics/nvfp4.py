@@ -72,6 +72,21 @@ def nvfp4_table(global_scale: float, out_dtype: str, multiply: bool = False) -> 
     return Nvfp4Table(nibble_pairs(bits), ~fits.all(axis=1), errors, steps)
 
 
+def nvfp4_arrays(
+    data: bytes | bytearray | memoryview, scales: bytes | bytearray | memoryview, cols: int
+) -> tuple[Any, Any]:
+    """Rows of packed NVFP4 (`cols` elements each) and their scale bytes as uint8 arrays [rows, groups, 8] and
+    [rows, groups] (no copy); ValueError where the sizes are not such rows."""
+    import numpy as np
+
+    groups = cols // NVFP4_GROUP
+    rows = len(scales) // groups if groups else 0
+    if not groups or cols % NVFP4_GROUP or len(scales) != rows * groups or len(data) * 2 != rows * cols:
+        raise ValueError(f"{len(data)} packed bytes and {len(scales)} scale bytes are not rows of {cols} NVFP4")
+    packed = np.frombuffer(data, dtype=np.uint8).reshape(rows, groups, NVFP4_GROUP // 2)
+    return packed, np.frombuffer(scales, dtype=np.uint8).reshape(rows, groups)
+
+
 def nvfp4_rows(
     data: bytes | bytearray | memoryview,
     scales: bytes | bytearray | memoryview,
@@ -87,12 +102,9 @@ def nvfp4_rows(
     names the first group with a value the output cannot hold."""
     import numpy as np
 
-    groups = cols // NVFP4_GROUP
-    rows = len(scales) // groups if groups else 0
-    if not groups or cols % NVFP4_GROUP or len(scales) != rows * groups or len(data) * 2 != rows * cols:
-        raise ValueError(f"{len(data)} packed bytes and {len(scales)} scale bytes are not rows of {cols} NVFP4")
-    packed = np.frombuffer(data, dtype=np.uint8).reshape(rows, groups, NVFP4_GROUP // 2)
-    scale_bytes = np.frombuffer(scales, dtype=np.uint8).reshape(rows, groups, 1)
+    packed, scale_bytes = nvfp4_arrays(data, scales, cols)
+    rows, groups, _ = packed.shape
+    scale_bytes = scale_bytes.reshape(rows, groups, 1)
     out = look_up_pairs(packed, scale_bytes, table.pairs, arrays or LookupArrays())
     present = np.bincount(scale_bytes.reshape(-1), minlength=256) > 0
     bad = first_out_of_range(out) if table.unsafe[present].any() else None

@@ -8,7 +8,8 @@ SOURCE's bytes, and what config.json says of it unchanged (the config groups tha
 matching, the lists that name it, its format's settings). A conversion that would move, rewrite or re-declare one
 (a layout unfusing a module ModelOpt's map names, a config written in another format, `--tp` padding that changes a
 size, a rewritten hf_quant_config.json) is refused before anything is written, rather than writing FP4 bytes under
-a declaration that reads them wrongly.
+a declaration that reads them wrongly. (NVFP4 projections a runtime packs under one global scale, where theirs
+differ, are then given that scale: `fp4_shared`, a pass over the plan checked here.)
 """
 
 from __future__ import annotations

@@ -196,6 +196,25 @@ class Nvfp4Dequantize(SourceRange):
 
 
 @dataclass(frozen=True)
+class Nvfp4Shared(SourceRange):
+    """Rows of packed NVFP4 (`cols` elements each) and their e4m3fn scale bytes (`scales`, the rows' own),
+    moved to the global scale their packed layer shares (`numerics.nvfp4_shared`, `ratio` their multiplier over
+    the shared one, `multiplier`): `part` "packed" writes the new packed bytes, "scales" the new scale bytes."""
+
+    cols: int
+    scales: ScaleRef
+    ratio: float
+    multiplier: float
+    weight: str  # the packed weight, for statistics and messages
+    part: str = "packed"
+    first_row: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start if self.part == "packed" else self.scales.count
+
+
+@dataclass(frozen=True)
 class MxBlockCodes(SourceRange):
     """Up to 128 rows of MXFP8 codes (`cols` each; MXFP4: packed elements) and their E8M0 bytes (`scales`: the rows'
     own, in order), written as e4m3fn codes at one power of two per 128 x 128 block (`numerics.mx_blocks`):
@@ -294,6 +313,7 @@ Piece = (
     | Ue8m0Codes
     | Ue8m0Scales
     | MxScales
+    | Nvfp4Shared
 )
 
 
@@ -405,6 +425,7 @@ class ConversionPlan:
     dropped_files: list[str] = field(default_factory=list)  # SOURCE files OUTPUT leaves out (a plain model's)
     ue8m0: Any = None  # plan.ue8m0.Ue8m0Change with `--scales ue8m0`
     reblocked: list[Any] = field(default_factory=list)  # plan.mx_blocks.ReblockedModule: `--blocks 128x128`
+    shared_fp4: list[Any] = field(default_factory=list)  # plan.fp4_shared.SharedModule: NVFP4 at a layer's scale
     sketch: bool = False  # a `--target` candidate whose shards were not planned (`planner.plan_conversion`)
 
     @property

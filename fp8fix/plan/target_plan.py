@@ -8,6 +8,7 @@ from fp8fix.errors import UnsupportedCheckpoint
 from fp8fix.model import CheckpointModel
 from fp8fix.plan.block_mx import plan_mx_model
 from fp8fix.plan.fp4_kept import check_fp4_kept, require_fp4_encoding
+from fp8fix.plan.fp4_shared import copy_plan, differing_layers, share_global_scales
 from fp8fix.plan.mx_blocks import plan_reblocked_model
 from fp8fix.plan.pieces import ConversionPlan
 from fp8fix.plan.planner import channel_format, plan_conversion, require_fp8_scales
@@ -31,13 +32,20 @@ def plan_for_target(
     """The conversion `convert` writes: `layout` and `output_format` where given, the rest what `target`'s
     loaders take best. An explicit layout alone keeps the source's format: it asks for that change only
     (`channel` excepted: compressed-tensors is the one format vLLM takes it in). `to` an unquantized
-    dtype (bf16, float16): the whole model written so (`unquantized.py`), the one conversion of FP4 modules."""
+    dtype (bf16, float16): the whole model written so (`unquantized.py`), the one conversion of FP4 modules but
+    two: MXFP4 re-blocked (`--blocks 128x128`), and NVFP4 modules of a packed layer whose global scales differ given
+    the layer's one (`fp4_shared`) for every target but transformers (which reads each module's own)."""
     fp8_rewrite = (to is None or to in ENCODING_NAMES) and blocks != "128x128"  # (MXFP4 modules: re-blocked)
+    share = fp8_rewrite and target != "transformers" and bool(model.fp4) and bool(differing_layers(model))
+    only_fp4 = bool(model.fp4) and not model.weights  # nothing FP8 to convert
     if model.fp4 and fp8_rewrite:
-        if not model.weights:  # nothing FP8 to convert: FP4 modules are written unquantized or re-blocked
+        plain = (layout, to, output_format, tp, dequantize, scales, blocks) == (None, None, None, None, (), None, None)
+        if only_fp4 and not (share and plain):  # FP4 modules are written unquantized, re-blocked or shared
             raise _fp4_refusal(model)
         require_fp4_encoding(model, to)
-    if blocks is not None:
+    if only_fp4 and share:
+        plan = copy_plan(model)
+    elif blocks is not None:
         plan = plan_mx_model(model) if blocks == "mx" else plan_reblocked_model(model, blocks)
     elif to is not None and to not in ENCODING_NAMES:
         plan = plan_unquantized_model(model, to, tp)
@@ -48,6 +56,8 @@ def plan_for_target(
     plan.target = target
     if fp8_rewrite:
         check_fp4_kept(plan, model)  # FP4 modules beside FP8 ones pass through as they are, or it is refused
+    if share:  # for vLLM and SGLang, which pack q / k / v and gate / up with one global scale
+        share_global_scales(plan, model)
     return plan
 
 

@@ -180,6 +180,27 @@ def reblocked_lines(plan: ConversionPlan) -> list[str]:
     return [f"{line}; {exact} of {blocks} blocks keep every value exactly; rounded: {said}"]
 
 
+def shared_fp4_lines(plan: ConversionPlan) -> list[str]:
+    """NVFP4 modules moved to the global scale their packed layer shares: groups kept exactly, values moved."""
+    modules = plan.shared_fp4
+    if not modules:
+        return []
+    layers = len({tuple(m.layer) for m in modules})
+    groups = sum(m.groups for m in modules)
+    line = (
+        f"nvfp4: {len(modules)} module(s) of {layers} packed layer(s) (q / k / v, gate / up) given the global scale "
+        "vLLM and SGLang use for the whole layer (the largest multiplier)"
+    )
+    written = [m for m in modules if m.groups_exact is not None]
+    if not written:
+        return [line + "; groups kept exactly reported once written"]
+    exact = sum(m.groups_exact or 0 for m in written)
+    worst = max(m.max_steps or 0.0 for m in written)
+    error = max(m.max_error or 0.0 for m in written)
+    said = f"; the others requantized once, at most {worst:.2f} E2M1 steps ({error:.3g})" if exact < groups else ""
+    return [f"{line}; {exact} of {groups} groups of 16 keep every value exactly{said}"]
+
+
 def plan_loaders(plan: ConversionPlan) -> dict[str, dict[str, Any]]:
     """The loaders' verdicts on the checkpoint the plan writes (`fp8fix.verdicts`), as JSON."""
     return verdicts_json(plan.loaders)
@@ -205,6 +226,7 @@ def plan_lines(plan: ConversionPlan, verbose: bool = False) -> list[str]:
     lines += dequantized_lines(plan)
     lines += ue8m0_lines(plan)
     lines += reblocked_lines(plan)
+    lines += shared_fp4_lines(plan)
     if not groups and not plan.unquantized and not plan.reblocked and not (plan.ue8m0 and plan.ue8m0.mx):
         lines.append("modules: no fused modules in this checkpoint")
     for g in groups:
@@ -336,6 +358,7 @@ def plan_json(plan: ConversionPlan) -> dict[str, Any]:
             "modules": [dataclasses.asdict(m) for m in plan.ue8m0.modules],
         },
         "reblocked": [dataclasses.asdict(m) for m in plan.reblocked],
+        "shared_fp4": [dataclasses.asdict(m) for m in plan.shared_fp4],
         "tensor_parallel": None
         if plan.padding is None
         else {

@@ -27,6 +27,7 @@ from fp8fix.report.convert_report import (
     module_groups,
     padding_lines,
     reblocked_lines,
+    shared_fp4_lines,
     ue8m0_lines,
 )
 
@@ -206,7 +207,7 @@ def conversion_section(
         *([] if plan.unquantized else [f"- Layout: **{plan.layout}**"]),
         "",
     ]
-    changes = [*dequantized_lines(plan), *ue8m0_lines(plan), *reblocked_lines(plan)]
+    changes = [*dequantized_lines(plan), *ue8m0_lines(plan), *reblocked_lines(plan), *shared_fp4_lines(plan)]
     lines += [f"- {line.capitalize()}" for line in changes]
     encoding = encoding_line(plan)
     if encoding:

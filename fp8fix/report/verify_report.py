@@ -15,7 +15,7 @@ def verify_lines(report: VerifyReport, verbose: bool = False) -> list[str]:
             lines.append(f"  mismatch    {w.tensor}: {w.mismatched_codes or 'no'} values counted different")
         elif w.kind != "exact":
             rounded = f", {w.rounded_codes} codes rounded" if w.rounded_codes else ""
-            grid = "BF16" if w.kind == "dequantized" else "fp8"  # the steps of the values it was rounded to
+            grid = "BF16" if w.kind == "dequantized" else w.grid  # the steps of the values it was rounded to
             error = f"max error {w.max_error:.3g} ({w.max_error_steps:.2f} {grid} steps)"
             lines.append(f"  {w.kind:<11} {w.tensor}: {error}{rounded}")
     lines += [f"  problem: {p}" for p in report.problems]

@@ -20,7 +20,8 @@ Then:
 - `--scales ue8m0` weights (power-of-two block scales) as such (`ue8m0`), `--blocks 128x128` MXFP8 weights
   re-blocked (`mx_blocks`), and `--blocks mx` block FP8 weights as MXFP8 (`block_mx`);
 - `--tp` padding and weights written unquantized (`--to bf16`, `--dequantize`, `--tp-bf16`) are checked as
-  such (`padding`, `dequantized`), FP4 modules written unquantized too (`fp4`);
+  such (`padding`, `dequantized`), FP4 modules written unquantized too (`fp4`), NVFP4 modules moved to their
+  packed layer's global scale (`fp4_shared`);
 - every OUTPUT tensor has the dtype and shape its SOURCE tensor and mapping give (`shapes`);
 - index, shard files and their `__metadata__`, and the copied files are what they should be,
   and OUTPUT holds no file besides them;
@@ -49,6 +50,7 @@ from fp8fix.verification.dequantized import (
     unquantized_modules,
 )
 from fp8fix.verification.fp4 import check_fp4, fp4_dropped, unquantized_fp4, unquantized_name
+from fp8fix.verification.fp4_shared import check_shared, shared_modules, shared_scale_names
 from fp8fix.verification.mapping import Target, map_tensors, module_renames
 from fp8fix.verification.mx_blocks import check_reblocked, reblocked_weights
 from fp8fix.verification.padding import check_padded, padded_sizes, padded_tensors
@@ -97,6 +99,7 @@ def verify(
         ctx.padded = padded_tensors(ctx)
         ctx.dequantized = dequantized_weights(ctx)
         ctx.fp4 = unquantized_fp4(ctx)
+        ctx.shared_fp4 = shared_modules(ctx)
         ctx.dropped = dropped_scales(ctx, ctx.dequantized) | fp4_dropped(ctx.fp4)
         ctx.ue8m0 = ue8m0_weights(ctx)
         ctx.reblocked = reblocked_weights(ctx)
@@ -143,6 +146,7 @@ class _TensorChecks:
         fmt = ctx.fmt
         self.scale_names = {fmt.weight_scale_of(w) for w in self.weights}
         self.scale_names |= {m.scale.name for m in ctx.reblocked.values()}  # (MXFP4's, checked with its weight)
+        self.scale_names |= shared_scale_names(ctx.shared_fp4)
         self.input_of = {fmt.input_scale_of(w): w for w in self.weights if fmt.input_scale_of(w) in ctx.src.tensors}
         # scales are checked through the weights' values, not streamed
         self.costs = [0 if n in self.scale_names or n in self.input_of else ctx.src.tensors[n].nbytes for n in mapping]
@@ -170,6 +174,8 @@ class _TensorChecks:
                 ctx.report.add(check_dequantized(ctx, ctx.dequantized[name]))
             elif name in ctx.fp4:  # `--to bf16` of an FP4 module (its scales checked with it)
                 ctx.report.add(check_fp4(ctx, ctx.fp4[name]))
+            elif name in ctx.shared_fp4:  # NVFP4 at its packed layer's global scale (its scales checked with it)
+                ctx.report.add(check_shared(ctx, ctx.shared_fp4[name]))
             elif name in ctx.ue8m0:  # `--scales ue8m0`: power-of-two block scales (its scale checked with it)
                 ctx.report.add(check_ue8m0(ctx, ctx.ue8m0[name]))
             elif name in ctx.reblocked:  # `--blocks 128x128`: MXFP8, MXFP4 as block FP8 (its scale checked with it)

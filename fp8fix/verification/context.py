@@ -57,6 +57,7 @@ class VerifyContext:
     reblocked: dict[str, Any] = field(default_factory=dict)  # `--blocks 128x128`: MXFP8 weights as block FP8
     block_mx: dict[str, Any] = field(default_factory=dict)  # `--blocks mx`: block FP8 weights as MXFP8
     fp4: dict[str, Any] = field(default_factory=dict)  # FP4 modules OUTPUT holds unquantized, by packed weight
+    shared_fp4: dict[str, Any] = field(default_factory=dict)  # NVFP4 modules at their layer's shared global scale
     #: SOURCE tensors OUTPUT holds under another name: an FP4 module's packed weight as its `<module>.weight`
     renamed: dict[str, str] = field(default_factory=dict)
     source_name: str | None = None  # SOURCE as OUTPUT's card must name it (a Hub repo id, or the folder's name)

@@ -29,6 +29,7 @@ class WeightCheck:
     rounded_codes: int = 0
     mismatched_codes: int = 0  # codes (or values) found different from SOURCE's, kind `mismatch`
     mismatch: str | None = None  # what differs first (the largest difference of its row run), kind `mismatch`
+    grid: str = "fp8"  # whose steps `max_error_steps` counts (requantized NVFP4: E2M1's)
 
     def grade(self, kind: WeightVerdict) -> None:
         """A loss found in some rows: the record takes the worst found so far (exact < rounded < requantized <
@@ -106,13 +107,19 @@ class VerifyReport:
 
     def summary(self) -> str:
         kinds = {k: sum(w.kind == k for w in self.weights) for k in get_args(WeightVerdict)}
-        worst = max((w.max_error_steps for w in self.weights if w.kind == "requantized"), default=None)
+        worst = max(
+            (w.max_error_steps for w in self.weights if w.kind == "requantized" and w.grid == "fp8"), default=None
+        )
+        e2m1 = max(
+            (w.max_error_steps for w in self.weights if w.kind == "requantized" and w.grid == "E2M1"), default=None
+        )
         rounded = max((w.max_error_steps for w in self.weights if w.kind == "dequantized"), default=None)
         return (
             (f"part {self.part[0]}/{self.part[1]}: " if self.part else "")
             + f"{len(self.weights)} quantized weights ({kinds['exact']} exact, {kinds['rounded']} with rounded codes, "
             f"{kinds['requantized']} requantized"
             + (f", max {worst:.2f} fp8 steps" if worst is not None else "")
+            + (f", max {e2m1:.2f} E2M1 steps (NVFP4)" if e2m1 is not None else "")
             + (f", {kinds['dequantized']} unquantized, max {rounded:.2f} steps" if rounded is not None else "")
             + (f", {kinds['mismatch']} MISMATCHED: {self.mismatched_values()} values" if kinds["mismatch"] else "")
             + f"), {self.scales_checked} input scales, {self.identical_tensors} tensors byte-identical"

@@ -144,3 +144,40 @@ def test_mxfp4_as_128_blocks_is_judged_as_the_loaders_load_it(tmp_path: Path) ->
         assert run_cli("convert", src, tmp_path / f"{name}-128", "--blocks", "128x128").exit_code == 0
         outputs[name] = tmp_path / f"{name}-128"
     assert_judged_as_loaded(outputs, "ct-mxfp4-to-block128", tmp_path)
+
+
+def test_shared_global_scales_are_judged_as_the_loaders_load_them(tmp_path: Path) -> None:
+    """The default conversion of NVFP4 whose packed projections' global scales differ gives each packed layer one
+    (the largest multiplier: `plan/fp4_shared.py`): SGLang no longer refuses it (it stops where shared NVFP4 does,
+    at its CUDA kernels), vLLM's CPU builds stop where they do for any NVFP4, and transformers computes with
+    OUTPUT's values, each within the reported error of SOURCE's."""
+    src = fp4_compressed_tensors(tmp_path / "src", {"proj": "nvfp4"}, loadable(llama()), shared_global=False)
+    out = tmp_path / "shared"
+    result = run_cli("convert", src, out, "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    worst = max(m["max_error"] for m in plan["shared_fp4"])
+    rows = json.loads(run_cli("inspect", out, "--json").output)["loaders"]
+    results = {loader: r[0] for loader, r in run_loaders(VERDICT_ROWS, [out], tmp_path / "loaded").items()}
+    before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    for loader, loaded in results.items():
+        row, expected = VERDICT_ROWS[loader], outcomes("llama-nvfp4")[loader]  # as shared NVFP4 (measured above)
+        said = rows[row]["verdict"]
+        assert said == row_of("llama-nvfp4", row), (row, said, rows[row]["reason"])
+        record(
+            loader,
+            "ct-nvfp4-shared-global",
+            said,
+            "loads" if loaded.loaded else "fails",
+            said == "not-judged",
+            loaded.error,
+        )
+        if expected is None:
+            assert loaded.loaded, f"{loader}: {loaded.error}"
+            assert_fp4_values(out, loaded.weights, loaded.unreadable)
+            for module in [n.removesuffix(".weight_packed") for n in before if n.endswith(".weight_packed")]:
+                got, source = loaded.weights[module].double(), fp4_values(before, module)
+                bound = worst + half_step_of(source) + half_step_of(fp4_values(after, module))
+                assert bool(((got - source).abs() <= bound).all()), module
+        else:
+            assert not loaded.loaded and expected in loaded.error, f"{loader}: {loaded.error or 'loaded'}"
