@@ -26,6 +26,7 @@ from fp8fix.model import CheckpointModel, ignore_linears, unquantized_linears
 from fp8fix.numerics.dtypes import E4M3FN, is_fp8
 from fp8fix.numerics.mx import MX_BLOCK
 from fp8fix.plan import planner
+from fp8fix.plan.compressed_tensors import linear_group_config
 from fp8fix.plan.output import output_model
 from fp8fix.plan.pieces import ConversionPlan, MxScales, OutputTensor
 from fp8fix.plan.scheme import named_modules
@@ -149,22 +150,9 @@ def mx_config(config: dict[str, Any], linears: list[str]) -> tuple[dict[str, Any
             group["input_activations"] = dict(MXFP8_ACTIVATIONS)
             group.pop("format", None)
         qc["format"] = MXFP8_FORMAT
+        out, added = ignore_linears(out, linears)
     else:
-        out.pop("compression_config", None)
-        out["quantization_config"] = {
-            "quant_method": COMPRESSED_TENSORS.name,
-            "format": MXFP8_FORMAT,
-            "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": dict(MXFP8_WEIGHTS),
-                    "input_activations": dict(MXFP8_ACTIVATIONS),
-                }
-            },
-            "ignore": [],
-        }
-    out, added = ignore_linears(out, linears)
+        out, added = linear_group_config(out, MXFP8_FORMAT, dict(MXFP8_WEIGHTS), dict(MXFP8_ACTIVATIONS), linears)
     edits = [
         f"quantization_config: {source} block FP8 -> compressed-tensors format '{MXFP8_FORMAT}': weights in groups "
         f"of {MX_BLOCK} with E8M0 (uint8) scales, activations dynamic in groups of {MX_BLOCK} (llm-compressor's "

@@ -23,7 +23,7 @@ import copy
 import math
 from typing import Any
 
-from fp8fix.model import CheckpointModel
+from fp8fix.model import CheckpointModel, ignore_linears
 from fp8fix.plan.pieces import OutputShard, OutputTensor
 from fp8fix.plan.scheme import Scheme, can_write, scheme_of
 from fp8fix.registry.formats import COMPRESSED_TENSORS, compressed_tensors_names, quantization_config
@@ -89,6 +89,24 @@ def compressed_tensors_config(config: dict[str, Any], scheme: Scheme) -> dict[st
     out.pop("compression_config", None)
     out["quantization_config"] = qc
     return out
+
+
+def linear_group_config(
+    config: dict[str, Any], fmt: str, weights: dict[str, Any], activations: dict[str, Any], linears: list[str]
+) -> tuple[dict[str, Any], list[str]]:
+    """config.json with its quantization config compressed-tensors' one group targeting `Linear` (`weights`,
+    `activations`, format `fmt`), for a source of another format; every module of `linears` (OUTPUT's Linear
+    modules without an FP8 weight) in `ignore`. And those ignored."""
+    out = copy.deepcopy(config)
+    out.pop("compression_config", None)
+    out["quantization_config"] = {
+        "quant_method": COMPRESSED_TENSORS.name,
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}},
+        "ignore": [],
+    }
+    return ignore_linears(out, linears)
 
 
 def channel_strategy_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

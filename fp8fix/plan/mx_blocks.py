@@ -18,17 +18,19 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from fp8fix.errors import UnsupportedCheckpoint
+from fp8fix.errors import UnsupportedCheckpoint, some
 from fp8fix.io.checkpoint import CONFIG
 from fp8fix.io.safetensors_file import TensorInfo
-from fp8fix.model import CheckpointModel
+from fp8fix.model import CheckpointModel, unquantized_linears
 from fp8fix.numerics.dtypes import E4M3FN
 from fp8fix.numerics.mx import MX_BLOCK
 from fp8fix.numerics.mx_blocks import BLOCK
 from fp8fix.plan import planner
+from fp8fix.plan.compressed_tensors import linear_group_config
 from fp8fix.plan.output import output_model
 from fp8fix.plan.pieces import ConversionPlan, MxBlockCodes, MxBlockScales, OutputTensor, ScaleRef
-from fp8fix.registry.formats import MODELOPT, quantization_config
+from fp8fix.plan.scheme import source_scheme
+from fp8fix.registry.formats import MODELOPT, MODELOPT_CONFIG, quantization_config
 from fp8fix.verdicts import loader_verdicts
 
 #: llm-compressor's FP8_BLOCK scheme (compressed-tensors 0.20 quantization/quant_scheme.py FP8_BLOCK).
@@ -76,10 +78,7 @@ def plan_reblocked_model(model: CheckpointModel, blocks: str) -> ConversionPlan:
             "block FP8, --tp pads and --scales ue8m0 writes powers of two)"
         )
     if fmt.name == MODELOPT.name:
-        raise UnsupportedCheckpoint(
-            f"--blocks {blocks}: re-blocks compressed-tensors MXFP8 and MXFP4; a {fmt.label} config is not rewritten "
-            "as block FP8 yet: --to bf16 writes its weights unquantized"
-        )
+        _require_modelopt_reblockable(model, blocks)
     stacked = [w.module for w in mxfp4 if w.experts]
     if stacked:
         raise UnsupportedCheckpoint(
@@ -109,12 +108,46 @@ def plan_reblocked_model(model: CheckpointModel, blocks: str) -> ConversionPlan:
         modules.append(ReblockedModule(name.removesuffix(".weight"), name, grid[0] * grid[1]))
     shards = [planner.plan_shard(name, h.metadata, h.tensors, replacements) for name, h in ckpt.shards.items()]
     planner.check_pieces_inside_sources(shards, ckpt.tensors)
-    plan = planner.whole_model_plan(
-        model, arch_name, shards, {CONFIG: reblocked_config(ckpt.config)}, reblocked=modules
-    )
+    dropped: list[str] = []
+    if fmt.name == MODELOPT.name:  # written as compressed-tensors: ModelOpt's side config would say MXFP8 still
+        written: dict[str, Any] = {t.name: t for s in shards for t in s.tensors}  # (dtype and shape read)
+        linears = unquantized_linears(written)
+        config = linear_group_config(
+            ckpt.config, "float-quantized", dict(FP8_BLOCK_WEIGHTS), dict(FP8_BLOCK_ACTIVATIONS), linears
+        )
+        config_edits = [
+            f"quantization_config: {fmt.label} -> compressed-tensors float-quantized, weights e4m3fn in blocks of "
+            f"{BLOCK}x{BLOCK} (F32 powers of two), activations dynamic per group of {BLOCK} (llm-compressor's "
+            "FP8_BLOCK)"
+            + (f"; ignore: {', '.join(config[1][:3])}{' ...' if len(config[1]) > 3 else ''}" if config[1] else "")
+        ]
+        dropped = [MODELOPT_CONFIG] if (ckpt.root / MODELOPT_CONFIG).is_file() else []
+        config_files = {CONFIG: (config[0], config_edits)}
+    else:
+        config_files = {CONFIG: reblocked_config(ckpt.config)}
+    plan = planner.whole_model_plan(model, arch_name, shards, config_files, reblocked=modules, dropped_files=dropped)
     plan.source_loaders = loader_verdicts(model)
     plan.loaders = loader_verdicts(output_model(plan, model))
     return plan
+
+
+def _require_modelopt_reblockable(model: CheckpointModel, blocks: str) -> None:
+    """A ModelOpt MXFP8 checkpoint is written as one compressed-tensors group: refuse, named, what that cannot say
+    (kv-cache scales, which a compressed-tensors config would have to declare; MX modules its lists leave out)."""
+    if model.kv_cache_scales:
+        raise UnsupportedCheckpoint(
+            f"--blocks {blocks}: {len(model.kv_cache_scales)} kv-cache scale(s) (e.g. "
+            f"'{model.kv_cache_scales[0].name}') of a ModelOpt checkpoint are not carried into compressed-tensors "
+            "yet: --to bf16 writes it unquantized"
+        )
+    found = source_scheme(model)
+    excluded = set(found[1] if found else ()) & {w.module for w in model.module_weights()}
+    if excluded:
+        raise UnsupportedCheckpoint(
+            f"--blocks {blocks}: the ModelOpt config excludes MX module(s) from quantization "
+            f"({some(sorted(excluded), 3)}); what its loaders do with their codes has no block-FP8 form: --to bf16 "
+            "writes every weight unquantized"
+        )
 
 
 def _block_rows(t: TensorInfo, scale: TensorInfo, name: str, cols: int, element: str) -> list[MxBlockCodes]:

@@ -39,7 +39,7 @@ from fp8fix.plan.pieces import (
 from fp8fix.plan.selection import select_modules
 from fp8fix.plan.ue8m0 import plan_ue8m0
 from fp8fix.registry.architectures import unregistered_note
-from fp8fix.registry.formats import COMPRESSED_TENSORS, MODELOPT
+from fp8fix.registry.formats import COMPRESSED_TENSORS
 from fp8fix.verdicts import loader_verdicts
 from fp8fix.vocab import Encoding, Layout, OutputFormat
 
@@ -49,14 +49,11 @@ def require_fp8_scales(model: CheckpointModel) -> None:
     per-tensor, per-channel and 128 x 128 block scales; MX weights are written unquantized (`--to bf16`)."""
     fmt = model.require_format()
     if fmt.mx:
-        reblocked = fmt.name != MODELOPT.name  # (a ModelOpt config is not rewritten as block FP8 yet)
         raise UnsupportedCheckpoint(
-            f"{model.checkpoint.root.name}: a {fmt.label} checkpoint is converted to BF16 or F16"
-            + (", or to 128x128 block FP8," if reblocked else "")
-            + " only, yet: `fp8fix convert SOURCE OUTPUT --to bf16` writes every MX weight as exactly code x "
-            "2^(b - 127)"
-            + (", `--blocks 128x128` as block FP8 for runtimes without MX kernels" if reblocked else "")
-            + "; `fp8fix inspect SOURCE` says which loaders take it as it is"
+            f"{model.checkpoint.root.name}: a {fmt.label} checkpoint is converted to BF16 or F16, or to 128x128 "
+            "block FP8, only, yet: `fp8fix convert SOURCE OUTPUT --to bf16` writes every MX weight as exactly code x "
+            "2^(b - 127), `--blocks 128x128` as block FP8 for runtimes without MX kernels; `fp8fix inspect SOURCE` "
+            "says which loaders take it as it is"
         )
 
 

@@ -33,7 +33,7 @@ from fp8fix.numerics.dtypes import is_fp8
 from fp8fix.registry.formats import COMPRESSED_TENSORS, NameList, locations, matches
 from fp8fix.registry.formats import quantization_config as quantization_of
 from fp8fix.verification.block_mx import check_mx_config
-from fp8fix.verification.context import VerifyContext, plain_output
+from fp8fix.verification.context import VerifyContext, plain_output, side_configs_dropped
 from fp8fix.verification.fp4 import unquantized_name
 from fp8fix.verification.mx_blocks import check_reblocked_config
 from fp8fix.verification.sizes import check_sizes
@@ -70,7 +70,7 @@ def check_config(
     elif kept:
         lists = [n for n in ctx.fmt.name_lists if n.file == CONFIG]
         _same_but_names(ctx, CONFIG, "quantization_config", source_qc, output_qc, lists, renames, unquantized)
-    return _side_configs(ctx, renames, kept)
+    return [] if side_configs_dropped(ctx) else _side_configs(ctx, renames, kept)
 
 
 #: The torch dtype name config.json gives weights of each unquantized safetensors dtype.

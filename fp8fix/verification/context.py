@@ -13,7 +13,7 @@ from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.io.source_files import SourceFiles
 from fp8fix.model import CheckpointModel, FusedModule
 from fp8fix.numerics.dtypes import FP8_WEIGHT_DTYPES, ITEM_SIZE, is_fp8
-from fp8fix.registry.formats import FormatSpec, quantization_config
+from fp8fix.registry.formats import COMPRESSED_TENSORS, FormatSpec, quantization_config
 from fp8fix.verification.report import VerifyReport, WeightCheck
 
 #: Elements compared per step: memory stays at a few row chunks whatever the tensor's size.
@@ -88,6 +88,14 @@ def fp8_weight_dtypes(ctx: VerifyContext, side: str) -> set[str]:
 def plain_output(ctx: VerifyContext) -> bool:
     """OUTPUT is a plain model: no quantization config and no FP8 tensor (`convert --to bf16`)."""
     return quantization_config(ctx.out.config) is None and not any(is_fp8(t.dtype) for t in ctx.out.tensors.values())
+
+
+def side_configs_dropped(ctx: VerifyContext) -> bool:
+    """OUTPUT leaves SOURCE's side config (ModelOpt's hf_quant_config.json) behind: a plain model, or MX weights
+    re-blocked under a compressed-tensors config (which a side config saying MXFP8 would contradict)."""
+    method = (quantization_config(ctx.out.config) or {}).get("quant_method")
+    converted = method == COMPRESSED_TENSORS.name and ctx.fmt.name != COMPRESSED_TENSORS.name
+    return plain_output(ctx) or (bool(ctx.reblocked) and converted)
 
 
 def scale_values(scale: TensorInfo, where: str) -> list[float]:

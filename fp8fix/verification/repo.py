@@ -12,7 +12,7 @@ from fp8fix.numerics.recodings import scale_factor
 from fp8fix.registry.formats import COMPRESSED_TENSORS, quantization_config
 from fp8fix.verification.card import check_card
 from fp8fix.verification.config import check_config
-from fp8fix.verification.context import VerifyContext, fp8_weight_dtypes, plain_output
+from fp8fix.verification.context import VerifyContext, fp8_weight_dtypes, side_configs_dropped
 from fp8fix.verification.mapping import Target
 from fp8fix.verification.report import COPIED
 
@@ -84,8 +84,8 @@ def check_repo(
         _check_metadata(ctx, name, header.metadata)
     rewritten = check_config(ctx, renames, sizes, unquantized)
     check_card(ctx, renames)
-    # a plain model (`--to bf16`) has no quantization: a format's side config (ModelOpt's) stays behind
-    dropped = [n.file for n in ctx.fmt.name_lists if n.file != CONFIG] if plain_output(ctx) else []
+    # a plain model (`--to bf16`), or one re-blocked as compressed-tensors: a format's side config stays behind
+    dropped = [n.file for n in ctx.fmt.name_lists if n.file != CONFIG] if side_configs_dropped(ctx) else []
     copies = src.copied_files([*rewritten, *dropped])
     present, unreadable = SourceTree.of(out.root).files()
     for line in unreadable:

@@ -233,3 +233,18 @@ def test_modelopt_mxfp8_rows_are_what_the_loaders_do(loads: Loads) -> None:
                 assert said == "not-judged", (case, row, said)
                 assert not loaded.loaded and outcome in loaded.error, f"{case} {loader}: {loaded.error or 'loaded'}"
         _assert_bf16_loaded(loads, case, plain)
+
+
+def test_modelopt_mxfp8_as_128_blocks_is_judged_as_the_loaders_load_it(tmp_path: Path) -> None:
+    """`convert --blocks 128x128` of ModelOpt MXFP8 writes compressed-tensors block FP8 (FP8_BLOCK, ModelOpt's side
+    config left behind): each row inspect gives OUTPUT is what the loader does with it, against OUTPUT's own values
+    (a Llama and a Phi-3 of whole 128-blocks; the config in config.json, and in hf_quant_config.json)."""
+    from tests.loaders.test_mx_formats import WHOLE_BLOCKS, assert_judged_as_loaded
+
+    outputs = {}
+    for name, make in WHOLE_BLOCKS.items():
+        src = modelopt_mxfp8(tmp_path / name, loadable(make()), side_file=name == "phi3")
+        assert run_cli("convert", src, tmp_path / f"{name}-128", "--blocks", "128x128").exit_code == 0
+        assert not (tmp_path / f"{name}-128" / "hf_quant_config.json").exists()
+        outputs[name] = tmp_path / f"{name}-128"
+    assert_judged_as_loaded(outputs, "modelopt-mxfp8-to-block128", tmp_path)
