@@ -208,7 +208,7 @@ def conversion_section(
         "",
     ]
     changes = [*dequantized_lines(plan), *ue8m0_lines(plan), *reblocked_lines(plan), *shared_fp4_lines(plan)]
-    lines += [f"- {line.capitalize()}" for line in changes]
+    lines += [f"- {line[:1].upper()}{line[1:]}" for line in changes]  # (capitalize() would lowercase vLLM, MX)
     encoding = encoding_line(plan)
     if encoding:
         lines += [f"- FP8 {encoding}", "", VLLM_FNUZ_NOTE.replace("note: ", "Note: ", 1), ""]
