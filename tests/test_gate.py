@@ -10,7 +10,8 @@ the default and inspecting OUTPUT again is a fixpoint: nothing left that the con
 
 Sources: every format x scale style the builders write on the Phi-3 (both fused), GLM (gate_up fused) and
 Llama (nothing fused) shapes and the registry's other models, FBGEMM, architecture names no runtime knows,
-and the `--to e4m3fnuz` outputs of every shape.
+the `--to e4m3fnuz` outputs of every shape, and FP4 and mixed checkpoints (NVFP4 global scales shared by packed
+projections or each their own, which the default conversion gives one).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.builders import build, glm, llama, phi3
+from tests.builders import build, fp4_compressed_tensors, glm, llama, modelopt_mixed, modelopt_nvfp4, phi3
 from tests.conftest import run_cli
 from tests.test_registry import MODELS
 
@@ -131,6 +132,27 @@ def test_gate_agrees_with_the_rows(tmp_path: Path, shape: str, fmt: str, scale: 
     for target in TARGET_ROWS:
         check_gate(src, tmp_path / target, target)
     for target in ("auto", "vllm"):
+        check_fixpoint(src, tmp_path, target)
+
+
+_QKV_NVFP4 = {"self_attn.q_proj": "nvfp4", "self_attn.k_proj": "nvfp4", "self_attn.v_proj": "nvfp4", "proj": "fp8"}
+#: FP4 and mixed sources (issue 49), by name: builders of a folder.
+FP4_SOURCES = {
+    "ct-nvfp4": lambda root: fp4_compressed_tensors(root, {"proj": "nvfp4"}),
+    "ct-nvfp4-own-global": lambda root: fp4_compressed_tensors(root, {"proj": "nvfp4"}, shared_global=False),
+    "ct-mxfp4-phi3": lambda root: fp4_compressed_tensors(root, {"proj": "mxfp4"}, phi3()),
+    "ct-mixed-own-global": lambda root: fp4_compressed_tensors(root, _QKV_NVFP4, shared_global=False),
+    "modelopt-nvfp4-own": lambda root: modelopt_nvfp4(root, shared_global=False),
+    "modelopt-mixed-own": lambda root: modelopt_mixed(root, _QKV_NVFP4, shared_global=False),
+}
+
+
+@pytest.mark.parametrize("name", FP4_SOURCES)
+def test_gate_agrees_on_fp4_checkpoints(tmp_path: Path, name: str) -> None:
+    src = FP4_SOURCES[name](tmp_path / "src")
+    for target in TARGET_ROWS:
+        check_gate(src, tmp_path / target, target)
+    for target in ("auto", "transformers"):
         check_fixpoint(src, tmp_path, target)
 
 
