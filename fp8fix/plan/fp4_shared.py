@@ -68,7 +68,7 @@ def share_global_scales(plan: ConversionPlan, model: CheckpointModel) -> None:
     if not layers:
         return
     outputs = {t.name: t for shard in plan.shards for t in shard.tensors}
-    rewritten: dict[str, OutputTensor] = {}  # new tensors, not edited ones: a candidate's plan may be shared
+    rewritten: dict[str, OutputTensor] = {}  # new tensors in place of the copies (theirs are left unedited)
     for layer in layers:
         assert layer.multipliers is not None  # `differ`: read
         shared = max(layer.multipliers)
