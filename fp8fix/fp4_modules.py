@@ -100,6 +100,11 @@ class Fp4Weight:
         """Rows of every element, the experts' one after another."""
         return self.packed.numel * 2 // self.cols if self.cols else 0
 
+    def multiplier(self, global_scale: float) -> float:
+        """What the module's group scales are multiplied by, given its global scale's value: ModelOpt's
+        weight_scale_2 itself, compressed-tensors' 1 / weight_global_scale."""
+        return global_scale if self.global_multiplies else 1.0 / global_scale
+
     @property
     def tensors(self) -> list[TensorInfo]:
         """Every tensor of the module fp8fix reads (the packed weight first)."""
@@ -248,14 +253,6 @@ def packed_nvfp4(ckpt: Checkpoint, fp4: dict[str, Fp4Weight]) -> list[PackedNvfp
         modules = tuple(nvfp4[s] for s in siblings)
         values = [known_values(ckpt, w.global_scale) for w in modules if w.global_scale is not None]
         readable = all(v is not None and len(v) == 1 and v[0] > 0 and math.isfinite(v[0]) for v in values)
-        multipliers = (
-            tuple(_multiplier(w, v[0]) for w, v in zip(modules, values, strict=True) if v) if readable else None
-        )
+        multipliers = tuple(w.multiplier(v[0]) for w, v in zip(modules, values, strict=True) if v) if readable else None
         found.append(PackedNvfp4(modules, multipliers))
     return found
-
-
-def _multiplier(w: Fp4Weight, global_scale: float) -> float:
-    """What the module's group scales are multiplied by: ModelOpt's weight_scale_2 itself, compressed-tensors'
-    1 / weight_global_scale."""
-    return global_scale if w.global_multiplies else 1.0 / global_scale

@@ -23,10 +23,8 @@ from typing import Any
 from fp8fix.numerics.dequantize import code_values
 from fp8fix.numerics.dtypes import E4M3FN, NAN_CODES
 from fp8fix.numerics.mx import E2M1_MAGNITUDES
-from fp8fix.numerics.nvfp4 import NVFP4_GROUP, nvfp4_arrays
+from fp8fix.numerics.nvfp4 import nvfp4_arrays
 
-#: Elements per NVFP4 scale: 8 packed bytes.
-GROUP = NVFP4_GROUP
 #: The E2M1 step at each magnitude (the distance to the next value up; 2 above 4, as below 6).
 _E2M1_STEPS = (0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 2.0)
 

@@ -19,7 +19,7 @@ from fp8fix.errors import UnsupportedCheckpoint
 from fp8fix.fp4_modules import Fp4Weight, PackedNvfp4, packed_nvfp4
 from fp8fix.io.safetensors_file import TensorInfo
 from fp8fix.model import CheckpointModel
-from fp8fix.numerics.nvfp4_shared import GROUP
+from fp8fix.numerics.nvfp4 import NVFP4_GROUP
 from fp8fix.plan import planner
 from fp8fix.plan.output import output_model
 from fp8fix.plan.pieces import ConversionPlan, CopyRange, Nvfp4Shared, OutputTensor, Piece, ScaleRef
@@ -91,7 +91,7 @@ def share_global_scales(plan: ConversionPlan, model: CheckpointModel) -> None:
             pieces.append([CopyRange(g.path, g.start, g.end)])
             for t, made in zip((w.packed, w.scale, w.global_scale), pieces, strict=True):
                 rewritten[t.name] = OutputTensor(t.name, t.dtype, t.shape, made, t.name)
-            groups = w.rows * w.cols // GROUP
+            groups = w.rows * w.cols // NVFP4_GROUP
             plan.shared_fp4.append(SharedModule(w.module, w.packed.name, names, m / shared, g.name, groups))
     for shard in plan.shards:
         shard.tensors = [rewritten.get(t.name, t) for t in shard.tensors]
@@ -101,7 +101,7 @@ def share_global_scales(plan: ConversionPlan, model: CheckpointModel) -> None:
 def _windows(w: Fp4Weight, ratio: float, shared: float) -> list[Nvfp4Shared]:
     """The module's rows in windows of at most WINDOW_BYTES packed bytes, each with its own scale bytes."""
     assert w.scale is not None
-    row_bytes, groups = w.cols // 2, w.cols // GROUP
+    row_bytes, groups = w.cols // 2, w.cols // NVFP4_GROUP
     per = max(1, WINDOW_BYTES // row_bytes)
     t: TensorInfo = w.packed
     s: TensorInfo = w.scale

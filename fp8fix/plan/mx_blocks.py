@@ -112,17 +112,16 @@ def plan_reblocked_model(model: CheckpointModel, blocks: str) -> ConversionPlan:
     if fmt.name == MODELOPT.name:  # written as compressed-tensors: ModelOpt's side config would say MXFP8 still
         written: dict[str, Any] = {t.name: t for s in shards for t in s.tensors}  # (dtype and shape read)
         linears = unquantized_linears(written)
-        config = linear_group_config(
+        config, ignored = linear_group_config(
             ckpt.config, "float-quantized", dict(FP8_BLOCK_WEIGHTS), dict(FP8_BLOCK_ACTIVATIONS), linears
         )
         config_edits = [
             f"quantization_config: {fmt.label} -> compressed-tensors float-quantized, weights e4m3fn in blocks of "
             f"{BLOCK}x{BLOCK} (F32 powers of two), activations dynamic per group of {BLOCK} (llm-compressor's "
-            "FP8_BLOCK)"
-            + (f"; ignore: {', '.join(config[1][:3])}{' ...' if len(config[1]) > 3 else ''}" if config[1] else "")
+            "FP8_BLOCK)" + (f"; ignore: {some(ignored, 3)}" if ignored else "")
         ]
         dropped = [MODELOPT_CONFIG] if (ckpt.root / MODELOPT_CONFIG).is_file() else []
-        config_files = {CONFIG: (config[0], config_edits)}
+        config_files = {CONFIG: (config, config_edits)}
     else:
         config_files = {CONFIG: reblocked_config(ckpt.config)}
     plan = planner.whole_model_plan(model, arch_name, shards, config_files, reblocked=modules, dropped_files=dropped)

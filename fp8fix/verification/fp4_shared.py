@@ -23,11 +23,11 @@ from fp8fix.numerics.dequantize import code_values
 from fp8fix.numerics.dtypes import E4M3FN
 from fp8fix.registry.parallel import packed_siblings
 from fp8fix.verification.context import CHUNK_ELEMENTS, Mismatch, VerifyContext, counting, scale_values
-from fp8fix.verification.fp4 import e2m1_values
+from fp8fix.verification.fp4 import E2M1_VALUES, e2m1_values
 from fp8fix.verification.report import WeightCheck
 
-#: E2M1's magnitudes, ascending (OCP Microscaling Formats v1.0, section 5.3.3).
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: E2M1's magnitudes, ascending: the positive half of verify's own table (`verification.fp4.E2M1_VALUES`).
+E2M1_MAGNITUDES = E2M1_VALUES[:8]
 #: Element error allowed beyond the nearest value's: float64's noise on these products (relative to the value).
 TOLERANCE = 1e-12
 
@@ -59,7 +59,7 @@ def check_shared(ctx: VerifyContext, w: Fp4Weight) -> WeightCheck:
     check = WeightCheck(w.packed.name, [w.packed.name], "exact", grid="E2M1")
     assert w.scale is not None and w.global_scale is not None
     try:
-        mine = _multiplier(w, scale_values(w.global_scale, "SOURCE")[0])
+        mine = w.multiplier(scale_values(w.global_scale, "SOURCE")[0])
         shared = _layer_multiplier(ctx, w)
         out_scale = ctx.out.tensors[w.scale.name]
         out_packed = ctx.out.tensors[w.packed.name]
@@ -82,10 +82,6 @@ def check_shared(ctx: VerifyContext, w: Fp4Weight) -> WeightCheck:
     return check
 
 
-def _multiplier(w: Fp4Weight, global_scale: float) -> float:
-    return global_scale if w.global_multiplies else 1.0 / global_scale
-
-
 def _layer_multiplier(ctx: VerifyContext, w: Fp4Weight) -> float:
     """The layer's largest SOURCE multiplier, which every module of it must hold in OUTPUT."""
     found = [ctx.model.fp4.get(m) for m in packed_siblings(w.module)]
@@ -95,12 +91,12 @@ def _layer_multiplier(ctx: VerifyContext, w: Fp4Weight) -> float:
             f"'{w.global_scale.name if w.global_scale else w.module}' differs from SOURCE's, but '{w.module}' is no "
             "module of a packed layer of NVFP4 modules"
         )
-    source = [_multiplier(s, scale_values(s.global_scale, "SOURCE")[0]) for s in siblings if s.global_scale]
+    source = [s.multiplier(scale_values(s.global_scale, "SOURCE")[0]) for s in siblings if s.global_scale]
     largest = max(source)
     for s in siblings:
         assert s.global_scale is not None
         o = ctx.out.tensors.get(s.global_scale.name)
-        got = _multiplier(s, scale_values(o, "OUTPUT")[0]) if o is not None else None
+        got = s.multiplier(scale_values(o, "OUTPUT")[0]) if o is not None else None
         if got != largest:
             raise Mismatch(
                 f"'{s.global_scale.name}' is worth a multiplier of {got!r} in OUTPUT; the modules of its packed layer "

@@ -107,13 +107,12 @@ class VerifyReport:
 
     def summary(self) -> str:
         kinds = {k: sum(w.kind == k for w in self.weights) for k in get_args(WeightVerdict)}
-        worst = max(
-            (w.max_error_steps for w in self.weights if w.kind == "requantized" and w.grid == "fp8"), default=None
-        )
-        e2m1 = max(
-            (w.max_error_steps for w in self.weights if w.kind == "requantized" and w.grid == "E2M1"), default=None
-        )
-        rounded = max((w.max_error_steps for w in self.weights if w.kind == "dequantized"), default=None)
+
+        def worst_of(kind: str, grid: str | None = None) -> float | None:
+            steps = (w.max_error_steps for w in self.weights if w.kind == kind and grid in (None, w.grid))
+            return max(steps, default=None)
+
+        worst, e2m1, rounded = worst_of("requantized", "fp8"), worst_of("requantized", "E2M1"), worst_of("dequantized")
         return (
             (f"part {self.part[0]}/{self.part[1]}: " if self.part else "")
             + f"{len(self.weights)} quantized weights ({kinds['exact']} exact, {kinds['rounded']} with rounded codes, "
