@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.builders import fp4_compressed_tensors, llama, loadable, phi3
+from tests.builders import fp4_compressed_tensors, glm, llama, loadable, modelopt_nvfp4, phi3
 from tests.conftest import run_cli
 from tests.loaders.conftest import record, run_loaders
 from tests.loaders.test_mx_formats import WHOLE_BLOCKS, assert_judged_as_loaded
@@ -146,38 +146,67 @@ def test_mxfp4_as_128_blocks_is_judged_as_the_loaders_load_it(tmp_path: Path) ->
     assert_judged_as_loaded(outputs, "ct-mxfp4-to-block128", tmp_path)
 
 
-def test_shared_global_scales_are_judged_as_the_loaders_load_them(tmp_path: Path) -> None:
+#: Sources of NVFP4 whose packed projections' global scales differ, by name: (builder, model).
+SHARED_CASES = {
+    "llama-ct": (fp4_compressed_tensors, llama),
+    "glm-ct": (fp4_compressed_tensors, glm),  # gate_up fused on disk: q / k / v only are packed layers of modules
+    "llama-modelopt": (modelopt_nvfp4, llama),  # weight_scale_2 multiplies
+}
+
+
+def _nvfp4(builder, root: Path, make, shared: bool) -> Path:  # type: ignore[no-untyped-def]
+    if builder is modelopt_nvfp4:
+        return modelopt_nvfp4(root, loadable(make()), shared_global=shared)
+    return fp4_compressed_tensors(root, {"proj": "nvfp4"}, loadable(make()), shared_global=shared)
+
+
+@pytest.mark.parametrize("case", SHARED_CASES)
+def test_shared_global_scales_are_judged_as_the_loaders_load_them(tmp_path: Path, case: str) -> None:
     """The default conversion of NVFP4 whose packed projections' global scales differ gives each packed layer one
-    (the largest multiplier: `plan/fp4_shared.py`): SGLang no longer refuses it (it stops where shared NVFP4 does,
-    at its CUDA kernels), vLLM's CPU builds stop where they do for any NVFP4, and transformers computes with
-    OUTPUT's values, each within the reported error of SOURCE's."""
-    src = fp4_compressed_tensors(tmp_path / "src", {"proj": "nvfp4"}, loadable(llama()), shared_global=False)
+    (the largest multiplier: `plan/fp4_shared.py`). Expected independently of fp8fix: OUTPUT does in every real
+    loader what the same model exported with shared global scales does (measured side by side: SGLang stops where
+    shared NVFP4 stops, at its CUDA kernels, instead of refusing; vLLM's CPU builds where they stop for any NVFP4);
+    inspect's rows of OUTPUT are that export's; where a loader computes, each value is within the reported error of
+    SOURCE's."""
+    builder, make = SHARED_CASES[case]
+    src = _nvfp4(builder, tmp_path / "src", make, shared=False)
+    twin = _nvfp4(builder, tmp_path / "twin", make, shared=True)
     out = tmp_path / "shared"
     result = run_cli("convert", src, out, "--json")
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
+    assert plan["shared_fp4"], case
     worst = max(m["max_error"] for m in plan["shared_fp4"])
     rows = json.loads(run_cli("inspect", out, "--json").output)["loaders"]
-    results = {loader: r[0] for loader, r in run_loaders(VERDICT_ROWS, [out], tmp_path / "loaded").items()}
+    twin_rows = json.loads(run_cli("inspect", twin, "--json").output)["loaders"]
+    assert {r: v["verdict"] for r, v in rows.items()} == {r: v["verdict"] for r, v in twin_rows.items()}
+    ran = run_loaders(VERDICT_ROWS, [out, twin], tmp_path / "loaded")
+    packed = "weight" if builder is modelopt_nvfp4 else "weight_packed"
     before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
-    for loader, loaded in results.items():
-        row, expected = VERDICT_ROWS[loader], outcomes("llama-nvfp4")[loader]  # as shared NVFP4 (measured above)
-        said = rows[row]["verdict"]
-        assert said == row_of("llama-nvfp4", row), (row, said, rows[row]["reason"])
-        record(
-            loader,
-            "ct-nvfp4-shared-global",
-            said,
-            "loads" if loaded.loaded else "fails",
-            said == "not-judged",
-            loaded.error,
-        )
-        if expected is None:
-            assert loaded.loaded, f"{loader}: {loaded.error}"
-            assert_fp4_values(out, loaded.weights, loaded.unreadable)
-            for module in [n.removesuffix(".weight_packed") for n in before if n.endswith(".weight_packed")]:
-                got, source = loaded.weights[module].double(), fp4_values(before, module)
-                bound = worst + half_step_of(source) + half_step_of(fp4_values(after, module))
-                assert bool(((got - source).abs() <= bound).all()), module
-        else:
-            assert not loaded.loaded and expected in loaded.error, f"{loader}: {loaded.error or 'loaded'}"
+    for loader, (loaded, expected) in ((k, (v[0], v[1])) for k, v in ran.items()):
+        said = rows[VERDICT_ROWS[loader]]["verdict"]
+        real = "loads" if loaded.loaded else "fails"
+        record(loader, f"{case}-nvfp4-shared-global", said, real, said == "not-judged", loaded.error)
+        assert loaded.loaded == expected.loaded, f"{case} {loader}: {loaded.error or 'loaded'} / {expected.error}"
+        if not loaded.loaded:
+            assert loaded.error.split(":")[0] == expected.error.split(":")[0], (loaded.error, expected.error)
+            continue
+        assert said == "loads", (case, loader, said)
+        modules = [n.removesuffix(f".{packed}") for n, t in before.items() if n.endswith(f".{packed}")]
+        modules = [m for m in modules if before[f"{m}.{packed}"].dtype == torch.uint8]
+        assert modules and not loaded.unreadable, loaded.unreadable
+        for module in modules:
+            got = loaded.weights[module].double()
+            source, written = _values(before, module, packed), _values(after, module, packed)
+            assert bool(((got - written).abs() <= half_step_of(written)).all()), (case, loader, module)
+            bound = worst + half_step_of(source) + half_step_of(written)
+            assert bool(((got - source).abs() <= bound).all()), (case, loader, module)
+
+
+def _values(tensors: dict[str, torch.Tensor], module: str, packed: str) -> torch.Tensor:
+    """float64 [out, in]: SOURCE's or OUTPUT's value of each element (compressed-tensors' or ModelOpt's NVFP4)."""
+    if packed == "weight_packed":
+        return fp4_values(tensors, module)
+    from tests.test_modelopt_nvfp4 import modelopt_values
+
+    return modelopt_values(tensors, module)
